@@ -35,3 +35,24 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
                 f"{name} is on {t.device} but {first_name} is on {first.device}; "
                 f"all tensors of one call must be on the same device"
             )
+
+
+# Tests set this so that an element a kernel fails to write shows up as NaN instead of passing
+# by luck on recycled memory. Every op allocates its outputs through `empty`/`empty_like`.
+poison_outputs = False
+
+
+def _poisoned(out: torch.Tensor) -> torch.Tensor:
+    if poison_outputs and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
+def empty(shape, *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.empty for kernel outputs (NaN-filled while `poison_outputs` is set)."""
+    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
+
+
+def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.empty_like for kernel outputs (NaN-filled while `poison_outputs` is set); always contiguous."""
+    return _poisoned(torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format))
