@@ -1,0 +1,184 @@
+"""Gated linear units, out = act(gate) * up: the kernel skeleton SwiGLU and GeGLU share.
+
+The two ops differ only in the activation and its derivative, so one elementwise kernel pair
+(forward, backward) serves both, selected by the constexpr ACT. Kernels walk the flat,
+contiguous tensor in 1-D blocks and compute in fp32; outputs are in the input dtype.
+
+Memory: the forward saves only gate and up and the backward recomputes act(gate), so an MLP keeps
+two activation-sized tensors for backward where eager `act(gate) * up` keeps three.
+
+float64 inputs take the plain-torch path everywhere (the kernels compute in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _dispatch
+
+SILU, GELU_ERF, GELU_TANH = 0, 1, 2
+
+BLOCK = 1024
+NUM_WARPS = BLOCK // 256  # 8 elements per thread: one 16-byte load of bf16
+
+# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, which
+# would make CPU tests see errors of a whole bf16 ulp that the GPU never makes. Under the
+# interpreter, round in software exactly as the GPU does.
+_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr):
+    """act(g) and d act / d g for fp32 g (the forward only uses the first; the compiler drops the rest)."""
+    if ACT == 0:  # silu
+        s = tl.sigmoid(g)
+        a = g * s
+        da = s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:  # gelu, erf form: g * Phi(g)
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))  # 1/sqrt(2)
+        a = g * cdf
+        da = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)  # 1/sqrt(2 pi)
+    else:  # gelu, tanh approximation
+        k = 0.7978845608028654  # sqrt(2/pi)
+        t = 2.0 * tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0  # tanh: no portable tl.tanh
+        a = 0.5 * g * (1.0 + t)
+        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 0.134145 * g * g)  # 3 * 0.044715
+    return a, da
+
+
+@triton.jit
+def _to_dtype(x, dtype: tl.constexpr):
+    """fp32 x cast to the output dtype, rounding to nearest even."""
+    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    # int64 block start: tensors of 2**31 elements and more are common at LLM scale.
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - start
+    g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _act_and_grad(g, ACT)
+    tl.store(out_ptr + start + offs, _to_dtype(a * u, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_backward_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n,
+                         ACT: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - start
+    dout = tl.load(dout_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, ACT)
+    tl.store(dgate_ptr + start + offs, _to_dtype(dout * u * da, dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + start + offs, _to_dtype(dout * a, dup_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, BLOCK),)
+
+
+def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    out = _dispatch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _glu_forward_kernel[_grid(n)](gate, up, out, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return out
+
+
+def _backward_triton(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
+    dgate, dup = _dispatch.empty_like(gate), _dispatch.empty_like(up)
+    n = gate.numel()
+    if n:
+        _glu_backward_kernel[_grid(n)](dout, gate, up, dgate, dup, n, ACT=act, BLOCK=BLOCK,
+                                       num_warps=NUM_WARPS)
+    return dgate, dup
+
+
+# Plain-torch path: the same math as the kernels, in fp32 (float64 stays float64).
+def _act_torch(g: torch.Tensor, act: int) -> torch.Tensor:
+    if act == SILU:
+        return g * torch.sigmoid(g)
+    if act == GELU_ERF:
+        return g * 0.5 * (1.0 + torch.erf(g * 0.7071067811865476))
+    t = 2.0 * torch.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) - 1.0  # tanh, as the kernel does
+    return 0.5 * g * (1.0 + t)
+
+
+def _act_and_grad_torch(g: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if act == SILU:
+        s = torch.sigmoid(g)
+        return g * s, s * (1.0 + g * (1.0 - s))
+    if act == GELU_ERF:
+        cdf = 0.5 * (1.0 + torch.erf(g * 0.7071067811865476))
+        return g * cdf, cdf + g * 0.3989422804014327 * torch.exp(-0.5 * g * g)
+    k = 0.7978845608028654
+    t = 2.0 * torch.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0  # tanh, as the kernel computes it
+    return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 0.134145 * g * g)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _forward_torch(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    ct = _compute_dtype(gate)
+    return (_act_torch(gate.to(ct), act) * up.to(ct)).to(gate.dtype)
+
+
+def _backward_torch(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ct = _compute_dtype(gate)
+    a, da = _act_and_grad_torch(gate.to(ct), act)
+    d = dout.to(ct)
+    return (d * up.to(ct) * da).to(gate.dtype), (d * a).to(up.dtype)
+
+
+class GatedUnitFunction(torch.autograd.Function):
+    """act(gate) * up, saving only gate and up for backward; `triton_path` picks the backend."""
+
+    @staticmethod
+    def forward(ctx, gate, up, act: int, triton_path: bool):
+        ctx.save_for_backward(gate, up)  # the originals: a contiguous copy here would be a third tensor
+        ctx.act, ctx.triton_path = act, triton_path
+        return (_forward_triton if triton_path else _forward_torch)(gate, up, act)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dgate, dup = (_backward_triton if ctx.triton_path else _backward_torch)(dout, gate, up, ctx.act)
+        return dgate, dup, None, None
+
+
+def check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """ValueError naming the argument when gate and up cannot go through a gated unit together."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor of shape (..., intermediate), got {type(t).__name__}")
+    _dispatch.check_same_device(gate=gate, up=up)
+    if not gate.is_floating_point():
+        raise ValueError(f"gate must be a floating-point tensor (float32, bfloat16, float16), got {gate.dtype}")
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up has dtype {up.dtype} but gate has {gate.dtype}; expected up.dtype == gate.dtype")
+    if up.shape != gate.shape:
+        raise ValueError(
+            f"up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}; "
+            f"expected both (..., intermediate) with the same shape"
+        )
+
+
+def gated_unit(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    """Validate, pick the backend from the tensors, and run act(gate) * up with autograd."""
+    check_inputs(gate, up)
+    triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64
+    return GatedUnitFunction.apply(gate, up, act, triton_path)

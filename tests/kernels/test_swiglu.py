@@ -1,0 +1,78 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import accel_kernels._dispatch as dispatch
+from _checks import rel_err
+from _glu_checks import check_against_float64, forward_backward, saved_bytes
+from accel_kernels.swiglu import swiglu
+
+
+def eager(gate, up):
+    """LlamaMLP's `act_fn(gate_proj(x)) * up_proj(x)` with act_fn = silu."""
+    return F.silu(gate) * up
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 1000), (2, 5, 333), (1, 1), (1, 7), (2, 1, 3, 129)])
+def test_matches_float64(device, dtype, shape):
+    gate, up, dout = (torch.randn(shape, device=device).mul(3).to(dtype) for _ in range(3))
+    check_against_float64(swiglu, eager, gate, up, dout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_inputs(device, dtype):
+    # gate and up as halves of one fused projection, and a transposed view; the upstream grad strided too.
+    gate_up = torch.randn(6, 2 * 300, device=device, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    dout = torch.randn(300, 6, device=device, dtype=dtype).t()
+    assert not gate.is_contiguous() and not dout.is_contiguous()
+    check_against_float64(swiglu, eager, gate, up, dout)
+    gate_t = torch.randn(300, 6, device=device, dtype=dtype).t()
+    check_against_float64(swiglu, eager, gate_t, up, dout)
+
+
+def test_plain_path_matches_triton_path(device, monkeypatch):
+    gate, up, dout = (torch.randn(4, 777, device=device) for _ in range(3))
+    allocations = []
+    real_empty_like = dispatch.empty_like
+    monkeypatch.setattr(dispatch, "empty_like", lambda *a, **k: allocations.append(1) or real_empty_like(*a, **k))
+    triton_result = forward_backward(swiglu, gate, up, dout)
+    assert len(allocations) == 3, "the Triton path should have run (output, grad of gate, grad of up)"
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    plain_result = forward_backward(swiglu, gate, up, dout)
+    assert len(allocations) == 3, "the plain path should not have launched kernels"
+    for t, p in zip(triton_result, plain_result):
+        assert rel_err(t, p) <= 1e-6  # the same fp32 math; only libm-level rounding differs
+
+
+def test_float64_and_empty_inputs(device):
+    gate, up, dout = (torch.randn(3, 50, device=device, dtype=torch.float64) for _ in range(3))
+    for got, ref in zip(forward_backward(swiglu, gate, up, dout), forward_backward(eager, gate, up, dout)):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    empty = torch.randn(0, 16, device=device)
+    assert forward_backward(swiglu, empty, empty, empty)[0].shape == (0, 16)
+
+
+def test_saves_only_gate_and_up(device):
+    gate, up = (torch.randn(8, 1000, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ours, stock = saved_bytes(swiglu, gate, up), saved_bytes(eager, gate, up)
+    assert ours == gate.nbytes + up.nbytes
+    assert stock == 3 * gate.nbytes  # eager also keeps silu(gate)
+
+
+def test_bad_inputs_name_the_argument(device):
+    gate = torch.randn(2, 8, device=device)
+    with pytest.raises(ValueError, match=r"up has shape \(2, 9\).*\(\.\.\., intermediate\)"):
+        swiglu(gate, torch.randn(2, 9, device=device))
+    with pytest.raises(ValueError, match="up has dtype torch.float16"):
+        swiglu(gate, gate.half())
+    with pytest.raises(ValueError, match="up is on meta"):
+        swiglu(gate, torch.empty(2, 8, device="meta"))
+    with pytest.raises(ValueError, match="gate must be a floating-point tensor"):
+        swiglu(torch.ones(2, 8, dtype=torch.int32, device=device), torch.ones(2, 8, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="up must be a torch.Tensor"):
+        swiglu(gate, 1.0)
