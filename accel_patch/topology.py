@@ -99,7 +99,7 @@ def _read_int(env: Mapping[str, str], name: str | None) -> int | None:
     if _blank(raw):
         return None
     text = raw.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True, but int() rejects it
         raise TopologyError(
             f"{name}={raw!r} is not a valid process count or index: it must be a whole number >= 0 "
             f"(for example {name}=0 or {name}=2), or unset"
@@ -188,6 +188,9 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
             local_world = values[v_local_world] if v_local_world else None
             sources.update(world_size=v_world, rank=v_rank, local_rank=v_local)
             break
+
+    # Name only the variables that were set; the other fields are defaults.
+    sources = {field: var for field, var in sources.items() if values[var] is not None}
 
     group = _initialized_group()
     if group is not None:
