@@ -174,6 +174,9 @@ class AccelerateStatePatch(patching.Patch):
             topo = topology()
             decision = decide(topo, cpu=bool(bound.arguments.get("cpu", False)))
             AccelerateStatePatch.last_decision = decision
+            # status() says what was decided and why (DESIGN: "untouched, status says why").
+            patching._set(AccelerateStatePatch.name, patching.ACTIVE,
+                          f"patched {AccelerateStatePatch.target}; last decision: {decision.action}: {decision.reason}")
             if decision.action == EXPORT_LAUNCHER_ENV:
                 _export_launcher_env(topo)
             hide = ("LOCAL_RANK",) if decision.action == SINGLE_DEVICE else ()
