@@ -1,0 +1,520 @@
+"""The distributed-aware patch of accelerate's PartialState, and the patch registry under it.
+
+The decision table of DESIGN.md through `decide()` (device counts faked in-process), then the
+real `PartialState` built in this process wherever that cannot hang on a CPU box: one process,
+or a 1-rank gloo group. Multi-process runs are in integration_tests/.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import socket
+import sys
+import types
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+import wrapt
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType
+
+import accel_patch
+from accel_patch import TopologyError, accelerate_state, patching, topology
+from accel_patch.accelerate_state import (
+    ACCELERATE, CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, SINGLE_DEVICE, UNTOUCHED, decide,
+)
+
+topology_module = importlib.import_module("accel_patch.topology")
+
+LAUNCHER_PREFIXES = (
+    "TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL", "SLURM_", "ACCEL_PATCH_", "FSDP_",
+)
+LAUNCHER_NAMES = set(topology_module.LAUNCHER_VARIABLES) | {
+    "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
+}
+PATCHES = set(p.name for p in accel_patch.status())  # the package's own, before tests add fakes
+
+
+def reset_accelerate() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    AcceleratorState._reset_state(True)  # also PartialState's
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch):
+    """Clean launcher environment, no accelerate state, no process group, a freshly bound patch;
+    and all of it (plus the registry) as it was afterwards."""
+    saved_env = dict(os.environ)
+    saved_threads = torch.get_num_threads()
+    for name in list(os.environ):
+        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    reset_accelerate()
+    accel_patch.disable()
+    accel_patch.enable()
+    yield
+    reset_accelerate()
+    for name in set(patching._patches) - PATCHES:  # fakes registered by a test
+        patching._patches.pop(name)
+        patching._states.pop(name, None)
+        patching._logged.discard(name)
+    accel_patch.disable()
+    accel_patch.enable()
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_num_threads(saved_threads)
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """devices(count): the resolver sees `count` local CUDA devices."""
+
+    def fake(count: int, kind: str = "cuda") -> None:
+        monkeypatch.setattr(topology_module, "local_accelerators", lambda: (kind if count else "cpu", count))
+
+    return fake
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def torchrun_env(monkeypatch, nproc: int = 1, rank: int = 0, **extra: str) -> None:
+    """What `torchrun --nproc_per_node=<nproc>` gives its worker `rank` on one node."""
+    env = dict(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0", GROUP_WORLD_SIZE="1", TORCHELASTIC_RUN_ID="none",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
+    )
+    env.update(extra)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def record(name: str = "accelerate-state") -> patching.PatchStatus:
+    return next(s for s in accel_patch.status() if s.name == name)
+
+
+def wrappers_on(owner: type, attr: str) -> int:
+    """How many wrapt wrappers sit on the attribute in the owner's own __dict__."""
+    obj, depth = owner.__dict__[attr], 0
+    while isinstance(obj, wrapt.FunctionWrapper):
+        obj, depth = obj.__wrapped__, depth + 1
+    return depth
+
+
+# --- the decision table, through decide() -------------------------------------------------------
+
+TORCHRUN_VARS = {"TORCHELASTIC_RUN_ID": "none", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+def torchrun_vars(world: int, rank: int, local_rank: int, local_world: int, nodes: int = 1) -> dict:
+    return dict(TORCHRUN_VARS, WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(local_world), GROUP_WORLD_SIZE=str(nodes))
+
+
+OMPI_4 = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
+          "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+PMI_4 = {"PMI_SIZE": "4", "PMI_RANK": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+MV2_2 = {"MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_RANK": "1",
+         "MV2_COMM_WORLD_LOCAL_RANK": "0", "MV2_COMM_WORLD_LOCAL_SIZE": "1"}
+SLURM_STEP_4 = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_PROCID": "1",
+                "SLURM_LOCALID": "1", "SLURM_STEP_NUM_NODES": "2"}
+SBATCH_ONLY = {"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "1"}
+DEEPSPEED_4 = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "CROSS_RANK": "1", "CROSS_SIZE": "2",
+               "LOCAL_SIZE": "2"}
+ACCELERATE_MULTI_GPU = dict(torchrun_vars(2, 1, 1, 2), ACCELERATE_MIXED_PRECISION="no")
+
+# id: (environment, local device count, cpu argument, expected action)
+DECISIONS = {
+    "plain-python-cpu": ({}, 0, False, SINGLE_DEVICE),
+    "plain-python-one-gpu": ({}, 1, False, SINGLE_DEVICE),
+    "plain-python-cpu-flag": ({}, 1, True, SINGLE_DEVICE),
+    "plain-python-8-gpus": ({}, 8, False, ACCELERATE),
+    "empty-world-size": ({"WORLD_SIZE": "", "LOCAL_RANK": " "}, 1, False, SINGLE_DEVICE),
+    "torchrun-nproc1-cpu": (torchrun_vars(1, 0, 0, 1), 0, False, SINGLE_DEVICE),
+    "torchrun-nproc1-one-gpu": (torchrun_vars(1, 0, 0, 1), 1, False, SINGLE_DEVICE),
+    "torchrun-nproc1-cpu-flag": (torchrun_vars(1, 0, 0, 1), 1, True, SINGLE_DEVICE),
+    "torchrun-nproc1-sees-2-gpus": (torchrun_vars(1, 0, 0, 1), 2, False, ACCELERATE),
+    "torchrun-nproc2-2-gpus": (torchrun_vars(2, 1, 1, 2), 2, False, ACCELERATE),
+    "torchrun-nproc8-8-gpus": (torchrun_vars(8, 5, 5, 8), 8, False, ACCELERATE),
+    # Two nodes, one GPU each: one device per process, but NOT a single-device run.
+    "torchrun-2nodes-1gpu-each": (torchrun_vars(2, 1, 0, 1, nodes=2), 1, False, ACCELERATE),
+    # Per-process CUDA_VISIBLE_DEVICES: every worker sees exactly one device.
+    "torchrun-nproc2-visible-1": (dict(torchrun_vars(2, 1, 1, 2), CUDA_VISIBLE_DEVICES="1"), 1, False, ACCELERATE),
+    "torchrun-nproc2-no-gpu": (torchrun_vars(2, 1, 1, 2), 0, False, CPU_DISTRIBUTED),
+    "torchrun-nproc2-no-gpu-cpu-flag": (torchrun_vars(2, 1, 1, 2), 0, True, ACCELERATE),
+    "torchrun-nproc2-gpus-cpu-flag": (torchrun_vars(2, 1, 1, 2), 2, True, ACCELERATE),
+    "accelerate-multi-gpu": (ACCELERATE_MULTI_GPU, 2, False, ACCELERATE),
+    "accelerate-multi-gpu-on-cpu": (ACCELERATE_MULTI_GPU, 0, False, CPU_DISTRIBUTED),
+    "deepspeed-launcher-gpus": (DEEPSPEED_4, 2, False, ACCELERATE),
+    "openmpi-gpus": (OMPI_4, 2, False, EXPORT_LAUNCHER_ENV),
+    "openmpi-cpu": (OMPI_4, 0, False, CPU_DISTRIBUTED),
+    "openmpi-cpu-flag": (OMPI_4, 0, True, ACCELERATE),
+    "intel-mpi-gpus": (PMI_4, 8, False, EXPORT_LAUNCHER_ENV),
+    "intel-mpi-cpu": (PMI_4, 0, False, CPU_DISTRIBUTED),
+    "mvapich-1gpu-per-node": (MV2_2, 1, False, EXPORT_LAUNCHER_ENV),
+    "mvapich-cpu": (MV2_2, 0, False, CPU_DISTRIBUTED),
+    "slurm-step-gpus": (SLURM_STEP_4, 2, False, EXPORT_LAUNCHER_ENV),
+    "slurm-step-cpu": (SLURM_STEP_4, 0, False, CPU_DISTRIBUTED),
+    "sbatch-script-one-gpu": (SBATCH_ONLY, 1, False, SINGLE_DEVICE),
+    "sbatch-script-cpu": (SBATCH_ONLY, 0, False, SINGLE_DEVICE),
+}
+
+
+@pytest.mark.parametrize("case", list(DECISIONS))
+def test_decision_table(devices, case):
+    env, count, cpu, expected = DECISIONS[case]
+    devices(count)
+    decision = decide(topology(env), cpu=cpu, environ=env)
+    assert decision.action == expected, decision.reason
+    assert decision.reason
+
+
+@pytest.mark.parametrize("flag, word", [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")])
+@pytest.mark.parametrize("case", ["plain-python-cpu", "torchrun-nproc1-one-gpu", "torchrun-nproc2-no-gpu",
+                                  "openmpi-gpus"])
+def test_deepspeed_or_fsdp_requested_is_untouched_whatever_the_topology(devices, case, flag, word):
+    env, count, cpu, _ = DECISIONS[case]
+    devices(count)
+    env = dict(env, **{flag: "true"})
+    decision = decide(topology(env), cpu=cpu, environ=env)
+    assert decision.action == UNTOUCHED and word in decision.reason
+
+
+def test_deepspeed_flag_false_is_not_a_request(devices):
+    devices(0)
+    env = dict(torchrun_vars(2, 1, 1, 2), ACCELERATE_USE_DEEPSPEED="false", ACCELERATE_USE_FSDP="")
+    assert decide(topology(env), environ=env).action == CPU_DISTRIBUTED
+
+
+# --- the real PartialState ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, cpu):
+    torchrun_env(monkeypatch, nproc=1)  # LOCAL_RANK=0 WORLD_SIZE=1, as torchrun sets them
+
+    state = PartialState(cpu=cpu)
+
+    assert state.distributed_type == DistributedType.NO
+    assert not dist.is_initialized()
+    assert (state.num_processes, state.process_index) == (1, 0)
+    assert state.device.type == "cpu"
+    assert os.environ["LOCAL_RANK"] == "0"  # hidden from accelerate only while it decided
+    assert "single-device" in record().reason
+
+
+def test_torchrun_nproc1_model_is_not_wrapped_in_ddp(monkeypatch):
+    from accelerate import Accelerator
+
+    torchrun_env(monkeypatch, nproc=1)
+    model = Accelerator().prepare(torch.nn.Linear(2, 2))
+    assert type(model) is torch.nn.Linear
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+@pytest.mark.parametrize("blank", [{"WORLD_SIZE": ""}, {"LOCAL_RANK": " "}, {"WORLD_SIZE": "", "RANK": "", "LOCAL_RANK": ""}])
+def test_blank_launcher_values_give_one_plain_process(monkeypatch, blank, cpu):
+    # A config template wrote WORLD_SIZE="": stock accelerate crashes in int("") here.
+    for name, value in blank.items():
+        monkeypatch.setenv(name, value)
+
+    state = PartialState(cpu=cpu)
+
+    assert state.distributed_type == DistributedType.NO
+    assert state.num_processes == 1
+    assert not dist.is_initialized()
+
+
+def test_invalid_world_size_fails_when_the_state_is_created_with_a_clear_message(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")  # set after `import accel_patch`: importing never failed
+    with pytest.raises(TopologyError, match=r"WORLD_SIZE='two'.*whole number"):
+        PartialState()
+    assert PartialState._shared_state == {}  # no half-built state left behind
+    assert not dist.is_initialized()
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert PartialState().distributed_type == DistributedType.NO
+
+
+def test_fsdp_requested_is_left_to_accelerate_and_status_says_why(monkeypatch):
+    torchrun_env(monkeypatch, nproc=1, ACCELERATE_USE_FSDP="true")
+
+    PartialState()
+
+    # accelerate's own set-up ran: with LOCAL_RANK set it creates its process group.
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert record().state == "active" and "FSDP" in record().reason
+
+
+def test_deepspeed_requested_is_left_to_accelerate_and_status_says_why(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert PartialState().distributed_type == DistributedType.NO  # one plain process
+    assert "DeepSpeed" in record().reason
+
+    if importlib.util.find_spec("deepspeed") is None:
+        # Untouched means accelerate's own DeepSpeed start-up runs, and says what is missing.
+        reset_accelerate()
+        torchrun_env(monkeypatch, nproc=1)
+        with pytest.raises(ImportError, match="DeepSpeed"):
+            PartialState()
+
+
+def test_process_group_created_by_the_user_is_left_as_it_is(monkeypatch, tmp_path):
+    torchrun_env(monkeypatch, nproc=1)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    group = dist.group.WORLD
+
+    state = PartialState(cpu=True)
+
+    # accelerate's own CPU path over the user's group (the single-device path would give NO).
+    assert state.distributed_type == DistributedType.MULTI_CPU
+    assert dist.group.WORLD is group
+    assert "process group already exists" in record().reason
+
+
+def test_state_built_before_the_patch_bound_is_too_late_and_untouched():
+    accel_patch.disable()
+    original_init = PartialState.__dict__["__init__"]
+    state = PartialState()
+
+    accel_patch.enable()
+
+    assert record().state == "too-late"
+    assert "already existed" in record().reason
+    assert PartialState.__dict__["__init__"] is original_init
+    assert wrappers_on(PartialState, "_prepare_backend") == 0
+    assert PartialState() .__dict__ is state.__dict__  # the same shared state, untouched
+
+    reset_accelerate()
+    accel_patch.enable()  # once there is no state, enabling binds
+    assert record().state == "active"
+
+
+def test_enable_twice_wraps_nothing_twice():
+    accel_patch.enable()
+    accel_patch.enable()
+    assert wrappers_on(PartialState, "__init__") == 1
+    assert wrappers_on(PartialState, "_prepare_backend") == 1
+
+    accel_patch.disable()
+    accel_patch.enable()
+    accel_patch.enable()
+    assert wrappers_on(PartialState, "__init__") == 1
+    assert wrappers_on(PartialState, "_prepare_backend") == 1
+    assert record().state == "active"
+
+
+def test_disable_restores_the_exact_original_objects():
+    accel_patch.disable()
+    init, prepare_backend = PartialState.__dict__["__init__"], PartialState.__dict__["_prepare_backend"]
+    assert init.__module__ == prepare_backend.__module__ == "accelerate.state"
+
+    accel_patch.enable()
+    assert PartialState.__dict__["_prepare_backend"] is not prepare_backend
+    assert PartialState.__dict__["_prepare_backend"].__wrapped__ is prepare_backend
+
+    accel_patch.disable()
+    assert PartialState.__dict__["_prepare_backend"] is prepare_backend
+    assert PartialState.__dict__["__init__"] is init
+    assert record().state == "disabled"
+    accel_patch.disable()  # idempotent
+    assert PartialState.__dict__["__init__"] is init
+
+
+def test_disable_restores_from_pretrained_classmethod_object():
+    from transformers import PreTrainedModel
+
+    accel_patch.disable()
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    assert isinstance(original, classmethod)
+
+    accel_patch.enable()
+    assert record("device-map").state == "active"
+    assert wrappers_on(PreTrainedModel, "from_pretrained") == 1
+
+    accel_patch.disable()
+    assert PreTrainedModel.__dict__["from_pretrained"] is original
+
+
+def test_switch_turns_off_the_accelerate_patch_only(monkeypatch):
+    monkeypatch.setenv("ACCEL_PATCH_ACCELERATE", "0")
+    accel_patch.disable()
+    accel_patch.enable()
+    assert record().state == "skipped" and "ACCEL_PATCH_ACCELERATE=0" in record().reason
+    assert wrappers_on(PartialState, "__init__") == 0
+
+    torchrun_env(monkeypatch, nproc=1)
+    PartialState()
+    assert dist.is_initialized()  # stock accelerate: a group even for one process
+
+
+# --- targets that moved, patches that fail ------------------------------------------------------
+
+def fake_accelerate_state(name: str, **members) -> types.ModuleType:
+    """A module shaped like accelerate.state with PartialState's members replaced by `members`
+    (None deletes one)."""
+
+    class PartialState:
+        _shared_state: dict = {}
+
+        def __init__(self, cpu: bool = False, **kwargs):
+            pass
+
+        def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+            return None, DistributedType.NO
+
+    for attr, value in members.items():
+        if value is None:
+            delattr(PartialState, attr)
+        else:
+            setattr(PartialState, attr, value)
+    module = types.ModuleType(name)
+    module.PartialState = PartialState
+    module.DistributedType = DistributedType
+    return module
+
+
+def _init_without_cpu(self, **kwargs):
+    pass
+
+
+def _backend_other_signature(self, use_cpu=False, sagemaker=False):
+    return None, DistributedType.NO
+
+
+@pytest.mark.parametrize(
+    "members, why",
+    [
+        ({"_prepare_backend": None}, "_prepare_backend is gone"),
+        ({"_prepare_backend": _backend_other_signature}, "_prepare_backend"),
+        ({"__init__": _init_without_cpu}, "cpu"),
+    ],
+    ids=["no-prepare-backend", "prepare-backend-signature", "init-without-cpu"],
+)
+def test_moved_target_is_skipped_with_a_reason_and_left_untouched(monkeypatch, members, why):
+    module_name = f"accel_patch_test_fake_state_{uuid.uuid4().hex}"
+
+    class PatchOnFake(accelerate_state.AccelerateStatePatch):
+        name = "test-moved-target"
+        module = module_name
+
+    fake = fake_accelerate_state(module_name, **members)
+    before = dict(fake.PartialState.__dict__)
+    monkeypatch.setitem(sys.modules, module_name, fake)
+    patching.register(PatchOnFake())
+
+    accel_patch.enable()
+
+    moved = record("test-moved-target")
+    assert moved.state == "skipped"
+    assert why in moved.reason and "accelerate 1.15" in moved.reason  # names the verified version
+    assert dict(fake.PartialState.__dict__) == before
+    assert record().state == "active"  # the real patch is unaffected
+
+
+def test_fake_shaped_like_accelerate_is_patched(monkeypatch):
+    # Control for the test above: the same fake with nothing moved does bind.
+    module_name = f"accel_patch_test_fake_state_{uuid.uuid4().hex}"
+
+    class PatchOnFake(accelerate_state.AccelerateStatePatch):
+        name = "test-moved-target"
+        module = module_name
+
+    fake = fake_accelerate_state(module_name)
+    monkeypatch.setitem(sys.modules, module_name, fake)
+    patch = PatchOnFake()
+    patching.register(patch)
+    accel_patch.enable()
+    assert record("test-moved-target").state == "active"
+    assert wrappers_on(fake.PartialState, "_prepare_backend") == 1
+    patch.uninstall()
+
+
+def test_moved_target_in_real_accelerate_is_skipped_and_accelerate_still_works(monkeypatch):
+    accel_patch.disable()
+    stock = PartialState.__dict__["_prepare_backend"]
+
+    def _prepare_backend(self, use_cpu=False, sagemaker=False, backend_name=None):  # a "newer" release
+        return stock(self, use_cpu, sagemaker, backend_name)
+
+    with monkeypatch.context() as m:
+        m.setattr(PartialState, "_prepare_backend", _prepare_backend)
+        init = PartialState.__dict__["__init__"]
+
+        accel_patch.enable()
+
+        assert record().state == "skipped" and "_prepare_backend" in record().reason
+        assert PartialState.__dict__["__init__"] is init  # nothing patched halfway
+        assert PartialState.__dict__["_prepare_backend"] is _prepare_backend
+        assert PartialState().distributed_type == DistributedType.NO
+        reset_accelerate()
+        accel_patch.disable()
+
+
+class Target:
+    def method(self):
+        return "original"
+
+
+class ExplodingPatch(patching.Patch):
+    name = "test-exploding"
+    target = "Target.method"
+    verified = "nothing"
+    switch = "ACCEL_PATCH_TEST_EXPLODING"
+
+    def check(self, module):
+        return None
+
+    def install(self, module):
+        self.wrap(module.Target, "method", lambda wrapped, instance, args, kwargs: "patched")
+        raise RuntimeError("boom while installing")
+
+
+def test_patch_whose_install_raises_is_failed_logged_once_and_leaves_target_untouched(monkeypatch, caplog):
+    module_name = f"accel_patch_test_exploding_{uuid.uuid4().hex}"
+    fake = types.ModuleType(module_name)
+    fake.Target = Target
+    original = Target.__dict__["method"]
+    monkeypatch.setitem(sys.modules, module_name, fake)
+    patching.register(type("Exploding", (ExplodingPatch,), {"module": module_name})())
+
+    with caplog.at_level(logging.WARNING, logger="accel_patch"):
+        accel_patch.enable()
+        accel_patch.enable()
+
+    failed = record("test-exploding")
+    assert failed.state == "failed" and "RuntimeError: boom while installing" in failed.reason
+    assert Target.__dict__["method"] is original and Target().method() == "original"
+    assert [r for r in caplog.records if "test-exploding" in r.getMessage()] and len(
+        [r for r in caplog.records if "test-exploding" in r.getMessage()]) == 1
+    assert record().state == "active"
+
+
+def test_failing_hook_does_not_break_the_users_import(monkeypatch, tmp_path):
+    module_name = f"accel_patch_test_hooked_{uuid.uuid4().hex}"
+    (tmp_path / f"{module_name}.py").write_text(
+        "class Target:\n    def method(self):\n        return 'original'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patching.register(type("Exploding", (ExplodingPatch,), {"module": module_name})())
+    accel_patch.enable()
+    assert record("test-exploding").state == "pending"
+
+    try:
+        module = importlib.import_module(module_name)  # the post-import hook runs and fails here
+    finally:
+        sys.modules.pop(module_name, None)
+
+    assert module.Target().method() == "original"
+    assert record("test-exploding").state == "failed"
