@@ -233,6 +233,16 @@ def test_blank_launcher_values_give_one_plain_process(monkeypatch, blank, cpu):
     assert state.distributed_type == DistributedType.NO
     assert state.num_processes == 1
     assert not dist.is_initialized()
+    # Gone for whoever parses them next (transformers does int(os.environ["WORLD_SIZE"])).
+    assert not any(name in os.environ for name in blank)
+
+
+def test_prepare_backend_called_on_its_own_follows_the_same_decision(monkeypatch):
+    # accelerate calls it only from __init__; a subclass or a later release may call it directly.
+    torchrun_env(monkeypatch, nproc=1)
+    instance = object.__new__(PartialState)
+    assert PartialState._prepare_backend(instance, cpu=True) == (None, DistributedType.NO)
+    assert not dist.is_initialized()
 
 
 def test_invalid_world_size_fails_when_the_state_is_created_with_a_clear_message(monkeypatch):

@@ -73,6 +73,11 @@ LAUNCHES = {
              GROUP_RANK="2", GROUP_WORLD_SIZE="4"),
         (8, 5, 1, 2, 4, "torchrun"),
     ),
+    # A launcher that gives the node count but not LOCAL_WORLD_SIZE: processes per node follow from it.
+    "torchrun-vars-without-local-world-size": (
+        dict(TORCHRUN, RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", GROUP_RANK="1", GROUP_WORLD_SIZE="2"),
+        (4, 3, 1, 2, 2, "torchrun"),
+    ),
     # `accelerate launch --multi_gpu --num_processes 2` runs torchrun's launcher with its own variables.
     "accelerate-multi-gpu-rank1": (
         dict(TORCHRUN, ACCELERATE_MIXED_PRECISION="no", ACCELERATE_DYNAMO_BACKEND="NO",
