@@ -177,8 +177,9 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
     if torch_world is not None or values["LOCAL_RANK"] is not None or values["RANK"] is not None:
         launcher = _detect_torch_launcher(env)
         world, rank, local_rank = torch_world, values["RANK"], values["LOCAL_RANK"]
-        local_world = values["LOCAL_WORLD_SIZE"] if values["LOCAL_WORLD_SIZE"] is not None else values["LOCAL_SIZE"]
-        sources.update(world_size="WORLD_SIZE", rank="RANK", local_rank="LOCAL_RANK")
+        local_world_var = "LOCAL_WORLD_SIZE" if values["LOCAL_WORLD_SIZE"] is not None else "LOCAL_SIZE"
+        local_world = values[local_world_var]
+        sources.update(world_size="WORLD_SIZE", rank="RANK", local_rank="LOCAL_RANK", local_world_size=local_world_var)
     else:
         for name, marker, v_world, v_rank, v_local, v_local_world in _LAUNCHERS:
             if values[marker] is None:
@@ -186,11 +187,11 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
             launcher = name
             world, rank, local_rank = values[v_world], values[v_rank], values[v_local]
             local_world = values[v_local_world] if v_local_world else None
-            sources.update(world_size=v_world, rank=v_rank, local_rank=v_local)
+            sources.update(world_size=v_world, rank=v_rank, local_rank=v_local, local_world_size=v_local_world)
             break
 
     # Name only the variables that were set; the other fields are defaults.
-    sources = {field: var for field, var in sources.items() if values[var] is not None}
+    sources = {field: var for field, var in sources.items() if var and values[var] is not None}
 
     group = _initialized_group()
     if group is not None:
@@ -204,7 +205,9 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
     local_rank = local_rank if local_rank is not None else (rank if world <= 1 else 0)
     if local_world is None:
         local_world = world if launcher in ("none", "torch.distributed") else None
-    num_nodes = _num_nodes(values, world, local_world)
+    num_nodes, nodes_var = _num_nodes(values, world, local_world)
+    if nodes_var:
+        sources["num_nodes"] = nodes_var
     if local_world is None:
         local_world = max(1, world // num_nodes)
 
@@ -222,10 +225,11 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
     )
 
 
-def _num_nodes(values: Mapping[str, int | None], world: int, local_world: int | None) -> int:
+def _num_nodes(values: Mapping[str, int | None], world: int, local_world: int | None) -> tuple[int, str | None]:
+    """The node count, and the variable it came from (None when derived)."""
     for name in ("GROUP_WORLD_SIZE", "CROSS_SIZE", "SLURM_STEP_NUM_NODES"):
         if values.get(name):
-            return values[name]
+            return values[name], name
     if local_world:
-        return max(1, -(-world // local_world))
-    return 1
+        return max(1, -(-world // local_world)), None
+    return 1, None
