@@ -152,6 +152,13 @@ def test_sources_name_the_variables_that_gave_each_value(monkeypatch, devices):
         "world_size": "OMPI_COMM_WORLD_SIZE",
         "rank": "OMPI_COMM_WORLD_RANK",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",  # num_nodes is derived: not named
+    }
+    set_env(monkeypatch, LAUNCHES["torchrun-2nodes-1proc-node1"][0])
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    assert topology().sources == {
+        "world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK",
+        "local_world_size": "LOCAL_WORLD_SIZE", "num_nodes": "GROUP_WORLD_SIZE",
     }
 
 
