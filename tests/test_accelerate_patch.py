@@ -256,6 +256,14 @@ def test_invalid_world_size_fails_when_the_state_is_created_with_a_clear_message
     assert PartialState().distributed_type == DistributedType.NO
 
 
+def test_binding_reads_no_launcher_variable(monkeypatch):
+    # `import accelerate` (which binds the patch) must not fail on a bad value either.
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    accel_patch.disable()
+    accel_patch.enable()
+    assert record().state == "active"
+
+
 def test_fsdp_requested_is_left_to_accelerate_and_status_says_why(monkeypatch):
     torchrun_env(monkeypatch, nproc=1, ACCELERATE_USE_FSDP="true")
 

@@ -1,0 +1,209 @@
+"""`accel-patch env` and `accel-patch demo`.
+
+The installed console script runs in fresh processes (started together) for a full report and
+for the error path; the other settings call `main()` in-process, which is the same code.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+
+from accel_patch import cli
+
+topology_module = importlib.import_module("accel_patch.topology")
+
+SCRIPT = Path(sys.executable).with_name("accel-patch")
+LAUNCHER_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL", "SLURM_", "ACCEL_PATCH_")
+LAUNCHER_NAMES = set(topology_module.LAUNCHER_VARIABLES) | {
+    "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
+}
+
+
+def clean(environ) -> dict[str, str]:
+    return {k: v for k, v in environ.items()
+            if k not in LAUNCHER_NAMES and not k.startswith(LAUNCHER_PREFIXES) and k != "PYTHONPATH"}
+
+
+# The console script in fresh processes: one full report, and the error path (which needs no torch).
+LAUNCHES = {
+    "torchrun-rank1-of-2": (["env", "--json"], {
+        "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": "none"}),
+    "bad-world-size": (["env", "--json"], {"WORLD_SIZE": "two"}),
+}
+
+
+def start() -> tuple[str, dict[str, subprocess.Popen]]:
+    cwd = tempfile.mkdtemp(prefix="accel-patch-cli-")
+    return cwd, {
+        name: subprocess.Popen([str(SCRIPT), *argv], cwd=cwd, env={**clean(os.environ), **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, (argv, env) in LAUNCHES.items()
+    }
+
+
+# Started at collection, so that they run beside the in-process tests (CI boxes have 2 cores).
+_STARTED = start() if SCRIPT.exists() else None
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, subprocess.CompletedProcess]:
+    assert _STARTED, f"console script not installed next to {sys.executable}"
+    cwd, started = _STARTED
+    done = {}
+    for name, proc in started.items():
+        out, err = proc.communicate(timeout=180)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    shutil.rmtree(cwd, ignore_errors=True)
+    return done
+
+
+def json_report(runs, name: str) -> dict:
+    run = runs[name]
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)  # exactly one JSON object, nothing else on stdout
+
+
+def test_env_json_under_torchrun(runs):
+    report = json_report(runs, "torchrun-rank1-of-2")
+    topo = report["topology"]
+    assert (topo["world_size"], topo["rank"], topo["local_rank"], topo["launcher"]) == (2, 1, 1, "torchrun")
+    assert topo["sources"]["world_size"] == "WORLD_SIZE" and topo["sources"]["local_rank"] == "LOCAL_RANK"
+    assert report["is_distributed"] is True
+    assert report["versions"]["accel-patch"] == cli.__version__
+    assert {s["name"]: s["state"] for s in report["status"]} == {"accelerate-state": "active", "device-map": "pending"}
+    if topo["device_count"] == 0:
+        assert report["accelerate_state"]["action"] == "cpu-distributed"
+        assert report["device_map"] == {"": "cpu"}
+    else:
+        assert report["accelerate_state"]["action"] == "accelerate"
+        assert report["device_map"] == {"": f"{topo['device_type']}:{1 if topo['device_count'] > 1 else 0}"}
+
+
+def test_env_bad_world_size_is_a_one_line_error_with_exit_code_2(runs):
+    run = runs["bad-world-size"]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in run.stderr
+    assert "WORLD_SIZE='two'" in lines[0] and "whole number" in lines[0]
+
+
+# --- in-process ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in list(os.environ):
+        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(topology_module, "local_accelerators", lambda: ("cpu", 0))
+    return monkeypatch
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert cli.main(["env", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_env_json_one_plain_process(env, capsys):
+    report = run_json(capsys)
+    topo = report["topology"]
+    assert (topo["world_size"], topo["rank"], topo["launcher"], topo["single_device"]) == (1, 0, "none", True)
+    assert topo["sources"]["world_size"] == "default"
+    assert report["accelerate_state"]["action"] == "single-device" and report["accelerate_state"]["reason"]
+    assert (report["device_map"], report["is_distributed"]) == ({"": "cpu"}, False)
+    assert set(report["versions"]) == {"python", "torch", "transformers", "accelerate", "peft",
+                                       "bitsandbytes", "triton", "accel-patch"}
+    assert report["versions"]["accel-patch"] == cli.__version__
+    assert {s["name"] for s in report["status"]} == {"accelerate-state", "device-map"}
+
+
+def test_env_table_for_humans_with_blank_values(env, capsys):
+    env.setenv("WORLD_SIZE", "")
+    env.setenv("LOCAL_RANK", " ")
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for heading in ("versions", "topology (launcher: none)", "accelerate state: single-device",
+                    'device map: {"": "cpu"} (one process)', "patches"):
+        assert heading in out
+    assert "from default" in out
+    assert "accelerate-state" in out and "device-map" in out
+
+
+def test_env_names_the_launcher_and_the_variables(env, capsys):
+    for name, value in {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
+                        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}.items():
+        env.setenv(name, value)
+    topo = run_json(capsys)["topology"]
+    assert topo["launcher"] == "openmpi"
+    assert topo["sources"] == {
+        "world_size": "OMPI_COMM_WORLD_SIZE", "rank": "OMPI_COMM_WORLD_RANK",
+        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK", "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "num_nodes": "derived", "device_count": "torch",
+    }
+    assert (topo["world_size"], topo["num_nodes"]) == (4, 2)
+
+
+def test_env_does_not_change_the_environment(env, capsys):
+    env.setenv("WORLD_SIZE", "")
+    report = run_json(capsys)
+    assert report["topology"]["world_size"] == 1
+    assert os.environ["WORLD_SIZE"] == ""  # scrubbed in a copy only
+
+
+def test_env_reports_deepspeed_as_untouched(env, capsys):
+    env.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    state = run_json(capsys)["accelerate_state"]
+    assert state["action"] == "untouched" and "DeepSpeed" in state["reason"]
+
+
+def test_env_local_rank_without_device_is_exit_2(env, capsys):
+    env.setattr(topology_module, "local_accelerators", lambda: ("cuda", 2))
+    for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3"}.items():
+        env.setenv(name, value)
+    assert cli.main(["env"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "LOCAL_RANK=3" in err and "CUDA_VISIBLE_DEVICES" in err
+
+
+def test_missing_package_is_shown_as_not_installed(monkeypatch):
+    stock = cli.metadata.version
+
+    def version(name):
+        if name == "bitsandbytes":
+            raise cli.metadata.PackageNotFoundError(name)
+        return stock(name)
+
+    monkeypatch.setattr(cli.metadata, "version", version)
+    found = cli.versions()
+    assert found["bitsandbytes"] == "not installed"
+    assert found["torch"] != "not installed"
+
+
+def test_demo_gets_the_remaining_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("accel_patch.demo")
+    fake.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "accel_patch.demo", fake)
+
+    assert cli.main(["demo", "--steps", "2", "--help", "extra"]) == 3
+    assert seen == [["--steps", "2", "--help", "extra"]]
+
+    fake.main = lambda argv: None
+    assert cli.main(["demo"]) == 0
+
+
+def test_unknown_command_or_argument_is_a_usage_error(capsys):
+    for argv in (["nonsense"], ["env", "--bogus"], []):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
