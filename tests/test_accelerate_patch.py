@@ -199,23 +199,25 @@ def test_deepspeed_flag_false_is_not_a_request(devices):
 # --- the real PartialState ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("cpu", [False, True])
-def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, cpu):
+def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, devices, cpu):
     torchrun_env(monkeypatch, nproc=1)  # LOCAL_RANK=0 WORLD_SIZE=1, as torchrun sets them
+    devices(1)  # one GPU (or, on a CPU box, what accelerate treats as none)
 
     state = PartialState(cpu=cpu)
 
     assert state.distributed_type == DistributedType.NO
     assert not dist.is_initialized()
     assert (state.num_processes, state.process_index) == (1, 0)
-    assert state.device.type == "cpu"
+    assert state.device.type == ("cuda" if torch.cuda.is_available() and not cpu else "cpu")
     assert os.environ["LOCAL_RANK"] == "0"  # hidden from accelerate only while it decided
     assert "single-device" in record().reason
 
 
-def test_torchrun_nproc1_model_is_not_wrapped_in_ddp(monkeypatch):
+def test_torchrun_nproc1_model_is_not_wrapped_in_ddp(monkeypatch, devices):
     from accelerate import Accelerator
 
     torchrun_env(monkeypatch, nproc=1)
+    devices(1)
     model = Accelerator().prepare(torch.nn.Linear(2, 2))
     assert type(model) is torch.nn.Linear
     assert not dist.is_initialized()
@@ -237,9 +239,10 @@ def test_blank_launcher_values_give_one_plain_process(monkeypatch, blank, cpu):
     assert not any(name in os.environ for name in blank)
 
 
-def test_prepare_backend_called_on_its_own_follows_the_same_decision(monkeypatch):
+def test_prepare_backend_called_on_its_own_follows_the_same_decision(monkeypatch, devices):
     # accelerate calls it only from __init__; a subclass or a later release may call it directly.
     torchrun_env(monkeypatch, nproc=1)
+    devices(1)
     instance = object.__new__(PartialState)
     assert PartialState._prepare_backend(instance, cpu=True) == (None, DistributedType.NO)
     assert not dist.is_initialized()

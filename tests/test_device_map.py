@@ -1,7 +1,8 @@
 """Per-rank device maps and the `from_pretrained` hook (DESIGN.md, "Per-rank device map").
 
-Device counts are faked in-process; the real `from_pretrained` runs on a tiny Llama checkpoint on
-CPU, distributed through the environment only (loading needs no process group).
+Device counts are faked in-process (the `devices` fixture fakes a CPU-only box until told
+otherwise); the real `from_pretrained` loads a tiny Llama checkpoint on CPU, distributed through
+the environment only (loading needs no process group).
 """
 from __future__ import annotations
 
@@ -256,7 +257,7 @@ def load(checkpoint, received):
 
 
 @pytest.mark.parametrize("requested", [None, "auto", "balanced"])
-def test_distributed_cpu_load_replaces_strategy_with_this_ranks_device(monkeypatch, load, requested):
+def test_distributed_cpu_load_replaces_strategy_with_this_ranks_device(monkeypatch, devices, load, requested):
     set_env(monkeypatch, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")
     model, device_map, decision = load(device_map=requested)
     assert device_map == {"": "cpu"}
@@ -264,7 +265,7 @@ def test_distributed_cpu_load_replaces_strategy_with_this_ranks_device(monkeypat
     assert {p.device.type for p in model.parameters()} == {"cpu"}
 
 
-def test_explicit_map_reaches_transformers_unchanged(monkeypatch, load):
+def test_explicit_map_reaches_transformers_unchanged(monkeypatch, devices, load):
     set_env(monkeypatch, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")
     explicit = {"": "cpu"}
     model, device_map, _ = load(device_map=explicit)
@@ -272,12 +273,12 @@ def test_explicit_map_reaches_transformers_unchanged(monkeypatch, load):
     assert {p.device.type for p in model.parameters()} == {"cpu"}
 
 
-def test_single_process_load_keeps_auto_and_none(load):
+def test_single_process_load_keeps_auto_and_none(devices, load):
     assert load(device_map="auto")[1] == "auto"
     assert load()[1] is None
 
 
-def test_empty_world_size_loads_as_one_process(monkeypatch, load):
+def test_empty_world_size_loads_as_one_process(monkeypatch, devices, load):
     # A template wrote WORLD_SIZE="": stock transformers crashes in int("") for device_map="auto".
     monkeypatch.setenv("WORLD_SIZE", "")
     model, device_map, _ = load(device_map="auto")
@@ -286,7 +287,7 @@ def test_empty_world_size_loads_as_one_process(monkeypatch, load):
     assert "WORLD_SIZE" not in os.environ
 
 
-def test_invalid_world_size_fails_the_load_with_a_clear_message(monkeypatch, checkpoint):
+def test_invalid_world_size_fails_the_load_with_a_clear_message(monkeypatch, devices, checkpoint):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(TopologyError, match=r"WORLD_SIZE='two'.*whole number"):
         LlamaForCausalLM.from_pretrained(checkpoint, device_map="auto")
