@@ -315,7 +315,7 @@ def test_state_built_before_the_patch_bound_is_too_late_and_untouched():
     assert "already existed" in record().reason
     assert PartialState.__dict__["__init__"] is original_init
     assert wrappers_on(PartialState, "_prepare_backend") == 0
-    assert PartialState() .__dict__ is state.__dict__  # the same shared state, untouched
+    assert PartialState().__dict__ is state.__dict__  # the same shared state, untouched
 
     reset_accelerate()
     accel_patch.enable()  # once there is no state, enabling binds
@@ -517,8 +517,7 @@ def test_patch_whose_install_raises_is_failed_logged_once_and_leaves_target_unto
     failed = record("test-exploding")
     assert failed.state == "failed" and "RuntimeError: boom while installing" in failed.reason
     assert Target.__dict__["method"] is original and Target().method() == "original"
-    assert [r for r in caplog.records if "test-exploding" in r.getMessage()] and len(
-        [r for r in caplog.records if "test-exploding" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "test-exploding" in r.getMessage()]) == 1
     assert record().state == "active"
 
 
