@@ -1,0 +1,315 @@
+"""RMSNorm: y = x / rms(x) * (offset + weight) over the last dim, with a hand-written backward.
+
+Casting modes say in which dtype each step happens, so that the kernel reproduces the module it
+replaces:
+
+- "llama": transformers' LlamaRMSNorm. The normalization runs in float32, its result is cast back
+  to x's dtype, and `(offset + weight) * that` is computed in the promotion of weight's and x's
+  dtypes (which is also the output dtype).
+- "gemma": transformers' GemmaRMSNorm (use offset=1.0). Everything in float32,
+  `norm(x.float()) * (offset + weight.float())`, cast to x's dtype at the end.
+- "none": every step in x's dtype (the weight is cast to x's dtype); the output has x's dtype.
+
+The Triton kernels accumulate in float32 in every mode and round where the stock module rounds.
+Forward saves x and the per-row 1/rms in float32; backward gives the gradient of x and of the
+weight (the weight gradient from per-program partial sums over rows, then one sum).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _dispatch
+from ._dispatch import check_same_device, use_triton
+
+CASTINGS = ("llama", "gemma", "none")
+LLAMA = tl.constexpr(0)
+GEMMA = tl.constexpr(1)
+NONE = tl.constexpr(2)
+_CASTING_IDS = {"llama": 0, "gemma": 1, "none": 2}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Widest column block: a row up to this many elements is read from memory once per pass; wider
+# rows loop over blocks. 8192 fp32 values per tensor keep the backward tile in registers.
+_MAX_BLOCK_N = 8192
+# Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
+_TILE = 4096
+
+# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, an error
+# of a whole bf16 ulp the GPU never makes. Under the interpreter, round in software as the GPU does.
+_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """fp32 x cast to dtype, rounding to nearest even (also under the interpreter)."""
+    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 x rounded to dtype's precision, kept in fp32: a step the stock module does in dtype."""
+    return _cast(x, dtype).to(tl.float32)
+
+
+@triton.jit
+def _factors(xhat, w, offset, X, W, CASTING: tl.constexpr):
+    """The two float32 factors whose product the stock module computes: (normalized x, offset + weight)."""
+    if CASTING == LLAMA:
+        # hidden_states.to(input_dtype); `offset + weight` is rounded to weight's dtype
+        xhat = _round(xhat, X.dtype.element_ty)
+        w = _round(w + offset, W.dtype.element_ty)
+    elif CASTING == GEMMA:
+        w = w + offset
+    else:
+        # everything in x's dtype: round each step to it
+        xhat = _round(xhat, X.dtype.element_ty)
+        w = _round(_round(w, X.dtype.element_ty) + offset, X.dtype.element_ty)
+    return xhat, w
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps, offset,
+    CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    # pass 1: sum of squares in float32, one column block at a time
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sq = x * x
+        if CASTING == NONE:
+            sq = _round(sq, X.dtype.element_ty)
+        sum_sq += tl.sum(sq, axis=1)
+    if CASTING == NONE:
+        # x.pow(2).mean() + eps and its rsqrt, each step rounded to x's dtype (summed in fp32)
+        rstd = _round(tl.rsqrt(_round(_round(sum_sq / n_cols, X.dtype.element_ty) + eps, X.dtype.element_ty)),
+                      X.dtype.element_ty)
+    else:
+        rstd = tl.rsqrt(sum_sq / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    # pass 2: scale; a row that fits one block was just loaded by this program: the re-read hits cache
+    for c0 in range(0, n_cols, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xhat, w_eff = _factors(x * rstd[:, None], w[None, :], offset, X, W, CASTING)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], _cast(xhat * w_eff, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_dot_kernel(
+    DY, X, W, RSTD, DOT, n_rows, n_cols, stride_dy, stride_x, offset,
+    CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Per row, sum_j dy_j * w_eff_j * xhat_j; only launched when a row spans several blocks."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+    dot = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xhat = x * rstd[:, None]
+        _, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING)
+        dot += tl.sum(dy * w_eff * xhat, axis=1)
+    tl.store(DOT + rows, dot, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DOT, DX, DW_PARTIAL, n_rows, n_cols, stride_dy, stride_x, stride_dx, offset,
+    rows_per_program,
+    CASTING: tl.constexpr, ONE_BLOCK: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w_eff;  dw = sum over rows of dy * xhat
+    pid = tl.program_id(0).to(tl.int64)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    for c0 in range(0, n_cols, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        # this program's share of the weight gradient stays in registers over its rows
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(row_start, row_end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < row_end
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            xhat = x * rstd[:, None]
+            xhat_used, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING)
+            g = dy * w_eff
+            if ONE_BLOCK:
+                dot = tl.sum(g * xhat, axis=1)
+            else:
+                dot = tl.load(DOT + rows, mask=row_ok, other=0.0)
+            dx = rstd[:, None] * (g - xhat * (dot / n_cols)[:, None])
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                dw += tl.sum(dy * xhat_used, axis=0)
+        if COMPUTE_DW:
+            tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_ok)
+
+
+def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for rows of width n_cols."""
+    block_n = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_N)
+    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(n_rows)))
+    return block_m, block_n
+
+
+def _num_warps(tile: int, per_thread: int) -> int:
+    # the backward keeps x, dy, w and the weight-grad partial live: fewer elements per thread
+    return max(4, min(16, tile // (32 * per_thread)))
+
+
+def _max_programs(device: torch.device) -> int:
+    """How many programs share the backward's rows: two per SM on CUDA, a few elsewhere."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 if device.type == "cpu" else 64
+
+
+def _on_device(t: torch.Tensor):
+    # Triton launches on the current CUDA device; layers of one model may live on several GPUs
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """t as (rows, n_cols) with unit column stride; copies only when a view cannot be had."""
+    t = t.reshape(-1, n_cols)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dtype:
+    return torch.promote_types(weight.dtype, x.dtype) if casting == "llama" else x.dtype
+
+
+def rms_norm_forward(x2, weight, eps, offset, casting):
+    """Launch the forward on x2 (rows, n): returns (y (rows, n), rstd (rows,) float32)."""
+    n_rows, n_cols = x2.shape
+    y = _dispatch.empty((n_rows, n_cols), dtype=_out_dtype(x2, weight, casting), device=x2.device)
+    rstd = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
+    block_m, block_n = _blocks(n_rows, n_cols)
+    num_warps = _num_warps(block_m * block_n, per_thread=16)
+    with _on_device(x2):
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps, offset,
+            CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y, rstd
+
+
+def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw):
+    """Launch the backward: returns (dx (rows, n) in x's dtype, dw in weight's dtype or None)."""
+    n_rows, n_cols = x2.shape
+    block_m, block_n = _blocks(n_rows, n_cols)
+    num_warps = _num_warps(block_m * block_n, per_thread=8)
+    one_block = block_n >= n_cols
+    row_tiles = triton.cdiv(n_rows, block_m)
+    rows_per_program = triton.cdiv(row_tiles, min(row_tiles, _max_programs(x2.device))) * block_m
+    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dx = _dispatch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
+    dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_dw else rstd
+    dot = rstd
+    with _on_device(x2):
+        if not one_block:
+            dot = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
+            _rms_norm_bwd_dot_kernel[(row_tiles,)](
+                dy2, x2, weight, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), offset,
+                CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            )
+        _rms_norm_bwd_kernel[(n_programs,)](
+            dy2, x2, weight, rstd, dot, dx, dw_partial, n_rows, n_cols,
+            dy2.stride(0), x2.stride(0), dx.stride(0), offset, rows_per_program,
+            CASTING=_CASTING_IDS[casting], ONE_BLOCK=one_block, COMPUTE_DW=compute_dw,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):
+        x2 = _rows(x, x.shape[-1])
+        weight = weight.contiguous()
+        y, rstd = rms_norm_forward(x2, weight, eps, offset, casting)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset, ctx.casting, ctx.x_shape = offset, casting, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(
+            _rows(dy, x2.shape[1]), x2, weight, rstd, ctx.offset, ctx.casting, ctx.needs_input_grad[1]
+        )
+        return dx.view(ctx.x_shape), dw, None, None, None
+
+
+def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, casting="llama"):
+    """The same math in plain torch (differentiable by autograd): the path off GPU."""
+    if casting == "llama":
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (offset + weight) * h.to(x.dtype)
+    if casting == "gemma":
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (h * (offset + weight.float())).type_as(x)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return h * (offset + weight.to(x.dtype))
+
+
+def _check(x, weight, casting):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim (the normalized last dim), got a 0-dim tensor")
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point tensor, got {getattr(weight, 'dtype', type(weight))}")
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) (x.shape[-1]), got {tuple(weight.shape)}")
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    check_same_device(x=x, weight=weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama") -> torch.Tensor:
+    """RMSNorm of x over its last dim: x / sqrt(mean(x**2) + eps) * (offset + weight).
+
+    x: (..., n) floating point, any leading dims, any strides; weight: (n,) on x's device.
+    `casting` ("llama", "gemma", "none") picks the dtype of each step and of the output as the
+    module docstring says: casting="llama" (offset 0) matches transformers' LlamaRMSNorm,
+    casting="gemma" with offset=1.0 GemmaRMSNorm. Differentiable in x and weight (weight may
+    have requires_grad=False). Inputs are never written. Raises ValueError naming a bad argument.
+    float32/bfloat16/float16 run the Triton kernels (on GPU, or on CPU under TRITON_INTERPRET=1);
+    float64 and everything else run the plain-torch reference.
+    """
+    _check(x, weight, casting)
+    # float64 (and empty) inputs take the plain path: the kernels accumulate in float32
+    if not use_triton(x) or x.numel() == 0 or x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        return rms_norm_reference(x, weight, eps, offset, casting)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)
