@@ -1,0 +1,242 @@
+"""Rotary position embedding (rotate-half convention), as transformers' `apply_rotary_pos_emb`.
+
+    out[..., :r]  = x[..., :r] * cos + rotate_half(x[..., :r]) * sin,  rotate_half(v) = cat(-v2, v1)
+    out[..., r:]  = x[..., r:]                                          (partial rotary: r < head_dim)
+
+with r = cos.shape[-1]. A program takes a block of (batch, position) tokens and applies each
+token's cos/sin row to all its query and key heads, so cos/sin are read once per token. The
+outputs are new tensors: q and k are never written. The backward applies the transposed rotation
+to the output gradients; the kernel gives cos and sin no gradient (they are position tables, built
+without grad); cos/sin that require grad are sent to the plain-torch path.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _dispatch
+from ._dispatch import check_same_device, use_triton
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TILE = 4096
+
+# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, an error
+# of a whole bf16 ulp the GPU never makes. Under the interpreter, round in software as the GPU does.
+_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """fp32 x cast to dtype, rounding to nearest even (also under the interpreter)."""
+    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _rotate_heads(
+    X, O, x_tok, o_tok, x_stride_h, o_stride_h, n_heads, tok_ok, c1, c2, s1, s2, half, n_pass,
+    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    """Rotate every head of a block of tokens. Tiles are (token, head, dim); x_tok/o_tok are the
+    (token, 1, 1) offsets of head 0, c1/c2/s1/s2 the (token, 1, dim) cos/sin halves."""
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, BLOCK_HALF)[None, None, :]
+    x = X + x_tok + h * x_stride_h
+    o = O + o_tok + h * o_stride_h
+    mask = tok_ok & (h < n_heads) & (d < half)
+    x1 = tl.load(x + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + half + d, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # transpose of [[c1, -s1], [s2, c2]]
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    tl.store(o + d, _cast(o1, O.dtype.element_ty), mask=mask)
+    tl.store(o + half + d, _cast(o2, O.dtype.element_ty), mask=mask)
+    if BLOCK_PASS > 0:
+        # partial rotary: the dims past the rotary ones pass through (their gradient too)
+        p = 2 * half + tl.arange(0, BLOCK_PASS)[None, None, :]
+        pass_mask = tok_ok & (h < n_heads) & (p < 2 * half + n_pass)
+        xp = tl.load(x + p, mask=pass_mask, other=0.0).to(tl.float32)
+        tl.store(o + p, _cast(xp, O.dtype.element_ty), mask=pass_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, QO, KO, COS, SIN, n_tokens, seq_len,
+    q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh,
+    cos_sb, cos_ss, sin_sb, sin_ss,
+    n_q_heads, n_k_heads, half, n_pass,
+    BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    # a block of BLOCK_S (batch, position) tokens; each token's cos/sin row is read once for all heads
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    tok_ok = (tokens < n_tokens)[:, None, None]
+    b = (tokens // seq_len)[:, None, None]
+    s = (tokens % seq_len)[:, None, None]
+    d = tl.arange(0, BLOCK_HALF)[None, None, :]
+    cs_mask = tok_ok & (d < half)
+    # cos/sin batch stride is 0 when they are shared by the whole batch
+    cos = COS + b * cos_sb + s * cos_ss
+    sin = SIN + b * sin_sb + s * sin_ss
+    c1 = tl.load(cos + d, mask=cs_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + half + d, mask=cs_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + d, mask=cs_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + half + d, mask=cs_mask, other=0.0).to(tl.float32)
+    _rotate_heads(Q, QO, b * q_sb + s * q_ss, b * qo_sb + s * qo_ss, q_sh, qo_sh, n_q_heads, tok_ok,
+                  c1, c2, s1, s2, half, n_pass, BACKWARD, BLOCK_QH, BLOCK_HALF, BLOCK_PASS)
+    _rotate_heads(K, KO, b * k_sb + s * k_ss, b * ko_sb + s * ko_ss, k_sh, ko_sh, n_k_heads, tok_ok,
+                  c1, c2, s1, s2, half, n_pass, BACKWARD, BLOCK_KH, BLOCK_HALF, BLOCK_PASS)
+
+
+def _bsh_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a (B, H, S, D) tensor (unsqueeze_dim=1) or (B, S, H, D) one (2)."""
+    if unsqueeze_dim == 1:
+        return t.stride(0), t.stride(2), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    # strides of the other dims are passed to the kernel; only the head dim must be dense
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _on_device(t: torch.Tensor):
+    # Triton launches on the current CUDA device; layers of one model may live on several GPUs
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward):
+    """Rotate q, k into q_out, k_out (backward=True: apply the transposed rotation, for gradients)."""
+    q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
+    batch, seq_len, head_dim, rot_dim = q.shape[0], cos.shape[1], q.shape[-1], cos.shape[-1]
+    n_q_heads, n_k_heads = q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]
+    n_pass = head_dim - rot_dim
+    block_qh, block_kh = triton.next_power_of_2(n_q_heads), triton.next_power_of_2(n_k_heads)
+    block_half = triton.next_power_of_2(rot_dim // 2)
+    block_pass = triton.next_power_of_2(n_pass) if n_pass else 0
+    # tokens per program: a tile of about _TILE elements (one token when its heads fill that)
+    per_token = (block_qh + block_kh) * (2 * block_half + block_pass)
+    n_tokens = batch * seq_len
+    block_s = 1
+    while 2 * block_s * per_token <= _TILE and block_s < n_tokens:
+        block_s *= 2
+    tile = block_s * per_token
+    num_warps = 4 if tile <= 4096 else 8 if tile <= 16384 else 16
+    # cos/sin of batch 1 serve every batch element: batch stride 0
+    cos_sb = cos.stride(0) if cos.shape[0] > 1 else 0
+    sin_sb = sin.stride(0) if sin.shape[0] > 1 else 0
+    with _on_device(q):
+        _rope_kernel[(triton.cdiv(n_tokens, block_s),)](
+            q, k, q_out, k_out, cos, sin, n_tokens, seq_len,
+            *_bsh_strides(q, unsqueeze_dim), *_bsh_strides(k, unsqueeze_dim),
+            *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
+            cos_sb, cos.stride(1), sin_sb, sin.stride(1),
+            n_q_heads, n_k_heads, rot_dim // 2, n_pass,
+            BACKWARD=backward, BLOCK_S=block_s, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
+            BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
+        )
+
+
+def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
+    # x * cos + rotate_half(x) * sin promotes like torch does
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+        q_out = _dispatch.empty(q.shape, dtype=_out_dtype(q, cos, sin), device=q.device)
+        k_out = _dispatch.empty(k.shape, dtype=_out_dtype(k, cos, sin), device=k.device)
+        rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.unsqueeze_dim, ctx.q_dtype, ctx.k_dtype = unsqueeze_dim, q.dtype, k.dtype
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        cos, sin = ctx.saved_tensors
+        dq = _dispatch.empty(dq_out.shape, dtype=ctx.q_dtype, device=dq_out.device)
+        dk = _dispatch.empty(dk_out.shape, dtype=ctx.k_dtype, device=dk_out.device)
+        rope_launch(dq_out, dk_out, dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True)
+        # cos and sin get no gradient
+        return dq, dk, None, None, None
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """The same math in plain torch (differentiable by autograd): the path off GPU."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    q_rot, q_pass = q[..., :r], q[..., r:]
+    k_rot, k_pass = k[..., :r], k[..., r:]
+    q_out = torch.cat([q_rot * cos + _rotate_half(q_rot) * sin, q_pass], dim=-1)
+    k_out = torch.cat([k_rot * cos + _rotate_half(k_rot) * sin, k_pass], dim=-1)
+    return q_out, k_out
+
+
+def _check(q, k, cos, sin, unsqueeze_dim):
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(
+            f"unsqueeze_dim must be 1 (q, k of shape (B, H, S, D)) or 2 ((B, S, H, D)), got {unsqueeze_dim!r}"
+        )
+    layout = "(B, H, S, D)" if unsqueeze_dim == 1 else "(B, S, H, D)"
+    seq_dim = 2 if unsqueeze_dim == 1 else 1
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}, got shape {tuple(t.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[seq_dim] != q.shape[seq_dim] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k must have q's batch, sequence length and head dim {layout}: q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    batch, seq_len, head_dim = q.shape[0], q.shape[seq_dim], q.shape[-1]
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
+        raise ValueError(
+            f"cos must have shape ({batch} or 1, {seq_len}, rotary_dim) (batch, seq, rotary dim), got {tuple(cos.shape)}"
+        )
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    rot_dim = cos.shape[-1]
+    if rot_dim % 2 or rot_dim == 0 or rot_dim > head_dim:
+        raise ValueError(
+            f"cos/sin rotary dim (last dim) must be even, positive and at most the head dim {head_dim}, got {rot_dim}"
+        )
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
+    """Rotary embedding of q and k, equal to transformers' apply_rotary_pos_emb; returns (q_out, k_out).
+
+    unsqueeze_dim=1: q (B, Hq, S, D), k (B, Hk, S, D); unsqueeze_dim=2: q (B, S, Hq, D),
+    k (B, S, Hk, D). Hq and Hk may differ (GQA). cos, sin: (B or 1, S, R) with R even, R <= D: the
+    first R dims of each head rotate, the last D - R pass through (partial rotary). Any strides.
+    Outputs are new tensors of q's/k's shape in the dtype torch promotion gives q (k) with
+    cos and sin. Differentiable in q and k. The kernel gives cos and sin no gradient: when either
+    requires grad, the plain-torch path runs instead so that they get one. Raises ValueError
+    naming a bad argument. float32/bfloat16/float16 run the Triton kernel (on GPU, or CPU under
+    TRITON_INTERPRET=1); float64 and everything off GPU run the plain-torch reference.
+    """
+    _check(q, k, cos, sin, unsqueeze_dim)
+    # float64 (and empty) inputs take the plain path: the kernel computes in float32; so do cos/sin
+    # that require grad (transformers builds them under no_grad), which the kernel would not give one
+    if (not use_triton(q) or q.numel() == 0 or k.numel() == 0 or any(t.dtype not in _DTYPES for t in (q, k, cos, sin))
+            or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))):
+        return rope_reference(q, k, cos, sin, unsqueeze_dim)
+    return RoPEFunction.apply(q, k, cos, sin, unsqueeze_dim)

@@ -1,0 +1,288 @@
+import importlib
+
+import pytest
+import torch
+
+import accel_kernels._dispatch as dispatch
+from _checks import assert_close, rel_err
+from accel_kernels.rope import rope
+
+# the package re-exports the function under the module's name: fetch the module itself
+rope_module = importlib.import_module("accel_kernels.rope")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def eager(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb; with cos narrower than the head, Phi3's partial-rotary form."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    q_embed = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
+    k_embed = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
+    return q_embed, k_embed
+
+
+def make_inputs(device, dtype, batch=2, seq=5, n_q=4, n_k=2, head_dim=24, rot_dim=None,
+                unsqueeze_dim=1, cos_batch=1, cos_dtype=None):
+    rot_dim = head_dim if rot_dim is None else rot_dim
+    shape = (lambda h: (batch, h, seq, head_dim)) if unsqueeze_dim == 1 else (lambda h: (batch, seq, h, head_dim))
+    q = torch.randn(shape(n_q), device=device).to(dtype)
+    k = torch.randn(shape(n_k), device=device).to(dtype)
+    # independent angles per dim: the kernel must not assume cos = cat(c, c) as rotary tables have
+    theta = torch.rand(cos_batch, seq, rot_dim, device=device) * 6.3
+    cos_dtype = dtype if cos_dtype is None else cos_dtype
+    return q, k, theta.cos().to(cos_dtype), theta.sin().to(cos_dtype)
+
+
+def forward_backward(fn, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim=1):
+    """fn(q, k, cos, sin) and the grads of sum(q_out * dq_out + k_out * dk_out) wrt q and k."""
+    q = q.detach().requires_grad_(True)
+    k = k.detach().requires_grad_(True)
+    q_out, k_out = fn(q, k, cos, sin, unsqueeze_dim)
+    torch.autograd.backward([q_out, k_out], [dq_out, dk_out])
+    return q_out.detach(), k_out.detach(), q.grad, k.grad
+
+
+def check_against_float64(q, k, cos, sin, unsqueeze_dim=1, dq_out=None, dk_out=None):
+    """Both outputs and both grads against float64; dtypes and shapes as transformers gives them."""
+    stock_q, stock_k = eager(q, k, cos, sin, unsqueeze_dim)
+    dq_out = torch.randn(q.shape, device=q.device).to(stock_q.dtype) if dq_out is None else dq_out
+    dk_out = torch.randn(k.shape, device=k.device).to(stock_k.dtype) if dk_out is None else dk_out
+    args = (dq_out, dk_out, unsqueeze_dim)
+    got = forward_backward(rope, q, k, cos, sin, *args)
+    ref = forward_backward(eager, q.double(), k.double(), cos.double(), sin.double(),
+                           *(a.double() for a in args[:2]), unsqueeze_dim)
+    stock = forward_backward(eager, q, k, cos, sin, *args)
+    for what, g, r, s in zip(("q_out", "k_out", "grad of q", "grad of k"), got, ref, stock):
+        assert g.dtype == s.dtype and g.shape == s.shape, f"{what}: {g.dtype} {tuple(g.shape)}"
+        assert_close(g, r, g.dtype, stock=s, what=what)
+    return got
+
+
+@pytest.fixture(autouse=True)
+def guarded_outputs(monkeypatch):
+    """Every kernel output (NaN-poisoned) sits between sentinel guards as long as itself: a write
+    outside an output's extent fails the test instead of landing in someone else's memory."""
+    buffers = []
+
+    def empty(shape, *, dtype, device):
+        n = torch.Size(shape).numel()
+        guard = max(n, 64)
+        buf = torch.full((2 * guard + n,), 7.0, dtype=dtype, device=device)
+        buffers.append((buf, guard))
+        return buf[guard:guard + n].view(shape).fill_(float("nan"))
+
+    monkeypatch.setattr(dispatch, "empty", empty)
+    monkeypatch.setattr(dispatch, "empty_like", lambda t, dtype=None: empty(t.shape, dtype=dtype or t.dtype, device=t.device))
+    yield
+    for buf, guard in buffers:
+        assert (buf[:guard] == 7).all() and (buf[-guard:] == 7).all(), "a kernel wrote outside its output"
+
+
+@pytest.fixture
+def triton_only(monkeypatch):
+    """Fail if the call falls back to the plain-torch path: these tests are about the kernel."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("rope took the plain-torch path")
+
+    monkeypatch.setattr(rope_module, "rope_reference", refuse)
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("n_q,n_k,head_dim,rot_dim", [
+    (4, 4, 64, 64),  # multi-head, full rotary
+    (6, 3, 48, 48),  # GQA, head counts not powers of two
+    (3, 1, 40, 16),  # GQA (one KV head) and partial rotary: 24 dims pass through
+])
+def test_matches_float64(device, dtype, unsqueeze_dim, n_q, n_k, head_dim, rot_dim):
+    inputs = make_inputs(device, dtype, n_q=n_q, n_k=n_k, head_dim=head_dim, rot_dim=rot_dim,
+                         unsqueeze_dim=unsqueeze_dim)
+    check_against_float64(*inputs, unsqueeze_dim=unsqueeze_dim)
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_outputs_are_rounded_once(device, dtype):
+    # computed in fp32 and rounded once (transformers rounds each product): equal to the fp32 math
+    # rounded, but for rare 1-ulp flips from fused multiply-adds
+    q, k, cos, sin = make_inputs(device, dtype, n_q=4, n_k=2, head_dim=32, rot_dim=24, unsqueeze_dim=2)
+    got = rope(q, k, cos, sin, 2)
+    expected = eager(q.float(), k.float(), cos.float(), sin.float(), 2)
+    for g, e in zip(got, expected):
+        assert (g != e.to(dtype)).float().mean().item() <= 0.01
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cos_batch", [1, 3])
+def test_cos_per_batch_or_broadcast(device, dtype, cos_batch):
+    # batch 1: one table for all sequences; batch 3: per-sequence positions (e.g. packed or left-padded)
+    q, k, cos, sin = make_inputs(device, dtype, batch=3, seq=4, n_q=2, n_k=2, head_dim=10, cos_batch=cos_batch)
+    check_against_float64(q, k, cos, sin)
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_single_token_and_smallest_head(device, unsqueeze_dim):
+    inputs = make_inputs(device, torch.float32, batch=1, seq=1, n_q=1, n_k=1, head_dim=2, unsqueeze_dim=unsqueeze_dim)
+    check_against_float64(*inputs, unsqueeze_dim=unsqueeze_dim)
+    inputs = make_inputs(device, torch.bfloat16, batch=1, seq=1, n_q=5, n_k=1, head_dim=6, rot_dim=2,
+                         unsqueeze_dim=unsqueeze_dim)
+    check_against_float64(*inputs, unsqueeze_dim=unsqueeze_dim)
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("q_dtype,cos_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_mixed_dtypes_promote_like_transformers(device, q_dtype, cos_dtype):
+    q, k, cos, sin = make_inputs(device, q_dtype, cos_dtype=cos_dtype, rot_dim=16)
+    q_out, k_out, dq, dk = check_against_float64(q, k, cos, sin)
+    assert q_out.dtype == k_out.dtype == torch.promote_types(q_dtype, cos_dtype)
+    assert dq.dtype == dk.dtype == q_dtype
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_inputs(device, dtype):
+    batch, seq, n_q, n_k, head_dim = 2, 3, 4, 2, 16
+    # q/k as attention builds them: views of one fused projection, transposed to (B, H, S, D)
+    qkv = torch.randn(batch, seq, n_q + 2 * n_k, head_dim, device=device).to(dtype)
+    q = qkv[:, :, :n_q].transpose(1, 2)
+    k = qkv[:, :, n_q:n_q + n_k].transpose(1, 2)
+    theta = torch.rand(1, head_dim, seq, device=device) * 6.3
+    cos, sin = theta.cos().to(dtype).transpose(1, 2), theta.sin().to(dtype).transpose(1, 2)  # last dim strided
+    dq_out = torch.randn(batch, n_q, head_dim, seq, device=device).to(dtype).transpose(2, 3)
+    dk_out = torch.ones((), device=device, dtype=dtype).expand(batch, n_k, seq, head_dim)  # stride 0
+    assert not any(t.is_contiguous() for t in (q, k, cos, dq_out, dk_out))
+    check_against_float64(q, k, cos, sin, 1, dq_out, dk_out)
+    # the same projection in the (B, S, H, D) layout
+    check_against_float64(qkv[:, :, :n_q], qkv[:, :, n_q:n_q + n_k], cos, sin, 2)
+
+
+@pytest.mark.usefixtures("triton_only")
+def test_inputs_are_not_written_and_only_cos_sin_are_saved(device):
+    q, k, cos, sin = make_inputs(device, torch.bfloat16, n_q=4, n_k=2, head_dim=32, rot_dim=16)
+    before = [t.clone() for t in (q, k, cos, sin)]
+    q, k = q.requires_grad_(True), k.requires_grad_(True)
+    saved = {}
+
+    def pack(t):
+        saved[t.data_ptr()] = t.nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        q_out, k_out = rope(q, k, cos, sin)
+    torch.autograd.backward([q_out, k_out], [torch.randn_like(q_out), torch.randn_like(k_out)])
+    assert all(torch.equal(a.detach(), b) for a, b in zip((q, k, cos, sin), before))
+    # the rotation is linear in q and k: backward needs only the tables
+    assert sum(saved.values()) == cos.nbytes + sin.nbytes
+
+
+def test_plain_path_matches_triton_path(device, monkeypatch):
+    for dtype, unsqueeze_dim in [(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 1)]:
+        q, k, cos, sin = make_inputs(device, dtype, n_q=3, n_k=1, head_dim=20, rot_dim=12, unsqueeze_dim=unsqueeze_dim)
+        dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+        monkeypatch.setattr(rope_module, "use_triton", lambda t: True)
+        triton_result = forward_backward(rope, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
+        monkeypatch.setattr(rope_module, "use_triton", lambda t: False)
+        plain_result = forward_backward(rope, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
+        ref = forward_backward(eager, q.double(), k.double(), cos.double(), sin.double(),
+                               dq_out.double(), dk_out.double(), unsqueeze_dim)
+        for what, t, p, r in zip(("q_out", "k_out", "grad of q", "grad of k"), triton_result, plain_result, ref):
+            assert t.dtype == p.dtype, what
+            # the plain path is the stock computation in that dtype: it sets the bound
+            assert_close(t, r, dtype, stock=p, what=f"{dtype} {what}")
+            assert rel_err(t, p) <= (1e-6 if dtype == torch.float32 else 1e-2), what
+
+
+def test_cos_sin_requiring_grad_get_their_gradient(device):
+    # the kernel gives the tables none; such calls take the plain path rather than drop it silently
+    q, k, cos, sin = make_inputs(device, torch.float32, rot_dim=8)
+    cos, sin = cos.requires_grad_(True), sin.requires_grad_(True)
+    q_out, k_out = rope(q, k, cos, sin)
+    (q_out.sum() + k_out.sum()).backward()
+    cos64, sin64 = cos.detach().double().requires_grad_(True), sin.detach().double().requires_grad_(True)
+    q_ref, k_ref = eager(q.double(), k.double(), cos64, sin64)
+    (q_ref.sum() + k_ref.sum()).backward()
+    assert_close(cos.grad, cos64.grad, torch.float32, what="grad of cos")
+    assert_close(sin.grad, sin64.grad, torch.float32, what="grad of sin")
+
+
+def test_float64_and_empty_inputs_take_the_plain_path(device):
+    q, k, cos, sin = make_inputs(device, torch.float64, rot_dim=8)
+    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+    got = forward_backward(rope, q, k, cos, sin, dq_out, dk_out)
+    for g, e in zip(got, forward_backward(eager, q, k, cos, sin, dq_out, dk_out)):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    q, k, cos, sin = make_inputs(device, torch.float32, seq=0)
+    q_out, k_out = rope(q, k, cos, sin)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_transformers(device, dtype):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    x = torch.randn(2, 6, 128, device=device).to(dtype)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]], device=device)
+    cos, sin = LlamaRotaryEmbedding(config).to(device)(x, position_ids)
+    q = torch.randn(2, 4, 6, 32, device=device).to(dtype)
+    k = torch.randn(2, 2, 6, 32, device=device).to(dtype)
+    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+    cases = [(apply_rotary_pos_emb, cos, sin), (phi3_apply_rotary_pos_emb, cos[..., :16], sin[..., :16])]
+    for stock_fn, c, s in cases:
+        got = forward_backward(rope, q, k, c, s, dq_out, dk_out)
+        expected = forward_backward(stock_fn, q, k, c, s, dq_out, dk_out)
+        for what, g, e in zip(("q_out", "k_out", "grad of q", "grad of k"), got, expected):
+            assert g.dtype == e.dtype and g.shape == e.shape, what
+            if dtype == torch.float32:
+                torch.testing.assert_close(g, e, msg=f"{stock_fn.__module__} {what}")
+            else:  # transformers rounds each product to bf16; we round once
+                assert rel_err(g, e) <= 1e-2, f"{stock_fn.__module__} {what}"
+
+
+def test_bad_inputs_name_the_argument(device):
+    q, k, cos, sin = make_inputs(device, torch.float32, batch=2, seq=5, n_q=4, n_k=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"sin must have cos's shape \(1, 5, 8\), got \(1, 5, 6\)"):
+        rope(q, k, cos, sin[..., :6])
+    with pytest.raises(ValueError, match=r"cos must have shape \(2 or 1, 5, rotary_dim\).*got \(1, 4, 8\)"):
+        rope(q, k, cos[:, :4], sin[:, :4])
+    with pytest.raises(ValueError, match=r"cos must have shape \(2 or 1, 5, rotary_dim\).*got \(3, 5, 8\)"):
+        rope(q, k, cos.expand(3, 5, 8), sin.expand(3, 5, 8))
+    with pytest.raises(ValueError, match=r"cos must have shape .*got \(5, 8\)"):
+        rope(q, k, cos[0], sin[0])
+    with pytest.raises(ValueError, match="rotary dim .* must be even.*got 5"):
+        rope(q, k, cos[..., :5], sin[..., :5])
+    with pytest.raises(ValueError, match="rotary dim .* at most the head dim 8, got 10"):
+        rope(q, k, torch.ones(1, 5, 10, device=device), torch.ones(1, 5, 10, device=device))
+    with pytest.raises(ValueError, match=r"k must have q's batch.*k \(1, 2, 5, 8\)"):
+        rope(q, k[:1], cos, sin)
+    with pytest.raises(ValueError, match=r"k must have q's batch, sequence length.*k \(2, 2, 4, 8\)"):
+        rope(q, k[:, :, :4], cos, sin)
+    with pytest.raises(ValueError, match=r"k must have q's .*head dim.*k \(2, 2, 5, 6\)"):
+        rope(q, k[..., :6], cos[..., :6], sin[..., :6])
+    with pytest.raises(ValueError, match=r"q must be 4-D \(B, H, S, D\) for unsqueeze_dim=1, got shape \(4, 5, 8\)"):
+        rope(q[0], k, cos, sin)
+    with pytest.raises(ValueError, match=r"k must be 4-D \(B, S, H, D\) for unsqueeze_dim=2"):
+        rope(q.transpose(1, 2), k[0], cos, sin, unsqueeze_dim=2)
+    with pytest.raises(ValueError, match="unsqueeze_dim must be 1 .* or 2 .*got 3"):
+        rope(q, k, cos, sin, unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="q must be a floating-point tensor, got torch.int64"):
+        rope(q.long(), k, cos, sin)
+    with pytest.raises(ValueError, match="sin must be a floating-point tensor, got torch.int32"):
+        rope(q, k, cos, sin.int())
+    with pytest.raises(ValueError, match="cos is on meta but q is on"):
+        rope(q, k, cos.to("meta"), sin)
+    with pytest.raises(ValueError, match="k is on meta but q is on"):
+        rope(q, k.to("meta"), cos, sin)
