@@ -50,10 +50,11 @@ def worker_env(home, **overrides):
     return env
 
 
-def torchrun_cmd(worker_args, nproc, port, nnodes=1, node_rank=0):
+def torchrun_cmd(worker_args, nproc, port, nnodes=1, node_rank=0, target=(str(WORKER),)):
+    """torchrun of `target` (the worker script by default; ("-m", "pkg.mod") for a module)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
             f"--nproc_per_node={nproc}", f"--node_rank={node_rank}", "--rdzv-backend=static",
-            "--master_addr=127.0.0.1", f"--master_port={port}", str(WORKER), *worker_args]
+            "--master_addr=127.0.0.1", f"--master_port={port}", *target, *worker_args]
 
 
 def accelerate_cmd(worker_args, nproc, port):
