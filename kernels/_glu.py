@@ -28,22 +28,26 @@ NUM_WARPS = BLOCK // 256  # 8 elements per thread: one 16-byte load of bf16
 _SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
 
 
+# SiLU and tanh-GELU are both g * sigmoid(z(g)): z = g for SiLU, and since
+# 0.5 * (1 + tanh(y)) = sigmoid(2y), z = 2 * sqrt(2/pi) * (g + 0.044715 g^3) for tanh-GELU. Then
+# d/dg [g * s] = s + g * s * (1 - s) * dz/dg, with no 1 - tanh^2 cancellation.
 @triton.jit
 def _act_and_grad(g, ACT: tl.constexpr):
     """act(g) and d act / d g for fp32 g (the forward only uses the first; the compiler drops the rest)."""
-    if ACT == 0:  # silu
-        s = tl.sigmoid(g)
-        a = g * s
-        da = s * (1.0 + g * (1.0 - s))
-    elif ACT == 1:  # gelu, erf form: g * Phi(g)
+    if ACT == 1:  # gelu, erf form: g * Phi(g)
         cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))  # 1/sqrt(2)
         a = g * cdf
         da = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)  # 1/sqrt(2 pi)
-    else:  # gelu, tanh approximation
-        k = 0.7978845608028654  # sqrt(2/pi)
-        t = 2.0 * tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0  # tanh: no portable tl.tanh
-        a = 0.5 * g * (1.0 + t)
-        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 0.134145 * g * g)  # 3 * 0.044715
+    else:
+        if ACT == 0:  # silu
+            z = g
+            dz = 1.0
+        else:  # gelu, tanh approximation
+            z = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 sqrt(2/pi)
+            dz = 1.5957691216057308 * (1.0 + 0.134145 * g * g)  # 3 * 0.044715
+        s = tl.sigmoid(z)
+        a = g * s
+        da = s + g * s * (1.0 - s) * dz
     return a, da
 
 
@@ -106,42 +110,45 @@ def _backward_triton(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tens
     return dgate, dup
 
 
-# Plain-torch path: the same math as the kernels, in fp32 (float64 stays float64).
-def _act_torch(g: torch.Tensor, act: int) -> torch.Tensor:
+# Plain-torch path: the same math as the kernels, in fp32 (float64 stays float64), written with
+# in-place steps on fresh temporaries so that it holds few activation-sized buffers at once.
+# `g`, `u`, `d` may be the caller's tensors: never modified.
+def _sigmoid_of_z(g: torch.Tensor, act: int) -> torch.Tensor:
     if act == SILU:
-        return g * torch.sigmoid(g)
-    if act == GELU_ERF:
-        return g * 0.5 * (1.0 + torch.erf(g * 0.7071067811865476))
-    t = 2.0 * torch.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) - 1.0  # tanh, as the kernel does
-    return 0.5 * g * (1.0 + t)
-
-
-def _act_and_grad_torch(g: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if act == SILU:
-        s = torch.sigmoid(g)
-        return g * s, s * (1.0 + g * (1.0 - s))
-    if act == GELU_ERF:
-        cdf = 0.5 * (1.0 + torch.erf(g * 0.7071067811865476))
-        return g * cdf, cdf + g * 0.3989422804014327 * torch.exp(-0.5 * g * g)
-    k = 0.7978845608028654
-    t = 2.0 * torch.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0  # tanh, as the kernel computes it
-    return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 0.134145 * g * g)
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+        return torch.sigmoid(g)
+    return torch.square(g).mul_(0.044715).add_(1.0).mul_(g).mul_(1.5957691216057308).sigmoid_()
 
 
 def _forward_torch(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     ct = _compute_dtype(gate)
-    return (_act_torch(gate.to(ct), act) * up.to(ct)).to(gate.dtype)
+    g, u = gate.to(ct), up.to(ct)
+    if act == GELU_ERF:
+        a = torch.mul(g, 0.7071067811865476).erf_().add_(1.0).mul_(0.5).mul_(g)
+    else:
+        a = _sigmoid_of_z(g, act).mul_(g)
+    return a.mul_(u).to(gate.dtype)
 
 
 def _backward_torch(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     ct = _compute_dtype(gate)
-    a, da = _act_and_grad_torch(gate.to(ct), act)
-    d = dout.to(ct)
-    return (d * up.to(ct) * da).to(gate.dtype), (d * a).to(up.dtype)
+    g, u, d = gate.to(ct), up.to(ct), dout.to(ct)
+    if act == GELU_ERF:
+        cdf = torch.mul(g, 0.7071067811865476).erf_().add_(1.0).mul_(0.5)
+        da = torch.square(g).mul_(-0.5).exp_().mul_(0.3989422804014327).mul_(g).add_(cdf)
+        dup = cdf.mul_(g).mul_(d)
+    else:
+        s = _sigmoid_of_z(g, act)
+        if act == SILU:
+            da = torch.mul(g, s)  # g s dz, dz = 1
+        else:
+            da = torch.square(g).mul_(0.134145).add_(1.0).mul_(1.5957691216057308).mul_(s).mul_(g)
+        da.addcmul_(da, s, value=-1.0).add_(s)  # s + g s (1 - s) dz
+        dup = s.mul_(g).mul_(d)
+    return da.mul_(u).mul_(d).to(gate.dtype), dup.to(up.dtype)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 class GatedUnitFunction(torch.autograd.Function):
