@@ -19,12 +19,10 @@ every launcher:
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 import os
 import sys
-import threading
-from dataclasses import dataclass
+from _thread import _local
+from collections import namedtuple
 
 from . import patching
 from .topology import Topology, scrub_blank_env, topology
@@ -38,12 +36,11 @@ UNTOUCHED = "untouched"
 _TRUE = ("1", "true", "yes")
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What the patch does with accelerate's state for this process, and why."""
+class Decision(namedtuple("Decision", "action reason")):
+    """What the patch does with accelerate's state for this process, and why. `action` is one of
+    single-device, cpu-distributed, export-launcher-env, accelerate, untouched."""
 
-    action: str  # single-device, cpu-distributed, export-launcher-env, accelerate, untouched
-    reason: str
+    __slots__ = ()
 
 
 def _flag(env, name: str) -> bool:
@@ -99,16 +96,20 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
     )
 
 
-_current = threading.local()  # the decision of the __init__ in progress, for _prepare_backend
+_current = _local()  # the decision of the __init__ in progress, for _prepare_backend
 
 
-@contextlib.contextmanager
-def _hidden(names: tuple[str, ...]):
-    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
+class _Hidden:
+    """Remove environment variables for the duration of a with-block, then put them back."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names, self.saved = names, {}
+
+    def __enter__(self) -> None:
+        self.saved = {n: os.environ.pop(n) for n in self.names if n in os.environ}
+
+    def __exit__(self, *exc) -> None:
+        os.environ.update(self.saved)
 
 
 def _export_launcher_env(topo: Topology) -> None:
@@ -137,6 +138,8 @@ class AccelerateStatePatch(patching.Patch):
     last_decision: Decision | None = None
 
     def check(self, module) -> str | None:
+        import inspect
+
         cls = getattr(module, "PartialState", None)
         if cls is None:
             return "accelerate.state has no PartialState"
@@ -155,12 +158,15 @@ class AccelerateStatePatch(patching.Patch):
     def too_late(self, module) -> str | None:
         if module.PartialState._shared_state:
             return (
-                "an accelerate state already existed when accel_patch bound; it was left as it is "
-                "(import accel_patch before creating the Accelerator, Trainer or TrainingArguments)"
+                "an accelerate state already existed when accel_patch bound; it was left as it is, "
+                "and states created after it is reset are patched (import accel_patch before "
+                "creating the Accelerator, Trainer or TrainingArguments)"
             )
         return None
 
     def install(self, module) -> None:
+        import inspect
+
         cls = module.PartialState
         distributed_type = module.DistributedType
         init_signature = inspect.signature(cls.__dict__["__init__"])
@@ -182,7 +188,7 @@ class AccelerateStatePatch(patching.Patch):
             hide = ("LOCAL_RANK",) if decision.action == SINGLE_DEVICE else ()
             _current.decision = decision
             try:
-                with _hidden(hide):
+                with _Hidden(hide):
                     return wrapped(*args, **kwargs)
             finally:
                 _current.decision = None

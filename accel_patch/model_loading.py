@@ -9,10 +9,8 @@ accelerators keeps a strategy string: spreading a model over them is what it ask
 """
 from __future__ import annotations
 
-import inspect
-import json
 import os
-from dataclasses import dataclass
+from collections import namedtuple
 
 from . import patching
 from .device_map import prepare_device_map
@@ -21,13 +19,10 @@ from .topology import scrub_blank_env, topology
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-@dataclass(frozen=True)
-class LoadDecision:
+class LoadDecision(namedtuple("LoadDecision", "requested used reason")):
     """What the hook did to the last `from_pretrained` call's device_map."""
 
-    requested: object
-    used: object
-    reason: str
+    __slots__ = ()
 
 
 def _is_quantized(pretrained, kwargs) -> bool:
@@ -42,6 +37,8 @@ def _is_quantized(pretrained, kwargs) -> bool:
     # here: the hook never touches the network).
     path = config if config is not None else pretrained
     if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        import json
+
         try:
             with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
                 return "quantization_config" in json.load(f)
@@ -75,6 +72,8 @@ class ModelLoadingPatch(patching.Patch):
     last_load: LoadDecision | None = None
 
     def check(self, module) -> str | None:
+        import inspect
+
         cls = getattr(module, "PreTrainedModel", None)
         if cls is None:
             return "transformers.modeling_utils has no PreTrainedModel"

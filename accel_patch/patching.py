@@ -3,40 +3,32 @@ undo exactly.
 
 A patch reads like an OpenTelemetry instrumentor: the module it targets, the versions it was
 verified on, a shape guard, the wrappers, and the undo. Nothing here imports torch,
-transformers or accelerate; patches bind through wrapt post-import hooks (at once when the target
-is already imported). A patch that raises while binding is recorded as failed, logged once, and
-leaves its target untouched: it never breaks the user's import.
+transformers or accelerate, and `import accel_patch` must stay cheap: the post-import hook is a
+small meta-path finder of our own (wrapt's package import alone costs ~100 ms), and wrapt is
+imported only when a patch installs, which happens while its heavy target is being imported
+anyway. A patch that raises while binding is recorded as failed, logged once, and leaves its
+target untouched: it never breaks the user's import.
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import threading
-from dataclasses import dataclass
-from typing import Callable, ClassVar
-
-import wrapt
-
-logger = logging.getLogger("accel_patch")
+from _thread import RLock
+from collections import namedtuple
 
 ACTIVE, PENDING, SKIPPED, FAILED, TOO_LATE, DISABLED = (
     "active", "pending", "skipped", "failed", "too-late", "disabled",
 )
 
 
-@dataclass(frozen=True)
-class PatchStatus:
-    """One patch as the user sees it in `accel_patch.status()`."""
+class PatchStatus(namedtuple("PatchStatus", "name state reason target verified")):
+    """One patch as the user sees it in `accel_patch.status()`: state is one of active, pending,
+    skipped, failed, too-late, disabled; `verified` names the versions it was verified on."""
 
-    name: str
-    state: str  # active, pending, skipped, failed, too-late, disabled
-    reason: str
-    target: str
-    verified: str  # versions the patch was verified on
+    __slots__ = ()
 
     def __str__(self) -> str:
-        return f"{self.name:<14} {self.state:<9} {self.reason}"
+        return f"{self.name:<16} {self.state:<9} {self.reason}"
 
 
 class Patch:
@@ -46,14 +38,19 @@ class Patch:
     back the exact objects from the owners' `__dict__`, or deletes what the patch added.
     """
 
-    name: ClassVar[str]
-    module: ClassVar[str]  # the module whose import binds the patch
-    target: ClassVar[str]  # what it patches, for humans
-    verified: ClassVar[str]  # versions it was verified on
-    switch: ClassVar[str]  # env variable that turns this patch off with "0"
+    # Class attributes of every patch (typing.ClassVar is not imported: import must stay cheap).
+    name: str
+    module: str  # the module whose import binds the patch
+    target: str  # what it patches, for humans
+    verified: str  # versions it was verified on
+    switch: str  # env variable that turns this patch off with "0"
 
     def __init__(self) -> None:
         self._saved: list[tuple[type, str, object, bool]] = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._saved)
 
     def check(self, module) -> str | None:
         """Shape guard: a reason to skip when the target moved, else None."""
@@ -66,7 +63,9 @@ class Patch:
     def install(self, module) -> None:
         raise NotImplementedError
 
-    def wrap(self, owner: type, attr: str, wrapper: Callable) -> None:
+    def wrap(self, owner: type, attr: str, wrapper) -> None:
+        import wrapt
+
         had = attr in owner.__dict__
         original = owner.__dict__[attr] if had else getattr(owner, attr)
         self._saved.append((owner, attr, original, had))
@@ -81,12 +80,65 @@ class Patch:
                 delattr(owner, attr)
 
 
-_lock = threading.RLock()
+_lock = RLock()
 _patches: dict[str, Patch] = {}
 _states: dict[str, tuple[str, str]] = {}
-_hooked: set[str] = set()
 _enabled = False
 _logged: set[str] = set()
+
+
+class _HookedLoader:
+    """Runs the real loader, then binds the patches waiting for that module."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        # Put the real loader back first, so the module looks exactly as if never watched.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _on_import(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder:
+    """A meta-path finder that only watches the patches' target modules."""
+
+    def __init__(self) -> None:
+        self._resolving: set[str] = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in _watched() or fullname in self._resolving:
+            return None
+        self._resolving.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._resolving.discard(fullname)
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _HookedLoader(spec.loader)
+        return spec
+
+
+def _watched() -> set[str]:
+    return {p.module for p in _patches.values()} if _enabled else set()
+
+
+_finder = _PostImportFinder()
 
 
 def register(patch: Patch) -> None:
@@ -99,14 +151,16 @@ def register(patch: Patch) -> None:
 def _set(name: str, state: str, reason: str) -> None:
     _states[name] = (state, reason)
     if state == FAILED and name not in _logged:
+        import logging
+
         _logged.add(name)
-        logger.warning("accel_patch: patch %s failed and was skipped: %s", name, reason)
+        logging.getLogger("accel_patch").warning("accel_patch: patch %s failed and was skipped: %s", name, reason)
 
 
 def _bind(patch: Patch, module) -> None:
     """Install one patch on its freshly imported module; never raises."""
     with _lock:
-        if not _enabled or _states[patch.name][0] == ACTIVE:
+        if not _enabled or patch.installed:
             return
         if os.environ.get(patch.switch, "").strip() == "0":
             _set(patch.name, SKIPPED, f"turned off by {patch.switch}=0")
@@ -116,12 +170,10 @@ def _bind(patch: Patch, module) -> None:
             if reason:
                 _set(patch.name, SKIPPED, reason)
                 return
-            reason = patch.too_late(module)
-            if reason:
-                _set(patch.name, TOO_LATE, reason)
-                return
+            late = patch.too_late(module)
             patch.install(module)
-            _set(patch.name, ACTIVE, f"patched {patch.target}")
+            # too-late: what already exists is left as it is; what is created from now on is patched.
+            _set(patch.name, TOO_LATE, late) if late else _set(patch.name, ACTIVE, f"patched {patch.target}")
         except Exception as exc:  # a hook that raises would break the user's import
             try:
                 patch.uninstall()
@@ -141,26 +193,25 @@ def enable() -> None:
     global _enabled
     with _lock:
         _enabled = True
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
         for patch in _patches.values():
-            if _states[patch.name][0] in (DISABLED, SKIPPED, FAILED, TOO_LATE):
-                _states[patch.name] = (PENDING, f"waiting for `import {patch.module}`")
+            if patch.installed:
+                continue
+            _states[patch.name] = (PENDING, f"waiting for `import {patch.module}`")
             if patch.module in sys.modules:
                 _bind(patch, sys.modules[patch.module])
-            elif patch.module not in _hooked:
-                # wrapt keeps hooks forever; _bind checks _enabled, so one registration suffices.
-                _hooked.add(patch.module)
-                wrapt.register_post_import_hook(_on_import, patch.module)
 
 
 def disable() -> None:
-    """Undo every active patch, restoring the exact original objects. Idempotent."""
+    """Undo every patch, restoring the exact original objects. Idempotent."""
     global _enabled
     with _lock:
         _enabled = False
+        if _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
         for patch in _patches.values():
-            state = _states[patch.name][0]
-            if state == ACTIVE:
-                patch.uninstall()
+            patch.uninstall()
             _set(patch.name, DISABLED, "accel_patch.disable() was called")
 
 

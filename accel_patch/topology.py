@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Mapping
+from collections import namedtuple
+from types import MappingProxyType
 
 __all__ = [
     "LAUNCHER_VARIABLES",
@@ -55,19 +55,20 @@ LAUNCHER_VARIABLES: tuple[str, ...] = tuple(
 )
 
 
-@dataclass(frozen=True)
-class Topology:
+_TOPOLOGY_FIELDS = (
+    "world_size rank local_rank local_world_size num_nodes "
+    "device_type "  # "cuda", "xpu", "npu", "mps" or "cpu"
+    "device_count "  # accelerators this process can see; 0 when device_type is "cpu"
+    "launcher "  # torchrun, accelerate, deepspeed, openmpi, mvapich, intel-mpi, slurm, env, torch.distributed, none
+    "sources"  # field -> the variable it came from (read-only mapping)
+)
+
+
+# A frozen record; a namedtuple rather than a dataclass because `import accel_patch` must stay cheap.
+class Topology(namedtuple("Topology", _TOPOLOGY_FIELDS, defaults=(MappingProxyType({}),))):
     """Where this process sits in the run. `device_count` is the accelerators it can see."""
 
-    world_size: int
-    rank: int
-    local_rank: int
-    local_world_size: int
-    num_nodes: int
-    device_type: str  # "cuda", "xpu", "npu", "mps" or "cpu"
-    device_count: int  # 0 when device_type is "cpu"
-    launcher: str  # torchrun, accelerate, deepspeed, openmpi, mvapich, intel-mpi, slurm, torch.distributed, none
-    sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # field -> variable it came from
+    __slots__ = ()
 
     @property
     def single_device(self) -> bool:
@@ -91,7 +92,7 @@ def _blank(value: str | None) -> bool:
     return value is None or value.strip() == ""
 
 
-def _read_int(env: Mapping[str, str], name: str | None) -> int | None:
+def _read_int(env: dict, name: str | None) -> int | None:
     """The variable as a whole number >= 0; None when absent or blank."""
     if name is None:
         return None
@@ -150,7 +151,7 @@ def _initialized_group() -> tuple[int, int] | None:
     return dist.get_world_size(), dist.get_rank()
 
 
-def _detect_torch_launcher(env: Mapping[str, str]) -> str:
+def _detect_torch_launcher(env: dict) -> str:
     if not _blank(env.get("CROSS_RANK")) or not _blank(env.get("CROSS_SIZE")):
         return "deepspeed"
     if any(k.startswith("ACCELERATE_") and k != "ACCELERATE_CONFIG_FILE" for k in env):
@@ -160,7 +161,7 @@ def _detect_torch_launcher(env: Mapping[str, str]) -> str:
     return "env"
 
 
-def topology(environ: Mapping[str, str] | None = None) -> Topology:
+def topology(environ: dict | None = None) -> Topology:
     """Resolve the topology now, from an initialized process group or the launcher's variables.
 
     Raises TopologyError when a launcher variable holds something other than a whole number >= 0.
@@ -221,11 +222,11 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
         device_type=device_type,
         device_count=device_count,
         launcher=launcher,
-        sources=sources,
+        sources=MappingProxyType(sources),
     )
 
 
-def _num_nodes(values: Mapping[str, int | None], world: int, local_world: int | None) -> tuple[int, str | None]:
+def _num_nodes(values: dict, world: int, local_world: int | None) -> tuple[int, str | None]:
     """The node count, and the variable it came from (None when derived)."""
     for name in ("GROUP_WORLD_SIZE", "CROSS_SIZE", "SLURM_STEP_NUM_NODES"):
         if values.get(name):

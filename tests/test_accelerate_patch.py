@@ -304,21 +304,28 @@ def test_process_group_created_by_the_user_is_left_as_it_is(monkeypatch, tmp_pat
     assert "process group already exists" in record().reason
 
 
-def test_state_built_before_the_patch_bound_is_too_late_and_untouched():
+def test_state_built_before_the_patch_bound_is_left_as_is_and_later_states_are_patched():
     accel_patch.disable()
     original_init = PartialState.__dict__["__init__"]
     state = PartialState()
 
+    before = dict(state.__dict__)
     accel_patch.enable()
 
     assert record().state == "too-late"
     assert "already existed" in record().reason
-    assert PartialState.__dict__["__init__"] is original_init
-    assert wrappers_on(PartialState, "_prepare_backend") == 0
-    assert PartialState().__dict__ is state.__dict__  # the same shared state, untouched
+    # The existing state is reused as it is: no new decision, nothing rebuilt.
+    assert PartialState().__dict__ is state.__dict__
+    assert dict(PartialState().__dict__) == before
+    assert PartialState.__dict__["__init__"] is not original_init
 
+    # TrainingArguments resets and rebuilds the state: the rebuilt one is patched (here torchrun
+    # --nproc_per_node=1's variables: state NO and no process group).
     reset_accelerate()
-    accel_patch.enable()  # once there is no state, enabling binds
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    rebuilt = PartialState()
+    assert rebuilt.distributed_type == DistributedType.NO
+    assert not torch.distributed.is_initialized()
     assert record().state == "active"
 
 
