@@ -19,7 +19,7 @@ def test_invalid_world_size_fails_fast_naming_it(tmp_path, out_dir, home):
                timeout=FAIL_FAST_S * 2)
     info = tails([proc])
     assert proc.returncode != 0, f"WORLD_SIZE=two was accepted\n{info}"
-    assert not (out_dir / "rank0.json").exists(), f"it trained before failing\n{info}"
+    assert not (out_dir / "rank0.training").exists(), f"it reached training before failing\n{info}"
     assert proc.seconds < FAIL_FAST_S, f"took {proc.seconds:.0f} s to fail\n{info}"
     # The error line itself (not a traceback's source line) names the variable and the value.
     lines = [l for l in proc.stderr.splitlines() if l.strip()]

@@ -128,6 +128,8 @@ def train(args):
     state = trainer.accelerator.state
     pg_after_trainer = torch.distributed.is_initialized()
     t.append(time.time())
+    # Marks that set-up passed: a test of bad input checks that training was never reached.
+    open(os.path.join(args.out, f"rank{rank}.training"), "w").close()
     out = trainer.train()
     t.append(time.time())
 
