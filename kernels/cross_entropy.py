@@ -1,0 +1,444 @@
+"""Cross-entropy over a large vocabulary: ignore_index, optional logit soft-capping, three reductions.
+
+One Triton program per row (token) walks the vocabulary in blocks of at most MAX_BLOCK columns
+with an online max / log-sum-exp in fp32, so any vocabulary size works (256k included) and the
+loss is accumulated in fp32 whatever the logits' dtype.
+
+Why the forward saves the per-row log-sum-exp and the backward recomputes the softmax, rather
+than writing the gradient during the forward (Liger's way): on a GPU this op is bound by memory
+traffic over the (N, V) logits. Saving lse costs one read of the logits in the forward and one
+read + one write in the backward, with grad_output folded into that write; computing the gradient
+in the forward costs two reads + one write there, and another read + write in the backward to
+scale it by grad_output (or a host sync to skip that when it is 1). Recomputing is the cheaper of
+the two, does no gradient work in evaluation, and holds one logits-dtype buffer (the gradient)
+only while the backward runs. The fused linear cross-entropy (fused_linear_cross_entropy.py) does
+want the gradient during the forward, in place in its own chunk buffer: `forward_rows(...,
+grad=...)` is that mode of the same kernel.
+
+The row-wise work is offered by two interchangeable implementations with one signature,
+`forward_rows` / `backward_rows`: the Triton kernels (`TRITON_ROWS`) and plain torch (`TORCH_ROWS`,
+the same math, processing a bounded number of rows at a time). The fused op reuses them.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from . import _dispatch
+
+REDUCTIONS = ("mean", "sum", "none")
+
+# Columns per block of the kernels' vocabulary loop: 8192 fp32 values over 16 warps is 16 values a
+# thread per live tensor, enough loads in flight to stream HBM without spilling registers.
+MAX_BLOCK = 8192
+
+# Rows the plain-torch path processes at once: it materialises a few fp32 copies of them.
+TORCH_ROWS_ELEMENTS = 1 << 22
+
+# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, an error
+# of a whole bf16 ulp the GPU never makes. Under the interpreter, round in software as the GPU does.
+_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    """tanh of fp32 x from exp (libdevice tanh is not reachable alike across Triton versions and the interpreter)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _cast_out(x, dtype: tl.constexpr):
+    """fp32 x cast to the output dtype, rounding to nearest even (also under the interpreter)."""
+    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _zero_row(g_row, n_cols, BLOCK: tl.constexpr):
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(g_row + cols, tl.zeros([BLOCK], dtype=g_row.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def _write_grad_row(x_row, g_row, label, lse, scale, n_cols, softcap,
+                    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """g = scale * (softmax(z) - onehot(label)) * dz/dx for one row; g_row may alias x_row."""
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            t = _tanh(x / softcap)
+            z = softcap * t
+        else:
+            z = x
+        p = tl.exp(z - lse)
+        g = tl.where(cols == label, p - 1.0, p) * scale
+        if HAS_SOFTCAP:
+            g = g * (1.0 - t * t)  # d/dx softcap * tanh(x / softcap)
+        tl.store(g_row + cols, _cast_out(g, g_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_forward_kernel(
+    X, stride_xa, stride_xb, rows_b,  # row r starts at X + (r // rows_b) * stride_xa + (r % rows_b) * stride_xb
+    Y, stride_y,
+    LOSS, LSE,  # fp32, one per row
+    GRAD, stride_g,  # written only when WRITE_GRAD; may be X itself (in place)
+    SCALE, stride_scale,  # fp32 gradient scale: one per row, or stride 0 for one for all
+    n_cols, ignore_index, softcap,
+    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + (row // rows_b) * stride_xa + (row % rows_b) * stride_xb
+    label = tl.load(Y + row * stride_y).to(tl.int64)
+    if label == ignore_index:
+        tl.store(LOSS + row, 0.0)
+        tl.store(LSE + row, 0.0)
+        if WRITE_GRAD:
+            _zero_row(GRAD + row * stride_g, n_cols, BLOCK)
+    else:
+        # Online log-sum-exp: m is the running max, d the sum of exp(z - m).
+        m = float("-inf")
+        d = 0.0
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            if HAS_SOFTCAP:
+                z = tl.where(mask, softcap * _tanh(z / softcap), float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that start with -inf logits
+            d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
+            m = m_new
+        lse = m + tl.log(d)
+        # An out-of-range label gives a NaN loss (and NaN gradient) instead of reading out of bounds:
+        # a host check would cost a sync, and tl.device_assert only fires in Triton debug mode.
+        in_range = (label >= 0) & (label < n_cols)
+        z_t = tl.load(x_row + tl.where(in_range, label, 0)).to(tl.float32)
+        if HAS_SOFTCAP:
+            z_t = softcap * _tanh(z_t / softcap)
+        lse = tl.where(in_range, lse, float("nan"))
+        tl.store(LOSS + row, lse - z_t)
+        tl.store(LSE + row, lse)
+        if WRITE_GRAD:
+            scale = tl.load(SCALE + row * stride_scale)
+            _write_grad_row(x_row, GRAD + row * stride_g, label, lse, scale, n_cols, softcap,
+                            HAS_SOFTCAP, BLOCK)
+
+
+@triton.jit
+def _ce_backward_kernel(
+    X, stride_xa, stride_xb, rows_b,
+    Y, stride_y,
+    LSE,
+    GRAD, stride_g,
+    SCALE, stride_scale,
+    n_cols, ignore_index, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + (row // rows_b) * stride_xa + (row % rows_b) * stride_xb
+    g_row = GRAD + row * stride_g
+    label = tl.load(Y + row * stride_y).to(tl.int64)
+    if label == ignore_index:
+        _zero_row(g_row, n_cols, BLOCK)
+    else:
+        lse = tl.load(LSE + row)  # NaN for an out-of-range label: the gradient row is NaN too
+        scale = tl.load(SCALE + row * stride_scale)
+        _write_grad_row(x_row, g_row, label, lse, scale, n_cols, softcap, HAS_SOFTCAP, BLOCK)
+
+
+# --------------------------------------------------------------------------------------------
+# Row-wise implementations: Triton and plain torch, one signature
+# --------------------------------------------------------------------------------------------
+
+
+def _launch_config(n_cols: int) -> tuple[int, int]:
+    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
+    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, num_warps
+
+
+def _row_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(stride_a, stride_b, rows_b) of the kernels' two-level row addressing for a 2-D or 3-D x."""
+    if x.dim() == 2:
+        return x.stride(0), 0, 1
+    return x.stride(0), x.stride(1), x.shape[1]
+
+
+def _scale_stride(scale: torch.Tensor) -> int:
+    return 0 if scale.numel() == 1 else scale.stride(0)
+
+
+def _forward_rows_triton(x, labels, ignore_index, softcap, loss, lse, grad=None, scale=None):
+    """Per-row loss and lse (fp32, written into `loss`, `lse`) of the logits rows of x.
+
+    x: (N, V) or (A, B, V) with unit column stride (rows r = a * B + b); labels: (N,) integer.
+    If `grad` is given ((N, V) contiguous, may be x itself), also writes scale * d loss_r / d x_r
+    into it; `scale` is an fp32 tensor of one element or one per row.
+    """
+    n_cols = x.shape[-1]
+    n_rows = labels.shape[0]
+    if n_rows == 0:
+        return
+    block, num_warps = _launch_config(n_cols)
+    write_grad = grad is not None
+    if not write_grad:
+        grad, scale = lse, lse  # unused pointers
+    _ce_forward_kernel[(n_rows,)](
+        x, *_row_strides(x), labels, labels.stride(0), loss, lse,
+        grad, grad.stride(0) if write_grad else 0, scale, _scale_stride(scale) if write_grad else 0,
+        n_cols, ignore_index, 1.0 if softcap is None else float(softcap),
+        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write_grad, BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+def _backward_rows_triton(x, labels, ignore_index, softcap, lse, scale, grad):
+    """Writes scale * d loss_r / d x_r into grad ((N, V) contiguous) from the lse of the forward."""
+    n_cols = x.shape[-1]
+    n_rows = labels.shape[0]
+    if n_rows == 0:
+        return
+    block, num_warps = _launch_config(n_cols)
+    _ce_backward_kernel[(n_rows,)](
+        x, *_row_strides(x), labels, labels.stride(0), lse, grad, grad.stride(0),
+        scale, _scale_stride(scale), n_cols, ignore_index,
+        1.0 if softcap is None else float(softcap),
+        HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=num_warps,
+    )
+
+
+def _torch_row_blocks(x: torch.Tensor):
+    step = max(1, TORCH_ROWS_ELEMENTS // max(1, x.shape[-1]))
+    for start in range(0, x.shape[0], step):
+        yield start, min(start + step, x.shape[0])
+
+
+def _torch_capped(x: torch.Tensor, softcap):
+    """(z, tanh) in fp32 for a block of logits rows; never writes into x."""
+    z = x.float()
+    if softcap is None:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return t * softcap, t
+
+
+def _torch_rows(x, labels, ignore_index, softcap, scale, grad, loss=None, lse=None, saved_lse=None):
+    """The plain-torch rows, both directions: computes lse and loss unless `saved_lse` is given, and
+    the scaled gradient into `grad` if given (grad may be x itself: z is read before it is written).
+    Works on TORCH_ROWS_ELEMENTS at a time and writes fp32 gradients straight into `grad`."""
+    n_rows, n_cols = x.shape
+    if scale is not None:
+        scale = scale.reshape(-1).float().expand(n_rows)
+    for s, e in _torch_row_blocks(x):
+        z, t = _torch_capped(x[s:e], softcap)
+        y = labels[s:e]
+        valid = y != ignore_index
+        hit = valid & (y >= 0) & (y < n_cols)  # rows with a usable label
+        y_hit = torch.where(hit, y, 0).long().unsqueeze(1)
+        z_t = z.gather(1, y_hit).squeeze(1)
+        out = grad[s:e] if grad is not None and grad.dtype == torch.float32 else None
+        if saved_lse is None:
+            m = z.amax(1, keepdim=True)
+            m = torch.where(m == float("-inf"), 0.0, m)  # rows of -inf logits, as in the kernel
+            p = torch.sub(z, m, out=out).exp_()
+            total = p.sum(1)
+            row_lse = torch.where(valid, torch.where(hit, m.squeeze(1) + total.log(), float("nan")), 0.0)
+            loss[s:e] = torch.where(valid, row_lse - z_t, 0.0)
+            lse[s:e] = row_lse
+            if grad is None:
+                continue
+            factor = scale[s:e] / total  # p / total is the softmax
+        else:
+            row_lse = torch.where(valid, saved_lse[s:e], float("inf"))  # exp(z - inf) = 0 on ignored rows
+            p = torch.sub(z, row_lse.unsqueeze(1), out=out).exp_()
+            factor = scale[s:e]
+        # NaN rows for an out-of-range label (as the kernel), zero rows for ignored ones.
+        p.mul_(torch.where(valid, torch.where(hit, factor, float("nan")), 0.0).unsqueeze(1))
+        rows = torch.nonzero(hit).squeeze(1)
+        p[rows, y_hit[rows, 0]] -= scale[s:e][rows]
+        if t is not None:
+            p.mul_(t.square_().neg_().add_(1.0))  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
+        if out is None:
+            grad[s:e].copy_(p)
+
+
+def _forward_rows_torch(x, labels, ignore_index, softcap, loss, lse, grad=None, scale=None):
+    """Plain-torch `_forward_rows_triton`: same arguments, same results (x must be 2-D here)."""
+    _torch_rows(x, labels, ignore_index, softcap, scale, grad, loss=loss, lse=lse)
+
+
+def _backward_rows_torch(x, labels, ignore_index, softcap, lse, scale, grad):
+    """Plain-torch `_backward_rows_triton` (x must be 2-D here)."""
+    _torch_rows(x, labels, ignore_index, softcap, scale, grad, saved_lse=lse)
+
+
+class RowsImpl(NamedTuple):
+    forward_rows: object
+    backward_rows: object
+    name: str
+
+
+TRITON_ROWS = RowsImpl(_forward_rows_triton, _backward_rows_triton, "triton")
+TORCH_ROWS = RowsImpl(_forward_rows_torch, _backward_rows_torch, "torch")
+
+
+def rows_impl(t: torch.Tensor) -> RowsImpl:
+    return TRITON_ROWS if _dispatch.use_triton(t) else TORCH_ROWS
+
+
+# --------------------------------------------------------------------------------------------
+# Validation shared with the fused op
+# --------------------------------------------------------------------------------------------
+
+
+def check_options(ignore_index, softcap, reduction) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if softcap is not None:
+        is_number = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+        if not is_number or not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
+
+
+def check_labels(labels, expected_shape, vocab: int, ignore_index: int, against: str) -> None:
+    """labels: an integer tensor of `expected_shape`; on CPU also every label in [0, vocab) or ignore_index.
+
+    On a GPU the range is not checked on the host (that would sync): the kernel gives NaN instead.
+    """
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    if tuple(labels.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"labels has shape {tuple(labels.shape)} but {against} needs labels of shape {tuple(expected_shape)}"
+        )
+    if labels.device.type == "cpu" and labels.numel() > 0:
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+        if bool(bad.any()):
+            value = labels[bad].flatten()[0].item()
+            raise ValueError(
+                f"labels contains {value}, outside [0, V) for vocabulary size V={vocab} "
+                f"(and not ignore_index={ignore_index})"
+            )
+
+
+def flat_labels(labels: torch.Tensor) -> torch.Tensor:
+    y = labels.reshape(-1)
+    if y.dtype not in (torch.int32, torch.int64):
+        y = y.long()
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------
+
+
+def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
+    """The logits as rows without copying where possible: (N, V), or (A, B, V) for the kernels."""
+    vocab = logits.shape[-1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    try:
+        return logits.view(-1, vocab)
+    except RuntimeError:
+        pass
+    if triton_rows and logits.dim() >= 3:  # e.g. logits[:, :-1, :]: two row strides, no copy
+        try:
+            return logits.view(-1, logits.shape[-2], vocab)
+        except RuntimeError:
+            pass
+    return logits.reshape(-1, vocab)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index, softcap, reduction, impl):
+        x = _rows_view(logits, impl is TRITON_ROWS)
+        y = flat_labels(labels)
+        n = y.shape[0]
+        loss = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
+        lse = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
+        impl.forward_rows(x, y, ignore_index, softcap, loss, lse)
+        n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
+        ctx.save_for_backward(x, y, lse, n_valid)
+        ctx.options = (ignore_index, softcap, reduction, impl, logits.shape, logits.dtype)
+        if reduction == "none":
+            return loss.view(labels.shape)
+        total = loss.sum()
+        # All tokens ignored: 0 / 1 = 0 (and zero gradients), not eager torch's 0 / 0 = NaN.
+        return total / n_valid.clamp(min=1) if reduction == "mean" else total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        x, y, lse, n_valid = ctx.saved_tensors
+        ignore_index, softcap, reduction, impl, shape, dtype = ctx.options
+        if reduction == "none":
+            scale = grad_output.reshape(-1).float()
+        elif reduction == "mean":
+            scale = (grad_output.float() / n_valid.clamp(min=1)).reshape(1)
+        else:
+            scale = grad_output.float().reshape(1)
+        grad = _dispatch.empty((y.shape[0], shape[-1]), dtype=dtype, device=x.device)
+        impl.backward_rows(x, y, ignore_index, softcap, lse, scale, grad)
+        return grad.view(shape), None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of logits (..., V) against integer labels (...), like F.cross_entropy.
+
+    - softcap: if given (> 0), the logits become softcap * tanh(logits / softcap) before the
+      softmax (Gemma 2 style); the gradient goes through the cap.
+    - reduction: "mean" over the tokens whose label is not ignore_index, "sum", or "none" (the
+      per-token loss, shape labels.shape, 0 at ignored tokens). If every token is ignored, "mean"
+      and "sum" both return 0 with zero gradients (eager torch's "mean" gives NaN).
+    - The loss is returned in float32 whatever the logits' dtype (float32 accumulation); the
+      gradient of logits has the logits' dtype. Not differentiable w.r.t. labels. The caller's
+      logits are never written to.
+    - Label out of range (not ignore_index and < 0 or >= V): ValueError on CPU tensors; on a GPU,
+      checking would cost a host sync, so that token's loss and gradient are NaN instead.
+    - Bad shapes, dtypes, devices or options raise ValueError naming the argument.
+
+    Runs the Triton kernels on GPU tensors (and CPU tensors under TRITON_INTERPRET=1), plain torch
+    elsewhere; the kernels compute in fp32, so float64 logits get fp32 accuracy there.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        what = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a floating-point tensor of shape (..., V), got {what}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    check_options(ignore_index, softcap, reduction)
+    if isinstance(labels, torch.Tensor):
+        _dispatch.check_same_device(logits=logits, labels=labels)
+    check_labels(labels, logits.shape[:-1], logits.shape[-1], ignore_index,
+                 against=f"logits of shape {tuple(logits.shape)}")
+    return _CrossEntropy.apply(logits, labels, ignore_index, softcap, reduction, rows_impl(logits))

@@ -1,0 +1,247 @@
+"""fused_linear_cross_entropy against float64 references: loss and the gradients of hidden, weight
+and bias, chunk boundaries, and the promise never to hold the full (N, V) logits.
+
+Shapes stay small: on CPU the Triton interpreter runs one Python program per token.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from accel_kernels.cross_entropy import TORCH_ROWS, TRITON_ROWS
+from accel_kernels.fused_linear_cross_entropy import _FusedLinearCrossEntropy, fused_linear_cross_entropy
+
+from _checks import assert_close
+
+flce_module = importlib.import_module("accel_kernels.fused_linear_cross_entropy")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def _inputs(shape, hidden_size, vocab, dtype, device, bias=True, ignored=(), scale=0.5):
+    hidden = torch.randn(*shape, hidden_size).to(dtype).to(device)
+    weight = (torch.randn(vocab, hidden_size) * scale).to(dtype).to(device)
+    b = (torch.randn(vocab) * scale).to(dtype).to(device) if bias else None
+    labels = torch.randint(0, vocab, shape, device=device)
+    labels.view(-1)[list(ignored)] = -100
+    return hidden, weight, b, labels
+
+
+def _grad_output(labels, reduction, device):
+    if reduction == "none":
+        return torch.rand(labels.shape, device=device) + 0.5
+    return torch.tensor(1.7, device=device)  # not 1: the backward must scale by it
+
+
+def _run(fn, hidden, weight, bias, grad_output):
+    """(loss, grad hidden, grad weight, grad bias) of fn on leaf copies of the inputs."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (hidden, weight, bias)]
+    loss = fn(*leaves)
+    loss.backward(grad_output.to(loss.dtype))
+    return (loss.detach(), *[t.grad if t is not None else None for t in leaves])
+
+
+def _eager(labels, ignore_index=-100, softcap=None, reduction="mean"):
+    def fn(h, w, b):
+        logits = h @ w.T if b is None else h @ w.T + b
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.to(h.device).reshape(-1).long(),
+                               ignore_index=ignore_index, reduction=reduction)
+        return loss.view(labels.shape) if reduction == "none" else loss
+    return fn
+
+
+def _reference(hidden, weight, bias, labels, grad_output, **kw):
+    cpu64 = [t.detach().cpu().double() if t is not None else None for t in (hidden, weight, bias)]
+    return _run(_eager(labels.cpu(), **kw), *cpu64, grad_output.cpu().double())
+
+
+def _ours(hidden, weight, bias, labels, grad_output, chunk_size=None, **kw):
+    return _run(lambda h, w, b: fused_linear_cross_entropy(h, w, labels, bias=b, chunk_size=chunk_size, **kw),
+                hidden, weight, bias, grad_output)
+
+
+def _check(hidden, weight, bias, labels, dtype, chunk_size=None, what="", **kw):
+    go = _grad_output(labels, kw.get("reduction", "mean"), hidden.device)
+    ours = _ours(hidden, weight, bias, labels, go, chunk_size=chunk_size, **kw)
+    ref = _reference(hidden, weight, bias, labels, go, **kw)
+    stock = [None] * 4 if dtype == torch.float32 else _run(_eager(labels, **kw), hidden, weight, bias, go)
+    assert ours[0].dtype == torch.float32 and ours[0].shape == ref[0].shape
+    for name, o, r, s, inp in zip(("loss", "grad hidden", "grad weight", "grad bias"), ours, ref, stock,
+                                  (None, hidden, weight, bias)):
+        if r is None:
+            assert o is None, name
+            continue
+        if inp is not None:
+            assert o.dtype == inp.dtype and o.shape == inp.shape, name
+        assert_close(o, r, dtype, stock=s, what=f"{name} {what}")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_float64_across_chunks(device, dtype, reduction):
+    # 2 x 9 = 18 tokens in chunks of 8: 8 + 8 + 2, the last chunk ragged; vocab not a power of two
+    hidden, weight, bias, labels = _inputs((2, 9), 32, 500, dtype, device, ignored=(3, 9, 10))
+    _check(hidden, weight, bias, labels, dtype, chunk_size=8, reduction=reduction)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_without_bias(device, dtype, reduction):
+    hidden, weight, bias, labels = _inputs((11,), 24, 300, dtype, device, bias=False, ignored=(5,), scale=3.0)
+    _check(hidden, weight, None, labels, dtype, chunk_size=8, softcap=4.0, reduction=reduction)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 100])
+def test_any_chunk_size(device, chunk_size):
+    hidden, weight, bias, labels = _inputs((7,), 16, 200, torch.float32, device, ignored=(0,))
+    _check(hidden, weight, bias, labels, torch.float32, chunk_size=chunk_size, what=f"chunk {chunk_size}")
+
+
+def test_vocab_above_64k(device):
+    hidden, weight, bias, labels = _inputs((3,), 8, 70001, torch.float32, device)
+    labels[0] = 70000
+    _check(hidden, weight, bias, labels, torch.float32, softcap=20.0)
+
+
+def test_custom_ignore_index(device):
+    hidden, weight, bias, labels = _inputs((9,), 16, 64, torch.float32, device)
+    labels[[2, 6]] = 3  # class 3 is ignored
+    _check(hidden, weight, bias, labels, torch.float32, chunk_size=4, ignore_index=3)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_ignored_gives_zero_loss_and_gradients(device, reduction):
+    hidden, weight, bias, labels = _inputs((2, 5), 8, 30, torch.float32, device, ignored=range(10))
+    loss, gh, gw, gb = _ours(hidden, weight, bias, labels, _grad_output(labels, reduction, device), chunk_size=4,
+                             reduction=reduction)
+    for t in (loss, gh, gw, gb):
+        assert torch.equal(t, torch.zeros_like(t))  # "mean" too: 0, not 0/0 = NaN
+
+
+def test_gradients_only_for_inputs_that_require_them(device):
+    hidden, weight, bias, labels = _inputs((6,), 8, 40, torch.float32, device)
+    for reduction in REDUCTIONS:
+        h = hidden.clone().requires_grad_()  # weight and bias frozen, as under LoRA
+        fused_linear_cross_entropy(h, weight, labels, bias=bias, reduction=reduction, chunk_size=4).sum().backward()
+        go = torch.ones(6) if reduction == "none" else torch.tensor(1.0)
+        ref = _reference(hidden, weight, bias, labels, go, reduction=reduction)
+        assert_close(h.grad, ref[1], torch.float32, what=f"grad hidden ({reduction}, frozen weight)")
+    assert not fused_linear_cross_entropy(hidden, weight, labels, bias=bias).requires_grad
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_inputs_not_modified_and_second_backward_equal(device, factor):
+    hidden, weight, bias, labels = _inputs((10,), 8, 50, torch.float32, device)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], chunk_size=3)
+    loss.backward(torch.tensor(factor, device=device), retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad.mul_(3.0)  # a user (or grad accumulation) working on .grad in place
+    loss.backward(torch.tensor(factor, device=device))
+    for a, b in zip(first, leaves):
+        torch.testing.assert_close(b.grad, 4.0 * a)  # the saved gradients were not touched
+    for before, t in zip((hidden, weight, bias), leaves):
+        assert torch.equal(before, t.detach())
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_plain_torch_path_agrees_with_triton(device, reduction, monkeypatch):
+    hidden, weight, bias, labels = _inputs((2, 5), 16, 250, torch.float32, device, ignored=(4,))
+    go = _grad_output(labels, reduction, device)
+    kw = dict(softcap=3.0, reduction=reduction, chunk_size=4)
+    triton_path = _ours(hidden, weight, bias, labels, go, **kw)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors now take the plain-torch path
+    plain = _ours(*[t.cpu() for t in (hidden, weight, bias, labels, go)], **kw)
+    for name, p, t in zip(("loss", "grad hidden", "grad weight", "grad bias"), plain, triton_path):
+        torch.testing.assert_close(p, t.cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest tensor (in bytes) any torch op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("path, reduction", [("torch", r) for r in REDUCTIONS] + [("triton", "none")])
+def test_never_materialises_full_logits(path, reduction, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if path == "torch" else "1")
+    n, hidden_size, vocab = 64, 8, 300
+    # The default chunking, with a budget of 16 tokens' logits.
+    monkeypatch.setattr(flce_module, "TORCH_CHUNK_BYTES" if path == "torch" else "CHUNK_BYTES", 16 * vocab * 4)
+    hidden, weight, bias, labels = _inputs((n,), hidden_size, vocab, torch.float32, "cpu")
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    with _LargestOutput() as spy:
+        loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], reduction=reduction)
+        loss.sum().backward()
+    assert spy.largest <= 16 * vocab * 4, f"a tensor of {spy.largest} bytes; full logits have {n * vocab * 4}"
+    ref = _reference(hidden, weight, bias, labels, torch.ones(n) if reduction == "none" else torch.tensor(1.0),
+                     reduction=reduction)
+    assert_close(leaves[1].grad, ref[2], torch.float32, what="grad weight")
+
+
+def test_chunk_rows_fits_the_budget():
+    assert flce_module.chunk_rows(10_000, 128_256, 2, 256 << 20) == 1024  # 1046 rounded down to tiles of 64
+    assert flce_module.chunk_rows(100, 128_256, 2, 256 << 20) == 100
+    assert flce_module.chunk_rows(10_000, 10**9, 4, 1 << 20) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 30])
+def test_out_of_range_label_raises_on_cpu(bad):
+    hidden, weight, bias, labels = _inputs((4,), 8, 30, torch.float32, "cpu")
+    labels[2] = bad
+    with pytest.raises(ValueError, match=rf"labels contains {bad}.*V=30"):
+        fused_linear_cross_entropy(hidden, weight, labels, bias=bias)
+
+
+@pytest.mark.parametrize("impl", [TRITON_ROWS, TORCH_ROWS], ids=lambda i: i.name)
+def test_out_of_range_label_gives_nan_without_host_check(device, impl):
+    # What a GPU does, where no host check runs: NaN loss, never a silent wrong one.
+    hidden, weight, bias, labels = _inputs((4,), 8, 30, torch.float32, device)
+    labels[2] = 30
+    loss = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, -100, None, "none", 2, impl)
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+    h = hidden.clone().requires_grad_()
+    _FusedLinearCrossEntropy.apply(h, weight, bias, labels, -100, None, "mean", 2, impl).backward()
+    assert torch.isnan(h.grad[2]).all() and torch.isfinite(h.grad[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(weight=torch.randn(10, 6)), r"weight has shape \(10, 6\).*weight of shape \(V, 8\)"),
+        (dict(weight=torch.randn(80)), r"weight has shape \(80,\)"),
+        (dict(bias=torch.randn(9)), r"bias has shape \(9,\).*bias of shape \(10,\)"),
+        (dict(bias=torch.randn(10, dtype=torch.float64)), r"bias has dtype torch.float64"),
+        (dict(weight=torch.randn(10, 8, dtype=torch.bfloat16)), r"weight has dtype torch.bfloat16 but hidden"),
+        (dict(hidden=torch.zeros(4, 8, dtype=torch.long)), r"hidden must be a floating-point tensor"),
+        (dict(labels=torch.zeros(4, 1, dtype=torch.long)), r"labels has shape \(4, 1\).*labels of shape \(4,\)"),
+        (dict(labels=torch.zeros(4)), r"labels must be an integer tensor"),
+        (dict(reduction="max"), r"reduction must be one of"),
+        (dict(softcap=0), r"softcap must be a finite number > 0"),
+        (dict(chunk_size=0), r"chunk_size must be a positive int"),
+        (dict(weight=torch.randn(10, 8, device="meta")), r"weight is on meta"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, message):
+    args = dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), labels=torch.zeros(4, dtype=torch.long),
+                bias=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        fused_linear_cross_entropy(**args)
