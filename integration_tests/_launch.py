@@ -3,9 +3,8 @@ what each rank wrote, and check the results a user cares about.
 
 Every launch runs with a deadline; on expiry the whole process group is killed and the test fails
 with the tail of every process's stdout and stderr. Processes run in a temporary directory, never
-the repository root: with the root as the current directory, `python -m ...` puts the repo's
-`kernels/` folder on sys.path as the import name `kernels`, which transformers then mistakes for
-Hugging Face's `kernels` package.
+the repository root, so that they import the installed package as a user's script would, not
+whatever the checkout puts on sys.path.
 """
 
 import json
