@@ -16,16 +16,12 @@ import triton
 import triton.language as tl
 
 from . import _dispatch
+from ._triton_common import cast_rounded
 
 SILU, GELU_ERF, GELU_TANH = 0, 1, 2
 
 BLOCK = 1024
 NUM_WARPS = BLOCK // 256  # 8 elements per thread: one 16-byte load of bf16
-
-# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, which
-# would make CPU tests see errors of a whole bf16 ulp that the GPU never makes. Under the
-# interpreter, round in software exactly as the GPU does.
-_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
 
 
 # SiLU and tanh-GELU are both g * sigmoid(z(g)): z = g for SiLU, and since
@@ -52,16 +48,6 @@ def _act_and_grad(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _to_dtype(x, dtype: tl.constexpr):
-    """fp32 x cast to the output dtype, rounding to nearest even."""
-    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
 def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     # int64 block start: tensors of 2**31 elements and more are common at LLM scale.
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -70,7 +56,7 @@ def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: 
     g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(g, ACT)
-    tl.store(out_ptr + start + offs, _to_dtype(a * u, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + start + offs, cast_rounded(a * u, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -83,8 +69,8 @@ def _glu_backward_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n,
     g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     a, da = _act_and_grad(g, ACT)
-    tl.store(dgate_ptr + start + offs, _to_dtype(dout * u * da, dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + start + offs, _to_dtype(dout * a, dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + start + offs, cast_rounded(dout * u * da, dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + start + offs, cast_rounded(dout * a, dup_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(n: int) -> tuple[int]:

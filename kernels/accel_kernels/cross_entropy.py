@@ -30,6 +30,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from . import _dispatch
+from ._triton_common import cast_rounded
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -39,10 +40,6 @@ MAX_BLOCK = 8192
 
 # Rows the plain-torch path processes at once: it materialises a few fp32 copies of them.
 TORCH_ROWS_ELEMENTS = 1 << 22
-
-# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, an error
-# of a whole bf16 ulp the GPU never makes. Under the interpreter, round in software as the GPU does.
-_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,16 +53,6 @@ def _tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _cast_out(x, dtype: tl.constexpr):
-    """fp32 x cast to the output dtype, rounding to nearest even (also under the interpreter)."""
-    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -92,7 +79,7 @@ def _write_grad_row(x_row, g_row, label, lse, scale, n_cols, softcap,
         g = tl.where(cols == label, p - 1.0, p) * scale
         if HAS_SOFTCAP:
             g = g * (1.0 - t * t)  # d/dx softcap * tanh(x / softcap)
-        tl.store(g_row + cols, _cast_out(g, g_row.dtype.element_ty), mask=mask)
+        tl.store(g_row + cols, cast_rounded(g, g_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit

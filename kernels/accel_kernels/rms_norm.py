@@ -24,6 +24,7 @@ import triton.language as tl
 
 from . import _dispatch
 from ._dispatch import check_same_device, use_triton
+from ._triton_common import cast_rounded
 
 CASTINGS = ("llama", "gemma", "none")
 LLAMA = tl.constexpr(0)
@@ -38,25 +39,11 @@ _MAX_BLOCK_N = 8192
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
 
-# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, an error
-# of a whole bf16 ulp the GPU never makes. Under the interpreter, round in software as the GPU does.
-_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """fp32 x cast to dtype, rounding to nearest even (also under the interpreter)."""
-    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
-
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
     """fp32 x rounded to dtype's precision, kept in fp32: a step the stock module does in dtype."""
-    return _cast(x, dtype).to(tl.float32)
+    return cast_rounded(x, dtype).to(tl.float32)
 
 
 @triton.jit
@@ -107,7 +94,7 @@ def _rms_norm_fwd_kernel(
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         xhat, w_eff = _factors(x * rstd[:, None], w[None, :], offset, X, W, CASTING)
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], _cast(xhat * w_eff, Y.dtype.element_ty), mask=mask)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast_rounded(xhat * w_eff, Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -165,7 +152,7 @@ def _rms_norm_bwd_kernel(
             else:
                 dot = tl.load(DOT + rows, mask=row_ok, other=0.0)
             dx = rstd[:, None] * (g - xhat * (dot / n_cols)[:, None])
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], _cast(dx, DX.dtype.element_ty), mask=mask)
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast_rounded(dx, DX.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw += tl.sum(dy * xhat_used, axis=0)
         if COMPUTE_DW:

@@ -19,23 +19,10 @@ import triton.language as tl
 
 from . import _dispatch
 from ._dispatch import check_same_device, use_triton
+from ._triton_common import cast_rounded
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 4096
-
-# The GPU rounds fp32 -> bf16 to nearest even; triton's CPU interpreter (3.9) truncates, an error
-# of a whole bf16 ulp the GPU never makes. Under the interpreter, round in software as the GPU does.
-_SOFTWARE_BF16_ROUNDING = tl.constexpr(_dispatch.interpreting())
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """fp32 x cast to dtype, rounding to nearest even (also under the interpreter)."""
-    if _SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -59,14 +46,14 @@ def _rotate_heads(
     else:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-    tl.store(o + d, _cast(o1, O.dtype.element_ty), mask=mask)
-    tl.store(o + half + d, _cast(o2, O.dtype.element_ty), mask=mask)
+    tl.store(o + d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
+    tl.store(o + half + d, cast_rounded(o2, O.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:
         # partial rotary: the dims past the rotary ones pass through (their gradient too)
         p = 2 * half + tl.arange(0, BLOCK_PASS)[None, None, :]
         pass_mask = tok_ok & (h < n_heads) & (p < 2 * half + n_pass)
         xp = tl.load(x + p, mask=pass_mask, other=0.0).to(tl.float32)
-        tl.store(o + p, _cast(xp, O.dtype.element_ty), mask=pass_mask)
+        tl.store(o + p, cast_rounded(xp, O.dtype.element_ty), mask=pass_mask)
 
 
 @triton.jit
