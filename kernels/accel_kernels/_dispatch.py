@@ -37,22 +37,13 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             )
 
 
-# Tests set this so that an element a kernel fails to write shows up as NaN instead of passing
-# by luck on recycled memory. Every op allocates its outputs through `empty`/`empty_like`.
-poison_outputs = False
-
-
-def _poisoned(out: torch.Tensor) -> torch.Tensor:
-    if poison_outputs and out.is_floating_point():
-        out.fill_(float("nan"))
-    return out
-
-
+# Every op allocates its outputs through these two, so that tests can hand out poisoned, guarded
+# buffers and catch an element a kernel fails to write, or a write past an output's end.
 def empty(shape, *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.empty for kernel outputs (NaN-filled while `poison_outputs` is set)."""
-    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
+    """torch.empty for kernel outputs."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """torch.empty_like for kernel outputs (NaN-filled while `poison_outputs` is set); always contiguous."""
-    return _poisoned(torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format))
+    """torch.empty_like for kernel outputs; always contiguous."""
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)

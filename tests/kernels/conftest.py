@@ -15,12 +15,38 @@ def device() -> torch.device:
 
 
 @pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    """Every kernel output starts as NaN, so an element a kernel fails to write fails the test."""
+def guarded_outputs(monkeypatch):
+    """Every kernel output starts as NaN (an element a kernel fails to write fails the test) and
+    sits between sentinel guards as long as itself (a write past its extent fails the test
+    instead of landing in someone else's memory)."""
     import accel_kernels._dispatch as dispatch
 
-    monkeypatch.setattr(dispatch, "poison_outputs", True)
+    buffers = []
+
+    def empty(shape, *, dtype, device):
+        n = torch.Size(shape).numel()
+        guard = max(n, 64)
+        buf = torch.full((2 * guard + n,), 7, dtype=dtype, device=device)
+        buffers.append((buf, guard))
+        out = buf[guard:guard + n].view(shape)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(dispatch, "empty", empty)
+    monkeypatch.setattr(dispatch, "empty_like",
+                        lambda t, dtype=None: empty(t.shape, dtype=dtype or t.dtype, device=t.device))
     yield
+    for buf, guard in buffers:
+        assert (buf[:guard] == 7).all() and (buf[-guard:] == 7).all(), "a kernel wrote outside its output"
+
+
+@pytest.fixture
+def unguarded_outputs(monkeypatch):
+    """Plain allocations, for tests that measure the size of what an op allocates (the guards
+    above triple every buffer)."""
+    import accel_kernels._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "empty", lambda shape, *, dtype, device: torch.empty(shape, dtype=dtype, device=device))
+    monkeypatch.setattr(dispatch, "empty_like", lambda t, dtype=None: torch.empty_like(t, dtype=dtype))
 
 
 @pytest.fixture(autouse=True)

@@ -179,6 +179,7 @@ class _LargestOutput(TorchDispatchMode):
         return out
 
 
+@pytest.mark.usefixtures("unguarded_outputs")
 @pytest.mark.parametrize("path, reduction", [("torch", r) for r in REDUCTIONS] + [("triton", "none")])
 def test_never_materialises_full_logits(path, reduction, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0" if path == "torch" else "1")
