@@ -84,6 +84,7 @@ _lock = RLock()
 _patches: dict[str, Patch] = {}
 _states: dict[str, tuple[str, str]] = {}
 _enabled = False
+_watching: frozenset[str] = frozenset()  # the patches' target modules, while enabled
 _logged: set[str] = set()
 
 
@@ -115,7 +116,8 @@ class _PostImportFinder:
         self._resolving: set[str] = set()
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _watched() or fullname in self._resolving:
+        # Asked for every import in the process: answer the unwatched ones with one set lookup.
+        if fullname not in _watching or fullname in self._resolving:
             return None
         self._resolving.add(fullname)
         try:
@@ -134,18 +136,17 @@ class _PostImportFinder:
         return spec
 
 
-def _watched() -> set[str]:
-    return {p.module for p in _patches.values()} if _enabled else set()
-
-
 _finder = _PostImportFinder()
 
 
 def register(patch: Patch) -> None:
     """Add a patch to the registry (pending until enabled and its module is imported)."""
+    global _watching
     with _lock:
         _patches[patch.name] = patch
         _states.setdefault(patch.name, (PENDING, f"waiting for `import {patch.module}`"))
+        if _enabled:
+            _watching = _watching | {patch.module}
 
 
 def _set(name: str, state: str, reason: str) -> None:
@@ -190,9 +191,10 @@ def _on_import(module) -> None:
 
 def enable() -> None:
     """Bind every registered patch: now if its module is imported, else when it is. Idempotent."""
-    global _enabled
+    global _enabled, _watching
     with _lock:
         _enabled = True
+        _watching = frozenset(p.module for p in _patches.values())
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
         for patch in _patches.values():
@@ -205,9 +207,10 @@ def enable() -> None:
 
 def disable() -> None:
     """Undo every patch, restoring the exact original objects. Idempotent."""
-    global _enabled
+    global _enabled, _watching
     with _lock:
         _enabled = False
+        _watching = frozenset()
         if _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         for patch in _patches.values():
