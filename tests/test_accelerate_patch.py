@@ -27,15 +27,10 @@ from accel_patch import TopologyError, accelerate_state, patching, topology
 from accel_patch.accelerate_state import (
     ACCELERATE, CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, SINGLE_DEVICE, UNTOUCHED, decide,
 )
+from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
 topology_module = importlib.import_module("accel_patch.topology")
 
-LAUNCHER_PREFIXES = (
-    "TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL", "SLURM_", "ACCEL_PATCH_", "FSDP_",
-)
-LAUNCHER_NAMES = set(topology_module.LAUNCHER_VARIABLES) | {
-    "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
-}
 PATCHES = set(p.name for p in accel_patch.status())  # the package's own, before tests add fakes
 
 
@@ -69,16 +64,6 @@ def isolated(monkeypatch):
     os.environ.clear()
     os.environ.update(saved_env)
     torch.set_num_threads(saved_threads)
-
-
-@pytest.fixture
-def devices(monkeypatch):
-    """devices(count): the resolver sees `count` local CUDA devices."""
-
-    def fake(count: int, kind: str = "cuda") -> None:
-        monkeypatch.setattr(topology_module, "local_accelerators", lambda: (kind if count else "cpu", count))
-
-    return fake
 
 
 def free_port() -> str:

@@ -18,14 +18,11 @@ from pathlib import Path
 import pytest
 
 from accel_patch import cli
+from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
 topology_module = importlib.import_module("accel_patch.topology")
 
 SCRIPT = Path(sys.executable).with_name("accel-patch")
-LAUNCHER_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL", "SLURM_", "ACCEL_PATCH_")
-LAUNCHER_NAMES = set(topology_module.LAUNCHER_VARIABLES) | {
-    "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
-}
 
 
 def clean(environ) -> dict[str, str]:

@@ -17,13 +17,9 @@ from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 import accel_patch
 from accel_patch import TopologyError, prepare_device_map
 from accel_patch.model_loading import STRATEGIES, ModelLoadingPatch, _is_quantized, choose_device_map
+from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
 topology_module = importlib.import_module("accel_patch.topology")
-
-LAUNCHER_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL", "SLURM_", "ACCEL_PATCH_")
-LAUNCHER_NAMES = set(topology_module.LAUNCHER_VARIABLES) | {
-    "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
-}
 
 
 @pytest.fixture(autouse=True)
@@ -38,17 +34,6 @@ def clean(monkeypatch):
     yield
     os.environ.clear()
     os.environ.update(saved_env)
-
-
-@pytest.fixture
-def devices(monkeypatch):
-    """devices(count, kind="cuda"): this process sees `count` local accelerators."""
-
-    def fake(count: int, kind: str = "cuda") -> None:
-        monkeypatch.setattr(topology_module, "local_accelerators", lambda: (kind if count else "cpu", count))
-
-    fake(0)
-    return fake
 
 
 def set_env(monkeypatch, **env: str) -> None:

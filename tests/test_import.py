@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 import accel_patch
+from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
 PACKAGE_DIR = Path(accel_patch.__file__).resolve().parent
-LAUNCHER_PREFIXES = ("TORCHELASTIC_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL", "SLURM_", "ACCEL_PATCH_")
-LAUNCHER_NAMES = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "CROSS_SIZE"}
 
 REPORT = """
 import json, sys

@@ -11,16 +11,10 @@ import os
 import pytest
 
 from accel_patch import Topology, TopologyError, topology
+from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
 # `accel_patch.topology` is the function; the module is only reachable through importlib.
 topology_module = importlib.import_module("accel_patch.topology")
-
-LAUNCHER_PREFIXES = (
-    "TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL", "SLURM_", "ACCEL_PATCH_",
-)
-LAUNCHER_NAMES = set(topology_module.LAUNCHER_VARIABLES) | {
-    "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
-}
 
 
 @pytest.fixture(autouse=True)
@@ -29,17 +23,6 @@ def clean_env(monkeypatch):
     for name in list(os.environ):
         if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
             monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def devices(monkeypatch):
-    """devices(count, kind="cuda"): the resolver sees `count` local accelerators."""
-
-    def fake(count: int, kind: str = "cuda") -> None:
-        monkeypatch.setattr(topology_module, "local_accelerators", lambda: (kind if count else "cpu", count))
-
-    fake(0)
-    return fake
 
 
 def set_env(monkeypatch, env: dict[str, str]) -> None:
