@@ -47,9 +47,14 @@ def _is_quantized(pretrained, kwargs) -> bool:
     return False
 
 
+def _replaceable(requested) -> bool:
+    """None or a strategy string: a device_map the hook may replace."""
+    return requested is None or (isinstance(requested, str) and requested in STRATEGIES)
+
+
 def choose_device_map(requested, quantized: bool) -> LoadDecision:
     """The device_map a load should use, given what the caller asked for. Resolves the topology."""
-    if requested is not None and not (isinstance(requested, str) and requested in STRATEGIES):
+    if not _replaceable(requested):
         return LoadDecision(requested, requested, "explicit device_map from the caller: kept")
     scrub_blank_env()
     topo = topology()
@@ -90,7 +95,10 @@ class ModelLoadingPatch(patching.Patch):
     def install(self, module) -> None:
         def from_pretrained_wrapper(wrapped, instance, args, kwargs):
             pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-            decision = choose_device_map(kwargs.get("device_map"), _is_quantized(pretrained, kwargs))
+            requested = kwargs.get("device_map")
+            # An explicit map is kept whatever the load: skip reading the checkpoint's config then.
+            quantized = _replaceable(requested) and _is_quantized(pretrained, kwargs)
+            decision = choose_device_map(requested, quantized)
             ModelLoadingPatch.last_load = decision
             if decision.used is not decision.requested:
                 kwargs = dict(kwargs, device_map=decision.used)
