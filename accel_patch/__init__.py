@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import os
 
-from . import accelerate_state, model_loading  # noqa: F401  (each registers its patch)
+# Each registers its patch; status() lists them in this order.
+from . import accelerate_state, model_loading, auto_swap  # noqa: F401, I001
 from .device_map import prepare_device_map
 from .patching import DISABLED, PatchStatus, disable, enable, status
+from .swaps import SwapReport, restore_kernels, swap_kernels
 from .topology import Topology, TopologyError, topology
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PatchStatus",
+    "SwapReport",
     "Topology",
     "TopologyError",
     "disable",
     "enable",
     "prepare_device_map",
+    "restore_kernels",
     "status",
+    "swap_kernels",
     "topology",
 ]
 

@@ -63,6 +63,10 @@ class Patch:
     def install(self, module) -> None:
         raise NotImplementedError
 
+    def detail(self) -> str | None:
+        """What the patch has done since it bound, appended to its status reason (None: nothing)."""
+        return None
+
     def wrap(self, owner: type, attr: str, wrapper) -> None:
         import wrapt
 
@@ -213,7 +217,8 @@ def disable() -> None:
         _watching = frozenset()
         if _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
-        for patch in _patches.values():
+        # Newest first: two patches may wrap the same attribute, and each restores what it found.
+        for patch in reversed(list(_patches.values())):
             patch.uninstall()
             _set(patch.name, DISABLED, "accel_patch.disable() was called")
 
@@ -221,7 +226,10 @@ def disable() -> None:
 def status() -> list[PatchStatus]:
     """One record per registered patch: name, state, reason, target, verified versions."""
     with _lock:
-        return [
-            PatchStatus(p.name, *_states[p.name], target=p.target, verified=p.verified)
-            for p in _patches.values()
-        ]
+        records = []
+        for p in _patches.values():
+            state, reason = _states[p.name]
+            detail = p.detail()
+            records.append(PatchStatus(p.name, state, f"{reason}; {detail}" if detail else reason,
+                                       target=p.target, verified=p.verified))
+        return records

@@ -1,0 +1,89 @@
+"""The load hook for kernels: models returned by `from_pretrained` or `from_config` are swapped.
+
+Wraps `transformers.PreTrainedModel.from_pretrained` and `._from_config` (which the Auto classes'
+`from_config` call). The model the load returns gets `swap_kernels(model, ops)` before the caller
+sees it, with ops from ACCEL_PATCH_KERNELS (unset: all; `0`/`none`: off; `rms_norm,rope`: those).
+A model built by calling its class is swapped only by `swap_kernels` (or the Trainer callback).
+A swap that fails is recorded in `status()` and logged once; the load itself always returns.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from . import patching
+
+SWITCH = "ACCEL_PATCH_KERNELS"
+_OFF = ("0", "none", "off", "false", "no")
+
+
+def ops_from_env(environ=None):
+    """The ops ACCEL_PATCH_KERNELS asks for: None (all), () (off), or a tuple of names.
+    Raises ValueError naming the variable when it names an unknown op."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SWITCH, "").strip()
+    if not raw:
+        return None
+    if raw.lower() in _OFF:
+        return ()
+    from .swaps.apply import resolve_ops  # no torch at import: resolve_ops needs only the names
+
+    try:
+        return resolve_ops(raw)
+    except ValueError as exc:
+        raise ValueError(f"{SWITCH}={raw!r}: {exc}") from None
+
+
+class KernelSwapPatch(patching.Patch):
+    name = "kernels"
+    module = "transformers.modeling_utils"
+    target = "transformers.PreTrainedModel.from_pretrained and ._from_config: swap kernels into the model returned"
+    verified = "transformers 5.17, 5.24"
+    switch = SWITCH
+
+    def check(self, module) -> str | None:
+        cls = getattr(module, "PreTrainedModel", None)
+        if cls is None:
+            return "transformers.modeling_utils has no PreTrainedModel"
+        for attr in ("from_pretrained", "_from_config"):
+            if not isinstance(cls.__dict__.get(attr), classmethod):
+                return f"PreTrainedModel.{attr} is not a classmethod (verified on {self.verified})"
+        try:
+            ops = ops_from_env()
+        except ValueError as exc:
+            return str(exc)
+        if ops == ():
+            return f"turned off by {SWITCH}={os.environ.get(SWITCH)}"
+        return None
+
+    def install(self, module) -> None:
+        def load_wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True
+            _swap_loaded(model)
+            return result
+
+        self.wrap(module.PreTrainedModel, "from_pretrained", load_wrapper)
+        self.wrap(module.PreTrainedModel, "_from_config", load_wrapper)
+
+    def detail(self) -> str | None:
+        apply = sys.modules.get("accel_patch.swaps.apply")
+        return apply.history_summary() if apply is not None else None
+
+
+def _swap_loaded(model) -> None:
+    """Swap a freshly loaded model; never raises into the load."""
+    try:
+        ops = ops_from_env()
+        if ops == ():
+            return
+        from .swaps import swap_kernels
+
+        swap_kernels(model, ops)
+    except Exception as exc:  # the user's load must succeed whatever happens here
+        patching._set(patch.name, patching.FAILED, f"swapping kernels into {type(model).__name__} failed: "
+                      f"{type(exc).__name__}: {exc}")
+
+
+patch = KernelSwapPatch()
+patching.register(patch)

@@ -1,0 +1,290 @@
+"""Swap kernels into one model instance and restore it: the walk over the model, site by site.
+
+For each module: is it a candidate (by structure: norms.py, mlp.py, rope.py), does the probe
+accept it (cached per class, dtype and device), then bind the kernel forward on that instance and
+record the change in the model's SwapState. The LM head and loss (loss.py) are one site, the
+model itself. Everything refused is recorded with its reason; nothing is swapped on a guess.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import families, loss, mlp, norms, probe, rope, sites
+from .report import Refusal, SwapReport
+
+log = logging.getLogger("accel_patch")
+
+
+def resolve_ops(ops) -> tuple[str, ...]:
+    """The op names `ops` asks for (None: all), in report order. ValueError names an unknown one."""
+    if ops is None:
+        return families.OPS
+    if isinstance(ops, str):
+        ops = ops.split(",")
+    try:
+        names = [str(o).strip().lower() for o in ops]
+    except TypeError:
+        raise ValueError(f"ops must be None, a comma-separated string or a list of op names, got {ops!r}") from None
+    chosen = set()
+    for name in filter(None, names):
+        name = families.OP_ALIASES.get(name, name)
+        if name not in families.OPS:
+            raise ValueError(f"unknown kernel op {name!r}: choose from {', '.join(families.OPS)} "
+                             f"(also {', '.join(sorted(families.OP_ALIASES))})")
+        chosen.add(name)
+    return tuple(op for op in families.OPS if op in chosen)
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The transformers model inside PEFT, DDP or torch.compile wrappers."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model, a PEFT PeftModel or a "
+                        f"bitsandbytes-quantized model), got {type(model).__name__}")
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+            model = model.get_base_model()
+    return model
+
+
+def activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype hidden states will have: the input embedding's, else the first floating parameter's."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)
+    try:
+        emb = embeddings()
+    except (NotImplementedError, AttributeError):
+        emb = None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _text_config(model):
+    config = getattr(model, "config", None)
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def _verdict(key, run):
+    """The cached probe verdict, a failing probe turned into a refusal reason."""
+    def guarded():
+        try:
+            return run()
+        except Exception as exc:
+            return f"probe failed: {type(exc).__name__}: {exc}"
+    return probe.cache.get_or_probe(key, guarded)
+
+
+class _Walk:
+    """One swap call over one model."""
+
+    def __init__(self, model, state: sites.SwapState, todo: tuple[str, ...], top_level: bool) -> None:
+        self.model, self.state, self.todo, self.top_level = model, state, todo, top_level
+        self.dtype = activation_dtype(model)
+        self.config = _text_config(model)
+        self.rope_held: set = set()
+        self.new = 0
+
+    def refuse(self, where: str, op: str, reason: str) -> None:
+        self.state.refused.append(Refusal(where or type(self.model).__name__, op, reason))
+
+    def swapped(self, op: str, module, func) -> None:
+        sites.install(self.state, module, sites.signed(func, type(module), op))
+        self.state.counts[op] = self.state.counts.get(op, 0) + 1
+        self.new += 1
+
+    def device_type(self, where: str, op: str, module) -> str | None:
+        device = probe.module_device(module)
+        if device is None or device.type == "meta":
+            self.refuse(where, op, "no materialized weights (meta device): nothing to probe")
+            return None
+        return device.type
+
+    def run(self) -> None:
+        for where, module in self.model.named_modules():
+            if module is self.model or sites.is_swapped(module):
+                continue
+            if "rms_norm" in self.todo:
+                self.norm(where, module)
+            if "glu" in self.todo:
+                self.glu(where, module)
+            if "rope" in self.todo:
+                self.rope(where, module)
+        if "fused_linear_cross_entropy" in self.todo:
+            self.loss()
+
+    def norm(self, where, module) -> None:
+        eps_attr = norms.candidate(module)
+        if eps_attr is None:
+            reason = norms.refusal(module)
+            if reason:
+                self.refuse(where, norms.OP, reason)
+            return
+        device_type = self.device_type(where, norms.OP, module)
+        if device_type is None:
+            return
+        key = (norms.OP, type(module), self.dtype, device_type, eps_attr)
+        verdict = _verdict(key, lambda: norms.probe_verdict(module, self.dtype, eps_attr))
+        if isinstance(verdict, str):
+            self.refuse(where, norms.OP, verdict)
+        else:
+            self.swapped(norms.OP, module, norms.forward_for(verdict))
+
+    def glu(self, where, module) -> None:
+        found = mlp.candidate(module)
+        if found is None:
+            return
+        if isinstance(found, str):
+            self.refuse(where, mlp.OP, found)
+            return
+        names, act = found
+        device_type = self.device_type(where, mlp.OP, module)
+        if device_type is None:
+            return
+        act_fn = getattr(module, next(a for a in families.ACTIVATION_ATTRIBUTES if callable(getattr(module, a, None))))
+        key = (mlp.OP, type(module), self.dtype, device_type, names, type(act_fn), getattr(act_fn, "approximate", None))
+        verdict = _verdict(key, lambda: mlp.probe_verdict(module, self.dtype, names, act))
+        if isinstance(verdict, str):
+            self.refuse(where, mlp.OP, verdict)
+        else:
+            self.swapped(mlp.OP, module, mlp.forward_for(verdict))
+
+    def rope(self, where, module) -> None:
+        fn = rope.rope_function(module)
+        if fn is None:
+            return
+        device_type = self.device_type(where, rope.OP, module)
+        if device_type is None:
+            return
+        shape = rope._head_shape(module, self.config)
+        key = (rope.OP, fn, type(module), self.dtype, device_type, shape[:3], tuple(shape[3]))
+        verdict = _verdict(key, lambda: rope.probe_verdict(fn, module, self.config, self.dtype))
+        if verdict is not True:
+            self.refuse(where, rope.OP, verdict)
+            return
+        if fn not in self.rope_held:
+            self.state.releases.append(rope.interceptions.acquire(fn))
+            self.rope_held.add(fn)
+        self.swapped(rope.OP, module, rope.forward_for(fn))
+
+    def loss(self) -> None:
+        model = self.model
+        if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
+            return  # no LM head: nothing to fuse
+        reason = loss.candidate(model)
+        if reason is None and not self.top_level:
+            reason = ("the model is already prepared (wrapped for training): the fused loss needs its "
+                      "top-level forward; swap before accelerator.prepare / Trainer.train")
+        if reason is None:
+            leaf = loss.head_leaf(model.get_output_embeddings())
+            device = leaf.weight.device
+            if device.type == "meta":
+                reason = "no materialized weights (meta device): nothing to probe"
+            else:
+                key = (loss.OP, type(leaf), leaf.weight.dtype, device.type, leaf.bias is not None)
+                verdict = _verdict(key, lambda: loss.probe_verdict(model))
+                reason = None if verdict is True else verdict
+        if reason:
+            self.refuse("", loss.OP, reason)
+        else:
+            self.swapped(loss.OP, model, loss.forward)
+
+
+def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
+    """See `accel_patch.swap_kernels`. `top_level=False` leaves the model's own forward alone
+    (after the model was prepared), so the fused loss is refused."""
+    todo_all = resolve_ops(ops)
+    target = unwrap(model)
+    state = target.__dict__.get(sites.STATE_ATTR)
+    if state is None:
+        state = sites.SwapState()
+    todo = tuple(op for op in todo_all if op not in state.ops)
+    if todo:
+        walk = _Walk(target, state, todo, top_level)
+        target.__dict__[sites.STATE_ATTR] = state
+        try:
+            walk.run()
+        except BaseException:
+            _restore(target)  # never leave a half-swapped model behind
+            raise
+        state.ops.update(todo)
+        new = walk.new
+    else:
+        new = 0
+    report = SwapReport(type(target).__name__, state.counts, state.refused, new=new)
+    if todo:
+        _history.record(target, report)
+        if report.swapped or report.refused:
+            log.info("accel_patch: %s", report.summary())
+    return report
+
+
+def _restore(target) -> list[str]:
+    state = target.__dict__.pop(sites.STATE_ATTR, None)
+    kept = state.undo() if state is not None else []
+    # Copies of swapped modules made after the swap (PEFT's modules_to_save, deepcopy of a layer)
+    # carry the swapped forward without an undo entry: put their stock forward back too.
+    for module in target.modules():
+        for slot in ("forward", "_old_forward"):
+            bound = module.__dict__.get(slot)
+            if getattr(getattr(bound, "__func__", None), sites.MARK, None) is None:
+                continue
+            inner = module.__dict__.pop(sites.INNER_ATTR, None)
+            if inner is not None:
+                module.__dict__[slot] = inner
+            else:
+                del module.__dict__[slot]
+    return kept
+
+
+def restore(model) -> bool:
+    """See `accel_patch.restore_kernels`."""
+    target = unwrap(model)
+    swapped = sites.STATE_ATTR in target.__dict__
+    kept = _restore(target)
+    _history.forget(target)
+    if kept:
+        log.warning("accel_patch: restore_kernels(%s): %s were wrapped again after the swap and were left "
+                    "as they are (they call the stock computation now)", type(target).__name__, ", ".join(kept))
+    return swapped
+
+
+class _History:
+    """The swaps of this process, for `accel_patch.status()`."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self._live = weakref.WeakKeyDictionary()
+        self.last: SwapReport | None = None
+
+    def record(self, model, report: SwapReport) -> None:
+        self._live[model] = report
+        self.last = report
+
+    def forget(self, model) -> None:
+        self._live.pop(model, None)
+
+    def summary(self) -> str | None:
+        if not self._live:
+            return None
+        n = len(self._live)
+        return f"kernels swapped into {n} live model(s); last: {self.last.summary()}"
+
+
+_history = _History()
+
+
+def history_summary() -> str | None:
+    return _history.summary()

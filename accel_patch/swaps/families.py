@@ -1,0 +1,50 @@
+"""What the swap knows about model families, as data.
+
+Nothing here decides a swap on its own: a module becomes a candidate by its structure (the
+tables say which attribute names and activations to look for) and is swapped only after the
+probe (probe.py) shows that the kernel computes the module's own function. A family nobody
+listed works on day one when it uses these shapes; one that looks alike but computes something
+else is refused by the probe, with the reason.
+"""
+from __future__ import annotations
+
+#: Op names accepted by `swap_kernels(ops=...)` and ACCEL_PATCH_KERNELS, in report order.
+OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
+#: Other spellings users write for the same op.
+OP_ALIASES = {"swiglu": "glu", "geglu": "glu", "flce": "fused_linear_cross_entropy",
+              "cross_entropy": "fused_linear_cross_entropy", "rmsnorm": "rms_norm"}
+
+# --- RMSNorm -------------------------------------------------------------------------------
+#: Attribute that holds a norm's epsilon (LlamaRMSNorm: variance_epsilon; Gemma, torch: eps).
+NORM_EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
+#: (casting, offset) variants the probe tries, most common first: Llama (w * norm(x) cast back),
+#: Gemma ((1 + w) in fp32), Olmo2 / fp32-affine (w in fp32, offset 0), all-in-dtype.
+NORM_VARIANTS = (("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("none", 0.0), ("llama", 1.0))
+
+# --- gated MLP -----------------------------------------------------------------------------
+#: (gate, up, down) child names of a split gated MLP.
+GLU_SPLIT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+#: (fused gate+up, down) child names of a fused gated MLP (Phi3, GLM); the probe finds the order.
+GLU_FUSED_NAMES = (("gate_up_proj", "down_proj"),)
+#: Attribute that holds the MLP's activation.
+ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act")
+#: What an activation says it is, by class or function name (lower case) -> the kernel's
+#: activation: "silu" (swiglu), "gelu" (geglu, erf), "gelu_tanh" (geglu, tanh). The probe then
+#: checks that it computes that; a name not listed here has no kernel.
+ACTIVATION_NAMES = {
+    "silu": "silu", "siluactivation": "silu", "swish": "silu",
+    "gelu": "gelu", "geluactivation": "gelu",
+    "gelutanh": "gelu_tanh", "pytorchgelutanh": "gelu_tanh", "newgeluactivation": "gelu_tanh",
+    "fastgeluactivation": "gelu_tanh", "accurategeluactivation": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+}
+
+# --- RoPE ----------------------------------------------------------------------------------
+#: Module-level functions that attention forwards call by name to apply rotate-half RoPE.
+ROPE_FUNCTIONS = ("apply_rotary_pos_emb",)
+#: Config attributes that give the rotary share of a head (partial rotary).
+PARTIAL_ROTARY_ATTRIBUTES = ("partial_rotary_factor", "rotary_pct")
+
+# --- refusals worth naming -----------------------------------------------------------------
+#: Class-name fragments of norms with no kernel here (mean-centred LayerNorm).
+LAYER_NORM_MARKERS = ("layernorm", "layer_norm")

@@ -1,0 +1,159 @@
+"""Gated-MLP sites: `down(act(gate(x)) * up(x))`, split or with one fused `gate_up` projection.
+
+A module is a candidate by its children (families.GLU_SPLIT_NAMES / GLU_FUSED_NAMES) and its
+activation attribute. The activation must say what it is (families.ACTIVATION_NAMES) and the
+probe checks that it computes that, in float32; then the whole module runs against the swapped
+forward in the activation dtype (for a fused projection, both halves' orders are tried). The
+projections are still called as modules, so LoRA and 4-bit layers keep working inside.
+MoE experts stored as 3-D parameters are refused.
+"""
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+import torch
+
+from . import families, probe, sites
+
+OP = "glu"
+
+
+class GluPlan(namedtuple("GluPlan", "names act order")):
+    """names: (gate, up, down) or (gate_up, down); act: "silu" | "gelu" | "gelu_tanh";
+    order: for a fused projection, "gate_up" (gate first) or "up_gate"."""
+
+    __slots__ = ()
+
+
+def _activation(module):
+    for name in families.ACTIVATION_ATTRIBUTES:
+        act = getattr(module, name, None)
+        if act is not None and callable(act):
+            return name, act
+    return None, None
+
+
+def declared_activation(act) -> tuple[str, str | None]:
+    """(the activation's own name, the kernel activation it says it is, or None)."""
+    if isinstance(act, torch.nn.GELU):
+        return f"nn.GELU(approximate={act.approximate!r})", "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    name = type(act).__name__ if isinstance(act, torch.nn.Module) else getattr(act, "__name__", type(act).__name__)
+    return name, families.ACTIVATION_NAMES.get(name.lower())
+
+
+def _names(module) -> tuple[str, ...] | None:
+    children = dict(module.named_children())
+    for names in families.GLU_SPLIT_NAMES + families.GLU_FUSED_NAMES:
+        if all(isinstance(children.get(n), torch.nn.Module) for n in names):
+            return names
+    return None
+
+
+def _expert_parameters(module) -> bool:
+    own = dict(module.named_parameters(recurse=False))
+    known = {n for names in families.GLU_SPLIT_NAMES + families.GLU_FUSED_NAMES for n in names}
+    return any(p.dim() == 3 for n, p in own.items() if n in known)
+
+
+def candidate(module) -> tuple[tuple[str, ...], str] | str | None:
+    """((projection names), kernel activation) for a candidate; a refusal reason for a module
+    that has the shape but cannot be swapped; None for anything else."""
+    if _expert_parameters(module):
+        return "MoE experts stored as 3-D parameters: no kernel"
+    names = _names(module)
+    if names is None:
+        return None
+    attr, act = _activation(module)
+    if act is None:
+        return "gated projections but no activation attribute (" + "/".join(families.ACTIVATION_ATTRIBUTES) + ")"
+    if sites.single_input(type(module)) is None:
+        return "forward takes more than one input"
+    own_name, kernel_act = declared_activation(act)
+    if kernel_act is None:
+        return f"activation {own_name} has no kernel (swiglu: SiLU; geglu: GELU, tanh-GELU)"
+    return names, kernel_act
+
+
+_REFERENCE = {
+    "silu": lambda t: t * torch.sigmoid(t),
+    "gelu": lambda t: 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0))),
+    "gelu_tanh": lambda t: 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t ** 3))),
+}
+
+
+def glu(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from accel_kernels import geglu, swiglu
+
+    if act == "silu":
+        return swiglu(gate, up)
+    return geglu(gate, up, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def _in_features(module, name: str) -> int | None:
+    proj = getattr(module, name)
+    for attr in ("in_features", "input_size"):
+        if isinstance(getattr(proj, attr, None), int):
+            return getattr(proj, attr)
+    weight = getattr(proj, "weight", None)
+    return weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: str):
+    """The GluPlan that reproduces this module, or a refusal reason."""
+    device = probe.module_device(module)
+    _, act_fn = _activation(module)
+    own_name, _ = declared_activation(act_fn)
+    hidden = _in_features(module, names[0])
+    if hidden is None:
+        return f"cannot tell the input width of {names[0]}"
+    with probe.probing(module):
+        t = torch.linspace(-8.0, 8.0, 4001, device=device)
+        try:
+            err = probe.rel_err(act_fn(t), _REFERENCE[act](t.double()))
+        except Exception as exc:
+            return f"activation {own_name} failed on a float32 probe: {type(exc).__name__}: {exc}"
+        if err > probe.FP32_BOUND:
+            return f"activation {own_name} does not compute {act} (relative error {err:.2e} in float32)"
+        x = probe.randn((2, 3, hidden), act_dtype, device)
+        try:
+            ref = module(x)
+        except Exception as exc:
+            return f"module's own forward failed on a {act_dtype} probe: {type(exc).__name__}: {exc}"
+        orders = ("gate_up", "up_gate") if len(names) == 2 else ("gate_up",)
+        errors = {order: probe.rel_err(forward_for(GluPlan(names, act, order))(module, x), ref) for order in orders}
+    order = min(errors, key=errors.get)
+    limit = probe.bound(act_dtype)
+    if errors[order] > limit:
+        return (f"output differs from down({act}(gate) * up) in {act_dtype}: relative error "
+                f"{errors[order]:.2e} > {limit:.1e}")
+    return GluPlan(names, act, order)
+
+
+_forwards: dict[GluPlan, object] = {}
+
+
+def forward_for(plan: GluPlan):
+    """The swapped forward for one plan: the module's own projections around the GLU kernel."""
+    if plan not in _forwards:
+        names, act, order = plan
+        if len(names) == 3:
+            gate_name, up_name, down_name = names
+
+            def forward(self, *args, **kwargs):
+                x = sites.the_input(args, kwargs)
+                gate = getattr(self, gate_name)(x)  # gate before up, as stock: same RNG order for dropout
+                up = getattr(self, up_name)(x)
+                return getattr(self, down_name)(glu(act, gate, up))
+        else:
+            fused_name, down_name = names
+            gate_first = order == "gate_up"
+
+            def forward(self, *args, **kwargs):
+                x = sites.the_input(args, kwargs)
+                first, second = getattr(self, fused_name)(x).chunk(2, dim=-1)
+                gate, up = (first, second) if gate_first else (second, first)
+                return getattr(self, down_name)(glu(act, gate, up))
+
+        _forwards[plan] = forward
+    return _forwards[plan]

@@ -1,0 +1,97 @@
+"""The numeric probe: a candidate is swapped only if the kernel reproduces the module's own output.
+
+The module's forward and the kernel both run on the same small random inputs, on the module's
+device, in the dtype activations will have and in float32 (norms also in bfloat16, where the
+casting variants differ). The relative error (||out - ref|| / ||ref||) must be within a bound
+derived from the dtype: `bound(dtype)`. Verdicts are cached per (op, class, dtype, device type,
+structure), so a model of 32 layers probes each kind of site once.
+"""
+from __future__ import annotations
+
+import contextlib
+from _thread import RLock
+
+import torch
+
+#: Floor of the bound: float32 results of a different but equivalent evaluation order.
+FP32_BOUND = 1e-5
+#: Units of the dtype's machine epsilon a low-precision result may differ by (one rounding of the
+#: stock module's intermediate results that the kernel keeps in float32, seen through a matmul).
+EPS_UNITS = 4
+
+
+def bound(dtype: torch.dtype) -> float:
+    """The largest relative error at which a kernel counts as computing a module's function."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"a probe needs a floating-point dtype, got {dtype}")
+    return max(FP32_BOUND, EPS_UNITS * torch.finfo(dtype).eps)
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when out is not finite or the shapes differ."""
+    if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor) or out.shape != ref.shape:
+        return float("inf")
+    out, ref = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+class ProbeCache:
+    """Verdicts of past probes, keyed by (op, class, dtype, device type, structure).
+
+    A verdict is whatever the op's probe returns: the variant to run, or a refusal reason.
+    """
+
+    def __init__(self) -> None:
+        self._lock = RLock()
+        self._verdicts: dict[tuple, object] = {}
+
+    def get_or_probe(self, key: tuple, probe):
+        with self._lock:
+            if key not in self._verdicts:
+                self._verdicts[key] = probe()
+            return self._verdicts[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._verdicts.clear()
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+
+#: The process-wide cache (tests clear it to probe afresh).
+cache = ProbeCache()
+
+
+@contextlib.contextmanager
+def probing(module: torch.nn.Module):
+    """Run a probe deterministically: eval mode (no dropout), no grad, a fixed seed; every
+    submodule's training flag and the global RNG state are put back afterwards."""
+    flags = {m: m.training for m in module.modules()}
+    devices = [d for d in {p.device for p in module.parameters()} if d.type == "cuda"]
+    with torch.random.fork_rng(devices=devices, enabled=True), torch.no_grad():
+        torch.manual_seed(1234)
+        module.eval()
+        try:
+            yield
+        finally:
+            for m, flag in flags.items():
+                m.training = flag
+
+
+def module_device(module: torch.nn.Module) -> torch.device | None:
+    """The device of a module's first parameter or buffer (None when it has neither)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return None
+
+
+def randn(shape, dtype: torch.dtype, device, scale: float = 1.0) -> torch.Tensor:
+    """Random normal values made in float32 and rounded to dtype (the probe's inputs)."""
+    return (torch.randn(shape, device=device) * scale).to(dtype)

@@ -1,0 +1,75 @@
+"""What a swap did: `SwapReport`, readable by people (`str()`) and by code (`.swapped`, `.refused`).
+
+Pure Python (no torch): `accel_patch` imports it at import time.
+"""
+from __future__ import annotations
+
+from collections import namedtuple
+
+from .families import OPS
+
+
+class Refusal(namedtuple("Refusal", "where op reason")):
+    """A site that was not swapped: module path (or function), op, and why."""
+
+    __slots__ = ()
+
+
+class SwapReport:
+    """The kernels swapped into one model instance and the sites refused.
+
+    `swapped`: op name -> number of sites now running the kernel (ops with none are absent).
+    `refused`: one `Refusal(where, op, reason)` per site left as stock.
+    `model`: the class name of the model swapped. `new`: sites swapped by this call (0 when the
+    model already had them: swapping twice swaps nothing twice).
+    """
+
+    def __init__(self, model: str, swapped: dict[str, int] | None = None,
+                 refused: list[Refusal] | None = None, new: int = 0) -> None:
+        self.model = model
+        self.swapped = dict(swapped or {})
+        self.refused = list(refused or [])
+        self.new = new
+
+    def __bool__(self) -> bool:
+        return bool(self.swapped)
+
+    def __repr__(self) -> str:
+        return f"SwapReport(model={self.model!r}, swapped={self.swapped!r}, refused={len(self.refused)} site(s))"
+
+    def summary(self) -> str:
+        """One line: what was swapped and what was refused (the log line)."""
+        done = ", ".join(f"{op} {n}" for op, n in sorted(self.swapped.items(), key=_op_order)) or "nothing"
+        line = f"{self.model}: swapped {done}"
+        if self.refused:
+            groups = self._grouped()
+            line += "; refused " + "; ".join(f"{op} x{len(sites)} ({reason})" for (op, reason), sites in groups)
+        return line
+
+    def _grouped(self) -> list[tuple[tuple[str, str], list[str]]]:
+        groups: dict[tuple[str, str], list[str]] = {}
+        for r in self.refused:
+            groups.setdefault((r.op, r.reason), []).append(r.where)
+        return sorted(groups.items(), key=lambda kv: _op_order((kv[0][0], 0)))
+
+    def __str__(self) -> str:
+        rows = [("op", "sites", "state", "where / why")]
+        for op, n in sorted(self.swapped.items(), key=_op_order):
+            rows.append((op, str(n), "swapped", ""))
+        for (op, reason), sites in self._grouped():
+            where = ", ".join(sites[:2]) + (f", ... (+{len(sites) - 2})" if len(sites) > 2 else "")
+            rows.append((op, str(len(sites)), "refused", f"{where}: {reason}"))
+        if len(rows) == 1:
+            rows.append(("-", "0", "", "no candidate site found"))
+        w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
+        head = f"kernel swap report for {self.model}"
+        return "\n".join([head] + [f"  {a:<{w0}}  {b:>{w1}}  {c:<{w2}}  {d}".rstrip() for a, b, c, d in rows])
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "swapped": dict(self.swapped),
+                "refused": [r._asdict() for r in self.refused]}
+
+
+def _op_order(item) -> int:
+    op = item[0]
+    return OPS.index(op) if op in OPS else len(OPS)

@@ -1,0 +1,134 @@
+"""How a swap changes a module, and how it is undone: instance forwards and an undo log on the model.
+
+A swap never touches a class. It binds a function as the *instance's* `forward` (or, when
+accelerate's hooks own `forward`, as the `_old_forward` they call), so other instances of the
+same class keep the stock forward. The function is a plain `types.MethodType`, so `copy.deepcopy`
+of a swapped model rebinds it to the copy. It carries the replaced forward's signature (Trainer
+and `generate` inspect it). Every attribute set is recorded in the model's `SwapState`, and
+`restore_kernels` puts back exactly what was there (or deletes what was not).
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from _thread import RLock
+
+#: Attribute of the swapped model (the transformers model, under any PEFT wrapper) holding its SwapState.
+STATE_ATTR = "_accel_patch_swap_state"
+#: Instance attribute that keeps a forward which was already bound on the instance before the swap
+#: (accelerate's autocast wrapper, a hook's `_old_forward`), for wrappers that call through it.
+INNER_ATTR = "_accel_patch_inner_forward"
+#: Marker set on every function the swap binds, naming its op.
+MARK = "__accel_patch_op__"
+
+
+class SwapState:
+    """What was swapped into one model and how to undo it (lives on the model instance)."""
+
+    def __init__(self) -> None:
+        self.ops: set[str] = set()
+        self.counts: dict[str, int] = {}
+        self.refused: list = []
+        self._undo: list[tuple[object, str, bool, object, object]] = []
+        self.releases: list = []  # callables that release shared interceptions (RoPE globals)
+        self.loss_calls: dict[str, int] = {}  # fused / stood aside (and why), counted per call
+
+    def set(self, obj, attr: str, value) -> None:
+        """obj.attr = value (in obj's own __dict__), remembering what was there."""
+        d = obj.__dict__
+        self._undo.append((obj, attr, attr in d, d.get(attr), value))
+        d[attr] = value
+
+    def undo(self) -> list[str]:
+        """Put back everything set, newest first. An attribute someone replaced after the swap
+        (e.g. a wrapper around a swapped forward) is left as they set it; its name is returned."""
+        kept = []
+        while self._undo:
+            obj, attr, had, previous, value = self._undo.pop()
+            if obj.__dict__.get(attr) is not value:
+                kept.append(f"{type(obj).__name__}.{attr}")
+                continue
+            if had:
+                obj.__dict__[attr] = previous
+            else:
+                obj.__dict__.pop(attr, None)
+        while self.releases:
+            self.releases.pop()()
+        return kept
+
+    def count_call(self, outcome: str) -> None:
+        self.loss_calls[outcome] = self.loss_calls.get(outcome, 0) + 1
+
+
+def forward_slot(module) -> str:
+    """The attribute a call of `module` ends in: accelerate's hooks rebind `forward` and call `_old_forward`."""
+    d = module.__dict__
+    return "_old_forward" if "_hf_hook" in d and "_old_forward" in d else "forward"
+
+
+def call_inner(module, *args, **kwargs):
+    """Call the forward a wrapper replaced: an instance forward kept at swap time, else the class's."""
+    inner = module.__dict__.get(INNER_ATTR)
+    if inner is None:
+        return type(module).forward(module, *args, **kwargs)
+    return inner(*args, **kwargs)
+
+
+def install(state: SwapState, module, func) -> None:
+    """Bind `func(self, ...)` as the module's forward, keeping any instance forward it replaces."""
+    slot = forward_slot(module)
+    if slot in module.__dict__:
+        state.set(module, INNER_ATTR, module.__dict__[slot])
+    state.set(module, slot, types.MethodType(func, module))
+
+
+def is_swapped(module) -> bool:
+    bound = module.__dict__.get(forward_slot(module))
+    return getattr(getattr(bound, "__func__", None), MARK, None) is not None
+
+
+_signed: dict[tuple, types.FunctionType] = {}
+_signed_lock = RLock()
+
+
+def signed(func, cls: type, op: str):
+    """A copy of `func` that shows `cls.forward`'s signature and name (cached per function and class).
+
+    `inspect.signature(module.forward)` then reads as stock: Trainer uses it to choose dataset
+    columns and whether to pass `num_items_in_batch`.
+    """
+    key = (func, cls)
+    with _signed_lock:
+        if key not in _signed:
+            original = cls.forward
+            copy = types.FunctionType(func.__code__, func.__globals__, "forward", func.__defaults__, func.__closure__)
+            copy.__kwdefaults__ = func.__kwdefaults__
+            copy.__signature__ = inspect.signature(original)
+            copy.__doc__ = original.__doc__
+            copy.__qualname__ = f"{cls.__qualname__}.forward"
+            copy.__module__ = func.__module__
+            copy.__wrapped__ = original
+            setattr(copy, MARK, op)
+            _signed[key] = copy
+        return _signed[key]
+
+
+def single_input(cls: type) -> str | None:
+    """The name of the one input of `cls.forward`, or None when it takes more (or fewer) arguments."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    others = [p for p in params if p not in required and p.kind not in (p.VAR_KEYWORD,)]
+    if len(required) == 1 and not others:
+        return required[0].name
+    return None
+
+
+def the_input(args, kwargs):
+    """The single input of a one-argument forward, passed by position or by keyword."""
+    if args:
+        return args[0]
+    (value,) = kwargs.values()
+    return value
