@@ -48,13 +48,10 @@ class KernelSwapPatch(patching.Patch):
         for attr in ("from_pretrained", "_from_config"):
             if not isinstance(cls.__dict__.get(attr), classmethod):
                 return f"PreTrainedModel.{attr} is not a classmethod (verified on {self.verified})"
-        try:
-            ops = ops_from_env()
-        except ValueError as exc:
-            return str(exc)
-        if ops == ():
-            return f"turned off by {SWITCH}={os.environ.get(SWITCH)}"
-        return None
+        value = os.environ.get(SWITCH, "").strip()
+        if value.lower() in _OFF:  # the registry itself only knows "0"
+            return f"turned off by {SWITCH}={value}"
+        return None  # a list of ops is read, and checked, at each load
 
     def install(self, module) -> None:
         def load_wrapper(wrapped, instance, args, kwargs):
@@ -80,6 +77,8 @@ def _swap_loaded(model) -> None:
         from .swaps import swap_kernels
 
         swap_kernels(model, ops)
+        if patching.state_of(patch.name) == patching.FAILED:  # an earlier load failed; this one did not
+            patching._set(patch.name, patching.ACTIVE, f"patched {patch.target}")
     except Exception as exc:  # the user's load must succeed whatever happens here
         patching._set(patch.name, patching.FAILED, f"swapping kernels into {type(model).__name__} failed: "
                       f"{type(exc).__name__}: {exc}")

@@ -223,6 +223,12 @@ def disable() -> None:
             _set(patch.name, DISABLED, "accel_patch.disable() was called")
 
 
+def state_of(name: str) -> str:
+    """The state of one registered patch (active, pending, ...)."""
+    with _lock:
+        return _states[name][0]
+
+
 def status() -> list[PatchStatus]:
     """One record per registered patch: name, state, reason, target, verified versions."""
     with _lock:

@@ -8,6 +8,7 @@ model itself. Everything refused is recorded with its reason; nothing is swapped
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -26,7 +27,8 @@ def resolve_ops(ops) -> tuple[str, ...]:
     try:
         names = [str(o).strip().lower() for o in ops]
     except TypeError:
-        raise ValueError(f"ops must be None, a comma-separated string or a list of op names, got {ops!r}") from None
+        raise ValueError(f"ops must be None, a comma-separated string or a list of op names among "
+                         f"{', '.join(families.OPS)}, got {ops!r}") from None
     chosen = set()
     for name in filter(None, names):
         name = families.OP_ALIASES.get(name, name)
@@ -174,7 +176,9 @@ class _Walk:
             self.refuse(where, rope.OP, verdict)
             return
         if fn not in self.rope_held:
-            self.state.releases.append(rope.interceptions.acquire(fn))
+            release = rope.interceptions.acquire(fn)
+            self.state.releases.append(release)
+            weakref.finalize(self.model, release)  # a swapped model dropped without restore lets go too
             self.rope_held.add(fn)
         self.swapped(rope.OP, module, rope.forward_for(fn))
 

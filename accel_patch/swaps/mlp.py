@@ -115,13 +115,17 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
             return f"activation {own_name} failed on a float32 probe: {type(exc).__name__}: {exc}"
         if err > probe.FP32_BOUND:
             return f"activation {own_name} does not compute {act} (relative error {err:.2e} in float32)"
-        x = probe.randn((2, 3, hidden), act_dtype, device)
+        x = probe.randn((2, 3, hidden), act_dtype, device).requires_grad_()
         try:
+            probe.seeded()
             ref = module(x)
         except Exception as exc:
             return f"module's own forward failed on a {act_dtype} probe: {type(exc).__name__}: {exc}"
         orders = ("gate_up", "up_gate") if len(names) == 2 else ("gate_up",)
-        errors = {order: probe.rel_err(forward_for(GluPlan(names, act, order))(module, x), ref) for order in orders}
+        errors = {}
+        for order in orders:
+            probe.seeded()
+            errors[order] = probe.rel_err(forward_for(GluPlan(names, act, order))(module, x), ref)
     order = min(errors, key=errors.get)
     limit = probe.bound(act_dtype)
     if errors[order] > limit:

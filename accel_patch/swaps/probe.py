@@ -69,18 +69,18 @@ cache = ProbeCache()
 
 @contextlib.contextmanager
 def probing(module: torch.nn.Module):
-    """Run a probe deterministically: eval mode (no dropout), no grad, a fixed seed; every
-    submodule's training flag and the global RNG state are put back afterwards."""
-    flags = {m: m.training for m in module.modules()}
+    """Run a probe without side effects: the global RNG state is put back afterwards, and the
+    module keeps its training flag. Within, call `seeded()` before each forward so that stock and
+    swapped see the same dropout masks. Grad stays enabled and inputs should require grad: some
+    layers change themselves on a first call in eval mode without grad (bitsandbytes' Linear4bit
+    repacks its weight for CPU inference, after which its gradients are wrong)."""
     devices = [d for d in {p.device for p in module.parameters()} if d.type == "cuda"]
-    with torch.random.fork_rng(devices=devices, enabled=True), torch.no_grad():
-        torch.manual_seed(1234)
-        module.eval()
-        try:
-            yield
-        finally:
-            for m, flag in flags.items():
-                m.training = flag
+    with torch.random.fork_rng(devices=devices, enabled=True), torch.enable_grad():
+        yield
+
+
+def seeded() -> None:
+    torch.manual_seed(1234)
 
 
 def module_device(module: torch.nn.Module) -> torch.device | None:

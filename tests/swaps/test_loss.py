@@ -1,0 +1,185 @@
+"""The fused LM-head loss: the stock forward around it, the stock loss semantics, logits when asked."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accel_patch import swap_kernels
+from accel_patch.swaps import loss as loss_swap
+from accel_patch.swaps import sites
+
+from _models import build, padded_batch, pair, rel, training_step
+
+
+def calls(model):
+    return model.__dict__[sites.STATE_ATTR].loss_calls
+
+
+@pytest.fixture
+def models():
+    stock, twin = pair("llama")
+    swap_kernels(twin)
+    return stock, twin
+
+
+def test_eval_and_calls_without_labels_return_stock_logits(models):
+    stock, twin = models
+    batch = padded_batch()
+    for m in (stock, twin):
+        m.eval()
+    with torch.no_grad():
+        a, b = stock(**batch), twin(**batch)  # eval with labels: stock path, logits returned
+        assert torch.allclose(a.logits, b.logits, rtol=0, atol=1e-5) and rel(b.loss, a.loss) <= 1e-6
+        stock.train(), twin.train()
+        no_labels = {k: v for k, v in batch.items() if k != "labels"}
+        a, b = stock(**no_labels), twin(**no_labels)
+        assert b.loss is None and torch.allclose(a.logits, b.logits, rtol=0, atol=1e-5)
+    assert calls(twin) == {}
+
+
+def test_generate_is_stock(models):
+    stock, twin = models
+    ids = padded_batch()["input_ids"][:1, 5:]
+    for m in (stock, twin):
+        m.eval()
+    assert torch.equal(stock.generate(ids, max_new_tokens=4, do_sample=False),
+                       twin.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+def test_num_items_in_batch_normalises_as_stock(models):
+    stock, twin = models
+    batch = padded_batch()
+    n = torch.tensor(37)  # Trainer's token count over all micro-batches of a step
+    loss0, grads0, _ = training_step(stock, batch, num_items_in_batch=n)
+    loss1, grads1, _ = training_step(twin, batch, num_items_in_batch=n)
+    assert rel(loss1, loss0) <= 1e-5
+    assert max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4
+    assert calls(twin) == {"fused": 1}
+
+
+def test_shift_labels_and_ignore_index_are_honoured(models):
+    stock, twin = models
+    batch = padded_batch()
+    batch = dict(batch, labels=batch["labels"].masked_fill(batch["labels"] == -100, -7))
+    shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-7)
+    for extra in ({"ignore_index": -7}, {"ignore_index": -7, "shift_labels": shift}):
+        loss0, grads0, _ = training_step(stock, batch, **extra)
+        loss1, grads1, _ = training_step(twin, batch, **extra)
+        assert rel(loss1, loss0) <= 1e-5, extra
+        assert max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4, extra
+
+
+def test_all_labels_ignored_gives_what_stock_gives():
+    stock, twin = pair("llama")
+    swap_kernels(twin)
+    batch = dict(padded_batch(), labels=torch.full((3, 10), -100))
+    for m in (stock, twin):
+        m.train()
+    a, b = stock(**batch).loss, twin(**batch).loss
+    assert torch.isnan(a) and torch.isnan(b)  # mean over no token, as stock
+
+
+def test_tied_embeddings_get_the_head_gradient():
+    stock, twin = pair("llama", tie_word_embeddings=True)
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight
+    swap_kernels(twin)
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, out = training_step(twin, batch)
+    assert out.logits is None and calls(twin) == {"fused": 1}
+    assert rel(grads1["model.embed_tokens.weight"], grads0["model.embed_tokens.weight"]) <= 1e-4
+
+
+def test_a_tuple_output_keeps_the_logits_in_place(models):
+    stock, twin = models
+    batch = padded_batch()
+    for m in (stock, twin):
+        m.train()
+    a, b = stock(**batch, return_dict=False), twin(**batch, return_dict=False)
+    assert isinstance(b, tuple) and len(a) == len(b)
+    assert torch.allclose(a[1], b[1], rtol=0, atol=1e-5)
+
+
+def test_a_custom_loss_that_needs_the_logits_gets_the_real_ones():
+    stock, twin = pair("llama")
+    swap_kernels(twin)
+
+    def log_softmax_loss(logits, labels, vocab_size, **kwargs):
+        logp = torch.log_softmax(logits.float(), -1)[:, :-1]
+        target = labels[:, 1:]
+        keep = target != -100
+        return -(logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * keep).sum() / keep.sum()
+
+    for m in (stock, twin):
+        m.loss_function = log_softmax_loss
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, out = training_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4
+    assert out.logits is not None and out.logits.shape == (3, 10, 128)
+    assert not isinstance(out.logits, loss_swap.DeferredLogits)
+    # the loss is the custom function of the returned (real) logits, exactly
+    assert torch.equal(loss1, log_softmax_loss(out.logits.detach(), batch["labels"], 128))
+    assert calls(twin) == {"logits computed for log_softmax": 1}
+
+
+# --- DeferredLogits on its own: what stays deferred, and the values when computed ---------------
+
+def deferred(hidden, weight, bias=None):
+    state = sites.SwapState()
+    head = loss_swap._Head(hidden, weight, bias, state)
+    shape = torch.Size((*hidden.shape[:-1], weight.shape[0]))
+    return loss_swap.DeferredLogits(head, (), hidden, shape, weight.dtype), state
+
+
+@pytest.mark.parametrize("transform", [
+    lambda z: z.float(),
+    lambda z: z / 3.0,
+    lambda z: 0.5 * z,
+    lambda z: torch.tanh(z / 2.0) * 2.0,            # final-logit soft-capping
+    lambda z: z[:, :-1, :].contiguous(),           # a shift on the logits
+    lambda z: z[..., 1:, :],
+    lambda z: z.to(torch.float32).reshape(-1, 50),
+])
+def test_deferred_operations_give_the_stock_loss(transform):
+    torch.manual_seed(0)
+    h = torch.randn(2, 6, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    b = torch.randn(50, requires_grad=True)
+    y = torch.randint(0, 50, (12,))
+    y[3] = -100
+    z, state = deferred(h, w, b)
+    out = transform(z)
+    assert isinstance(out, loss_swap.DeferredLogits) and state.loss_calls == {}
+    n = out.shape[:-1].numel()
+    fused = F.cross_entropy(out.reshape(-1, 50), y[:n])
+    fused_grads = torch.autograd.grad(fused, (h, w, b))
+    stock = F.cross_entropy(transform(F.linear(h, w, b)).reshape(-1, 50).float(), y[:n])
+    stock_grads = torch.autograd.grad(stock, (h, w, b))
+    assert state.loss_calls == {"fused": 1}
+    assert rel(fused, stock) <= 1e-5
+    assert all(rel(a, s) <= 1e-4 for a, s in zip(fused_grads, stock_grads))
+    assert torch.equal(out.materialize(), transform(F.linear(h, w, b)))  # computed: the stock values
+
+
+@pytest.mark.parametrize("op", [
+    lambda z: z + 1.0, lambda z: z.softmax(-1), lambda z: z[..., :10], lambda z: z.sum(), lambda z: z * z,
+])
+def test_any_other_operation_computes_the_real_logits(op):
+    h, w = torch.randn(2, 3, 8), torch.randn(20, 8)
+    z, state = deferred(h, w)
+    out = op(z)
+    assert not isinstance(out, loss_swap.DeferredLogits)
+    assert torch.equal(out, op(F.linear(h, w)))
+    assert len(state.loss_calls) == 1 and next(iter(state.loss_calls)).startswith("logits computed for")
+
+
+def test_cross_entropy_options_the_kernel_lacks_run_stock():
+    h, w = torch.randn(4, 8), torch.randn(20, 8)
+    y = torch.randint(0, 20, (4,))
+    for kwargs in ({"label_smoothing": 0.1}, {"weight": torch.rand(20)}):
+        z, state = deferred(h, w)
+        got = F.cross_entropy(z, y, **kwargs)
+        assert torch.equal(got, F.cross_entropy(F.linear(h, w), y, **kwargs))
+        assert "fused" not in state.loss_calls

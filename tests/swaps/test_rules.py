@@ -1,0 +1,150 @@
+"""Which sites are swapped: by structure, verified by the probe; impostors are refused with the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.activations import SiLUActivation
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+import accel_patch
+from accel_patch import swap_kernels
+from accel_patch.swaps import norms, probe, sites
+
+from _models import build, padded_batch, rel, training_step
+
+
+def refusals(report, op):
+    return {r.where: r.reason for r in report.refused if r.op == op}
+
+
+class OffsetNorm(LlamaRMSNorm):
+    """Looks like LlamaRMSNorm (weight, variance_epsilon) but adds a constant."""
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) + 0.01
+
+
+# Says it is SiLU (same class name); computes GELU.
+GeluNamedSilu = type("SiLUActivation", (SiLUActivation,), {"forward": lambda self, x: torch.nn.functional.gelu(x)})
+
+
+class UpGateMLP(LlamaMLP):
+    """Shaped like LlamaMLP, with gate and up exchanged."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
+def test_a_norm_subclass_that_overrides_forward_is_refused_and_stays_stock():
+    model = build("llama")
+    model.model.norm.__class__ = OffsetNorm
+    stock_out = model.model.norm(torch.randn(2, 64))
+    report = swap_kernels(model)
+    why = refusals(report, "rms_norm")
+    assert set(why) == {"model.norm"}, report
+    assert "differs from every RMSNorm variant" in why["model.norm"]
+    assert report.swapped["rms_norm"] == 4  # the layers' own norms
+    assert not sites.is_swapped(model.model.norm)
+    torch.manual_seed(0)
+    x = torch.randn(2, 64)
+    assert torch.equal(model.model.norm(x), LlamaRMSNorm.forward(model.model.norm, x) + 0.01)
+    assert stock_out.shape == (2, 64)
+
+
+def test_an_activation_that_is_not_what_its_name_says_is_refused():
+    model = build("llama")
+    model.model.layers[1].mlp.act_fn.__class__ = GeluNamedSilu
+    report = swap_kernels(model)
+    why = refusals(report, "glu")
+    assert set(why) == {"model.layers.1.mlp"}, report
+    assert "does not compute silu" in why["model.layers.1.mlp"]
+    assert report.swapped["glu"] == 1
+
+
+def test_an_mlp_subclass_computing_another_function_is_refused():
+    model = build("llama")
+    model.model.layers[0].mlp.__class__ = UpGateMLP
+    report = swap_kernels(model)
+    why = refusals(report, "glu")
+    assert set(why) == {"model.layers.0.mlp"} and "differs from down(silu(gate) * up)" in why["model.layers.0.mlp"]
+
+
+def test_an_activation_without_a_kernel_is_refused_by_name():
+    model = build("llama", hidden_act="quick_gelu")
+    report = swap_kernels(model)
+    assert "glu" not in report.swapped
+    assert all("QuickGELUActivation has no kernel" in r for r in refusals(report, "glu").values())
+    assert len(refusals(report, "glu")) == 2
+
+
+def test_a_refused_model_still_trains_exactly_as_stock():
+    stock, twin = build("llama"), build("llama")
+    for m in (stock, twin):
+        m.model.layers[0].mlp.__class__ = UpGateMLP
+        m.model.norm.__class__ = OffsetNorm
+    swap_kernels(twin)
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5
+    assert max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+
+
+def test_ops_narrow_the_swap_and_a_second_call_swaps_nothing_twice():
+    model = build("llama")
+    first = swap_kernels(model, ops="rms_norm, rope")
+    assert set(first.swapped) == {"rms_norm", "rope"} and first.new == 7
+    forwards = {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__}
+    again = swap_kernels(model, ops=["rope", "rms_norm"])
+    assert again.new == 0 and again.swapped == first.swapped
+    assert {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__} == forwards
+    rest = swap_kernels(model)
+    assert rest.new == 3 and set(rest.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy"}
+    assert swap_kernels(model, ops=["swiglu"]).new == 0  # an alias of glu
+    # every swapped module holds exactly one swapped forward, nothing wrapped twice
+    assert not any(sites.INNER_ATTR in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("ops, word", [("rms_norm,attention", "'attention'"), (["relu"], "'relu'"), (3, "3")])
+def test_unknown_ops_are_a_clear_error(ops, word):
+    with pytest.raises(ValueError) as info:
+        swap_kernels(build("llama"), ops=ops)
+    assert word in str(info.value)
+    assert "rms_norm" in str(info.value)  # says what is valid
+
+
+def test_a_non_module_is_a_clear_error():
+    with pytest.raises(TypeError, match="torch.nn.Module.*got dict"):
+        swap_kernels({"model": 1})
+
+
+def test_the_probe_runs_once_per_class_dtype_and_device(monkeypatch):
+    probe.cache.clear()
+    calls = []
+    real = norms.probe_verdict
+    monkeypatch.setattr(norms, "probe_verdict", lambda *a, **k: calls.append(type(a[0])) or real(*a, **k))
+    swap_kernels(build("llama"))
+    swap_kernels(build("llama"))
+    assert calls == [LlamaRMSNorm]
+    swap_kernels(build("llama", rms_norm_eps=1e-5).to(torch.bfloat16))
+    assert calls == [LlamaRMSNorm, LlamaRMSNorm]
+    assert len(probe.cache) >= 2
+
+
+def test_report_reads_as_a_table_and_one_line():
+    report = swap_kernels(build("cohere", logit_scale=0.5))
+    table = str(report)
+    assert table.splitlines()[0] == "kernel swap report for CohereForCausalLM"
+    assert "glu" in table and "swapped" in table and "refused" in table
+    assert "LayerNorm (mean-centred): no kernel" in table and "interleaved" in table
+    line = report.summary()
+    assert line.startswith("CohereForCausalLM: swapped glu 2, fused_linear_cross_entropy 1; refused rms_norm x")
+    assert report.to_dict()["swapped"] == {"glu": 2, "fused_linear_cross_entropy": 1}
+
+
+def test_status_has_a_kernels_record_that_counts_swapped_models():
+    model = build("llama")
+    swap_kernels(model)
+    record = next(s for s in accel_patch.status() if s.name == "kernels")
+    assert "LlamaForCausalLM: swapped rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1" in record.reason
+    assert "live model(s)" in record.reason
