@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 # Each registers its patch; status() lists them in this order.
-from . import accelerate_state, model_loading, auto_swap  # noqa: F401, I001
+from . import accelerate_state, model_loading, auto_swap, trainer_hook  # noqa: F401, I001
 from .device_map import prepare_device_map
 from .patching import DISABLED, PatchStatus, disable, enable, status
 from .swaps import SwapReport, restore_kernels, swap_kernels
@@ -20,6 +20,7 @@ from .topology import Topology, TopologyError, topology
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccelPatchCallback",
     "PatchStatus",
     "SwapReport",
     "Topology",
@@ -32,6 +33,16 @@ __all__ = [
     "swap_kernels",
     "topology",
 ]
+
+
+def __getattr__(name: str):
+    # AccelPatchCallback subclasses transformers' TrainerCallback: imported on first use only, so
+    # that `import accel_patch` stays free of transformers.
+    if name == "AccelPatchCallback":
+        from .callback import AccelPatchCallback
+
+        return AccelPatchCallback
+    raise AttributeError(f"module 'accel_patch' has no attribute {name!r}")
 
 
 def _activate() -> None:

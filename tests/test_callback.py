@@ -1,0 +1,159 @@
+"""AccelPatchCallback in a stock Trainer and in TRL's SFTTrainer: kernels swapped before training,
+throughput and memory in every logged step, one callback however it is asked for."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+import accel_patch
+from accel_patch import AccelPatchCallback
+from accel_patch.swaps import sites
+
+METRICS = ("tokens_per_second", "step_time_s", "peak_memory_mib")
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n=8, seq=10):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(3, 128, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        mask = torch.ones_like(self.ids[i])
+        mask[:3] = 0  # 3 pad tokens of 10 in every row: tokens are counted from the attention mask
+        return {"input_ids": self.ids[i], "attention_mask": mask, "labels": self.ids[i].masked_fill(mask == 0, -100)}
+
+
+class Recorder(TrainerCallback):
+    """What a report_to integration would receive: callbacks after ours see the logs it saw."""
+
+    def __init__(self):
+        self.logs = []
+        self.swapped_at_train_begin = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.swapped_at_train_begin = sites.is_swapped(model.model.layers[0].mlp)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def args(tmp_path, **extra):
+    return TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=2,
+                             learning_rate=1e-3, save_strategy="no", report_to="none", disable_tqdm=True,
+                             use_cpu=True, dataloader_num_workers=0, **extra)
+
+
+def ours(trainer):
+    return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AccelPatchCallback)]
+
+
+def test_a_stock_trainer_swaps_a_constructed_model_and_logs_throughput_and_memory(tmp_path):
+    model = tiny_llama()
+    assert not sites.is_swapped(model.model.norm)  # built by its constructor: not swapped by the load hook
+    recorder = Recorder()
+    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=Rows(), callbacks=[recorder])
+    assert len(ours(trainer)) == 1 and trainer.callback_handler.callbacks[0] is ours(trainer)[0]
+    assert sites.is_swapped(model.model.norm) and sites.is_swapped(model)  # at on_init_end, fused loss included
+    trainer.train()
+    assert recorder.swapped_at_train_begin is True
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in steps] == [2, 4]
+    for h in steps:
+        assert all(isinstance(h[k], float) and h[k] > 0 for k in METRICS), h
+    for h in steps:  # 2 rows of 7 unmasked tokens a step
+        assert h["tokens_per_second"] * h["step_time_s"] == pytest.approx(14, rel=1e-6)
+    assert steps[0]["accel_patch_swap"].startswith("LlamaForCausalLM: swapped rms_norm 5, rope 2, glu 2")
+    assert "accelerate state: single-device" in steps[0]["accel_patch_topology"]
+    assert "accel_patch_swap" not in steps[1]
+    seen = [l for l in recorder.logs if "loss" in l]
+    assert all(all(k in l for k in METRICS) for l in seen)  # what report_to integrations receive
+
+
+def test_an_explicit_callback_is_never_registered_twice(tmp_path):
+    mine = AccelPatchCallback(metrics=False)
+    trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows(), callbacks=[mine])
+    assert ours(trainer) == [mine] and trainer.callback_handler.callbacks[0] is mine
+    trainer.add_callback(AccelPatchCallback())
+    trainer.add_callback(AccelPatchCallback)
+    assert ours(trainer) == [mine]
+    trainer.train()
+    assert not any("tokens_per_second" in h for h in trainer.state.log_history)
+
+
+def test_add_callback_replaces_the_automatic_one(tmp_path):
+    trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows())
+    assert ours(trainer)[0].automatic
+    mine = AccelPatchCallback(ops="rms_norm")
+    trainer.add_callback(mine)
+    assert ours(trainer) == [mine] and trainer.callback_handler.callbacks[0] is mine
+
+
+def test_accel_patch_callback_0_leaves_trainers_alone(monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCEL_PATCH_CALLBACK", "0")
+    accel_patch.disable()
+    accel_patch.enable()
+    try:
+        record = next(s for s in accel_patch.status() if s.name == "trainer-callback")
+        assert record.state == "skipped" and "ACCEL_PATCH_CALLBACK=0" in record.reason
+        model = tiny_llama()
+        trainer = Trainer(model=model, args=args(tmp_path), train_dataset=Rows())
+        assert ours(trainer) == [] and not sites.is_swapped(model.model.norm)
+    finally:
+        monkeypatch.delenv("ACCEL_PATCH_CALLBACK")
+        accel_patch.disable()
+        accel_patch.enable()
+
+
+def test_a_model_init_trainer_gets_module_kernels_at_train_begin(tmp_path, caplog):
+    built = []
+
+    def model_init():
+        built.append(tiny_llama())
+        return built[-1]
+
+    trainer = Trainer(model_init=model_init, args=args(tmp_path), train_dataset=Rows())
+    with caplog.at_level("WARNING", logger="accel_patch"):
+        trainer.train()
+    model = trainer.model
+    assert sites.is_swapped(model.model.layers[0].mlp)
+    state = model.__dict__[sites.STATE_ATTR]
+    if built.index(model) > 0:  # Trainer rebuilt the model in train(): it met the callback prepared
+        assert not sites.is_swapped(model) and "already prepared" in str(state.refused)
+        assert "after the model was prepared" in caplog.text
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_gets_the_callback_and_the_kernels(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i + 4 for i in range(100)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(0, 100, (12,), generator=g)) for _ in range(16)]
+    config = trl.SFTConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+                           learning_rate=1e-3, save_strategy="no", report_to="none", disable_tqdm=True,
+                           use_cpu=True, dataloader_num_workers=0, max_length=16)
+    model = tiny_llama()
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": texts}),
+                             processing_class=tokenizer)
+    assert len(ours(trainer)) == 1
+    assert sites.is_swapped(model.model.norm) and sites.is_swapped(model.model.layers[0].mlp)
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(steps) == 2 and all(all(k in h for k in METRICS) for h in steps), steps
