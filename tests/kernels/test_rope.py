@@ -1,13 +1,10 @@
-import importlib
-
 import pytest
 import torch
 
+import accel_kernels._dispatch as dispatch
+import accel_kernels.ops.rope as rope_module
 from _checks import assert_close, rel_err
-from accel_kernels.rope import rope
-
-# the package re-exports the function under the module's name: fetch the module itself
-rope_module = importlib.import_module("accel_kernels.rope")
+from accel_kernels import rope
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -69,7 +66,8 @@ def triton_only(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("rope took the plain-torch path")
 
-    monkeypatch.setattr(rope_module, "rope_reference", refuse)
+    monkeypatch.setattr(rope_module, "_forward_torch", refuse)
+    monkeypatch.setattr(rope_module, "_backward_torch", refuse)
 
 
 @pytest.mark.usefixtures("triton_only")
@@ -168,9 +166,9 @@ def test_plain_path_matches_triton_path(device, monkeypatch):
     for dtype, unsqueeze_dim in [(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 1)]:
         q, k, cos, sin = make_inputs(device, dtype, n_q=3, n_k=1, head_dim=20, rot_dim=12, unsqueeze_dim=unsqueeze_dim)
         dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
-        monkeypatch.setattr(rope_module, "use_triton", lambda t: True)
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
         triton_result = forward_backward(rope, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
-        monkeypatch.setattr(rope_module, "use_triton", lambda t: False)
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
         plain_result = forward_backward(rope, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
         ref = forward_backward(eager, q.double(), k.double(), cos.double(), sin.double(),
                                dq_out.double(), dk_out.double(), unsqueeze_dim)
