@@ -25,7 +25,9 @@ Every op module has the same parts in the same order, so reading one is reading 
    through `_dispatch.empty`, and launch only through `_launch.launch(kernel, grid, *args, **meta)`,
    which enters the tensors' device guard.
 3. The `torch.autograd.Function` (`_<Op>Function`): `forward(..., triton_path)` and `backward` call
-   the host functions or their twins; first-order gradients only (`once_differentiable`).
+   the host functions or their twins. A backward that is not differentiable itself starts with
+   `_dispatch.check_first_order(op)`: under create_graph=True it raises rather than let a second
+   derivative silently lose the op (only rms_norm's and rope's twins are differentiable).
 4. The plain-torch twin: `_forward_torch` / `_backward_torch`, the same signatures as the host
    functions and the same math in plain torch.
 5. Input checks: `_check_inputs`, raising ValueError that names the argument, e.g. "x must be a

@@ -69,6 +69,20 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             )
 
 
+def check_first_order(op: str) -> None:
+    """Call first thing in a backward that is not itself differentiable (the kernels' backwards).
+
+    Under backward(create_graph=True) autograd would record such a backward's outputs as constants,
+    and a second derivative through the op would silently lose its part: raise instead.
+    """
+    if torch.is_grad_enabled():  # autograd runs backwards with grad mode on only for create_graph
+        raise RuntimeError(
+            f"{op} gives first-order gradients only, but its backward ran under create_graph=True; "
+            f"call backward without create_graph (rms_norm and rope on float64 inputs, which run "
+            f"their plain-torch twins, do support it)"
+        )
+
+
 # Every op allocates its outputs through these two, so that tests can hand out poisoned, guarded
 # buffers and catch an element a kernel fails to write, or a write past an output's end.
 def empty(shape, *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -14,7 +14,6 @@ float64 inputs take the plain-torch twin everywhere (the kernels compute in fp32
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _dispatch, _launch
 from .._triton import cast_rounded, jit, tl
@@ -123,8 +122,8 @@ class _GatedUnitFunction(torch.autograd.Function):
         return (_forward_triton if triton_path else _forward_torch)(gate, up, act)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout):
+        _dispatch.check_first_order("swiglu" if ctx.act == SILU else "geglu")
         gate, up = ctx.saved_tensors
         dgate, dup = (_backward_triton if ctx.triton_path else _backward_torch)(dout, gate, up, ctx.act)
         return dgate, dup, None, None

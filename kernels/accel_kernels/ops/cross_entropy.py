@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _dispatch, _launch
 from .._triton import cast_rounded, jit, tl
@@ -264,8 +263,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
+        _dispatch.check_first_order("cross_entropy")
         x, y, lse, n_valid = ctx.saved_tensors
         ignore_index, softcap, reduction, triton_path, shape, dtype = ctx.options
         _, backward_rows = _row_functions(triton_path)

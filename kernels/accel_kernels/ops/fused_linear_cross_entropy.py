@@ -30,7 +30,6 @@ Memory and time against eager F.cross_entropy(hidden @ weight.T, labels):
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _dispatch
 from .cross_entropy import _check_labels, _check_options, _flat_labels, _row_functions
@@ -182,8 +181,8 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
+        _dispatch.check_first_order("fused_linear_cross_entropy")
         ignore_index, softcap, reduction, rows, triton_path, hidden_shape, need_h, need_w, need_b = ctx.options
         if reduction == "none":
             h, weight, bias, y, lse = ctx.saved_tensors

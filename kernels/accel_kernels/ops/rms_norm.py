@@ -18,7 +18,6 @@ plain-torch twin is the module's own formula (`_reference`), differentiated by a
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _dispatch, _launch
 from .._triton import cast_rounded, constexpr, jit, tl
@@ -260,9 +259,10 @@ class _RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         x_shape, eps, offset, casting, triton_path = ctx.options
+        if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
+            _dispatch.check_first_order("rms_norm")
         dx, dw = (_backward_triton if triton_path else _backward_torch)(
             dy, ctx.saved_tensors, x_shape, eps, offset, casting, *ctx.needs_input_grad[:2]
         )
@@ -295,11 +295,15 @@ def _forward_torch(x, weight, eps, offset, casting):
 
 def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w):
     """`_backward_triton` in plain torch: the gradients autograd gives the module's formula
-    (recomputed here, so that the forward keeps no intermediate)."""
-    x, weight = (t.detach().requires_grad_(need) for t, need in zip(saved, (need_x, need_w)))
+    (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
+    are differentiable, through the recomputation from the saved inputs themselves."""
+    create_graph = torch.is_grad_enabled()
+    x, weight = (t if create_graph and need else t.detach().requires_grad_(need)
+                 for t, need in zip(saved, (need_x, need_w)))
     with torch.enable_grad():
         y = _reference(x, weight, eps, offset, casting)
-    grads = iter(torch.autograd.grad(y, [t for t in (x, weight) if t.requires_grad], dy))
+    wanted = [t for t, need in zip((x, weight), (need_x, need_w)) if need]
+    grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=create_graph))
     return (next(grads) if need_x else None), (next(grads) if need_w else None)
 
 

@@ -13,7 +13,6 @@ differentiated by autograd.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .. import _dispatch, _launch
 from .._triton import cast_rounded, jit, tl
@@ -176,10 +175,11 @@ class _RoPEFunction(torch.autograd.Function):
         return q_out, k_out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dq_out, dk_out):
         cos, sin, q, k = ctx.saved_tensors
         unsqueeze_dim, triton_path, q_dtype, k_dtype = ctx.options
+        if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
+            _dispatch.check_first_order("rope")
         grads = (_backward_triton if triton_path else _backward_torch)(
             dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, ctx.needs_input_grad[:4]
         )
@@ -215,15 +215,19 @@ def _forward_torch(q, k, cos, sin, unsqueeze_dim):
 
 def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs):
     """(dq, dk, dcos, dsin), each None unless needed: the gradients autograd gives the formula
-    (recomputed here, so that the forward keeps no intermediate)."""
+    (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
+    are differentiable, through the recomputation from the saved inputs themselves."""
+    create_graph = torch.is_grad_enabled()
     if q is None:  # not saved: cos and sin want no gradient, and q, k do not enter their own
         q = torch.zeros((), dtype=q_dtype, device=dq_out.device).expand(dq_out.shape)
         k = torch.zeros((), dtype=k_dtype, device=dk_out.device).expand(dk_out.shape)
-    leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, cos, sin), needs)]
+    inputs = [t if create_graph and need and t.requires_grad else t.detach().requires_grad_(need)
+              for t, need in zip((q, k, cos, sin), needs)]
     with torch.enable_grad():
-        outs = _reference(*leaves, unsqueeze_dim)
-    grads = iter(torch.autograd.grad(outs, [t for t in leaves if t.requires_grad], (dq_out, dk_out)))
-    return tuple(next(grads) if t.requires_grad else None for t in leaves)
+        outs = _reference(*inputs, unsqueeze_dim)
+    wanted = [t for t, need in zip(inputs, needs) if need]
+    grads = iter(torch.autograd.grad(outs, wanted, (dq_out, dk_out), create_graph=create_graph))
+    return tuple(next(grads) if need else None for need in needs)
 
 
 # --------------------------------------------------------------------------------------------
