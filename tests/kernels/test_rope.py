@@ -179,6 +179,25 @@ def test_plain_path_matches_triton_path(device, monkeypatch):
             assert rel_err(t, p) <= (1e-6 if dtype == torch.float32 else 1e-2), what
 
 
+@pytest.mark.parametrize("path", ["triton", "twin"])
+def test_only_q_or_only_k_requires_grad(device, monkeypatch, path):
+    # a frozen k (or q): only the wanted gradient, and none for the other
+    if path == "twin":
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    q, k, cos, sin = make_inputs(device, torch.float32, rot_dim=8)
+    for q_grad in (True, False):
+        ql, kl = q.detach().requires_grad_(q_grad), k.detach().requires_grad_(not q_grad)
+        out = rope(ql, kl, cos, sin)[0 if q_grad else 1]
+        upstream = torch.randn_like(out)
+        out.backward(upstream)
+        ref_q, ref_k = q.double().requires_grad_(), k.double().requires_grad_()
+        ref = eager(ref_q, ref_k, cos.double(), sin.double())[0 if q_grad else 1]
+        ref.backward(upstream.double())
+        got, expected = (ql.grad, ref_q.grad) if q_grad else (kl.grad, ref_k.grad)
+        assert (kl.grad if q_grad else ql.grad) is None
+        assert_close(got, expected, torch.float32, what=f"{path}: grad of {'q' if q_grad else 'k'} alone")
+
+
 def test_cos_sin_requiring_grad_get_their_gradient(device):
     # the kernel gives the tables none; such calls take the plain path rather than drop it silently
     q, k, cos, sin = make_inputs(device, torch.float32, rot_dim=8)

@@ -226,7 +226,9 @@ def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dt
     with torch.enable_grad():
         outs = _reference(*inputs, unsqueeze_dim)
     wanted = [t for t, need in zip(inputs, needs) if need]
-    grads = iter(torch.autograd.grad(outs, wanted, (dq_out, dk_out), create_graph=create_graph))
+    # an output of inputs that all want no gradient (e.g. k frozen, cos and sin tables) has no graph
+    used = [(o, g) for o, g in zip(outs, (dq_out, dk_out)) if o.requires_grad]
+    grads = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used], create_graph=create_graph))
     return tuple(next(grads) if need else None for need in needs)
 
 
