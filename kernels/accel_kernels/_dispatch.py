@@ -8,6 +8,8 @@ twin, so a model with swapped kernels still runs anywhere.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _triton
@@ -81,6 +83,24 @@ def check_first_order(op: str) -> None:
             f"call backward without create_graph (rms_norm and rope on float64 inputs, which run "
             f"their plain-torch twins, do support it)"
         )
+
+
+def autocast_state(device_type: str) -> tuple | None:
+    """The autocast setting in force for device_type (None where autocast does not exist): a
+    twin that recomputes its forward in backward replays it with `autocast_as`, so that the
+    recomputation matches the forward (backward usually runs outside the autocast block)."""
+    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))
+    if not available(device_type):
+        return None
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def autocast_as(state: tuple | None):
+    """Context manager: the autocast setting `autocast_state` recorded (nothing for None)."""
+    if state is None:
+        return contextlib.nullcontext()
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
 # Every op allocates its outputs through these two, so that tests can hand out poisoned, guarded

@@ -201,6 +201,26 @@ def test_plain_path_matches_triton_path(device, monkeypatch):
             assert rel_err(t, p) <= (1e-6 if dtype == torch.float32 else 1e-2), what
 
 
+def test_twin_gradients_under_autocast_are_eager_ones(device, monkeypatch):
+    # the twin recomputes the formula in backward, which runs outside the autocast block: it must
+    # replay the forward's autocast (on CUDA, autocast runs rsqrt and mean of bf16 in float32)
+    if device.type != "cuda":
+        pytest.skip("CPU autocast changes no op of the formula: nothing to tell apart here")
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    x = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
+    weight = weight_for(64, device, torch.bfloat16, 0.0)
+    dy = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
+    results = []
+    for fn in (rms_norm, eager):
+        xl, wl = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(xl, wl, casting="none")
+        y.backward(dy.to(y.dtype))
+        results.append((y.detach(), xl.grad, wl.grad))
+    for what, ours, stock in zip(("output", "grad of x", "grad of weight"), *results):
+        assert ours.dtype == stock.dtype and torch.equal(ours, stock), what
+
+
 def test_float64_and_empty_inputs_take_the_plain_path(device):
     x = torch.randn(3, 50, device=device, dtype=torch.float64)
     weight = torch.randn(50, device=device, dtype=torch.float64)

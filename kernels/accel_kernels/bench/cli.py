@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m accel_kernels.bench", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="fewer reps, no torch.compile: 2-3 minutes on one H200 (estimate), 2 on the 2-core CPU machine")
+                        help="fewer reps, no torch.compile: 2-3 minutes on one H200 (estimate), 2 on the "
+                             "2-core CPU machine")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from: {','.join(OPS)}")
     parser.add_argument("--json", metavar="PATH",
                         help="also write every record and figure as JSON (rewritten after each op)")
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
                    triton=_triton.triton.__version__ if _triton.AVAILABLE else "not importable",
                    quick=args.quick, copy_gbs=None, rows=[])
     if device == "cuda":
-        torch._functorch.config.donated_buffer = False  # lets compiled graphs run backward with retain_graph (bwd timing)
+        # lets compiled graphs run backward with retain_graph (the bwd timing)
+        torch._functorch.config.donated_buffer = False
         results["copy_gbs"] = harness.copy_bandwidth_gbs()
         impls = [i for i in harness.IMPLS if not (args.quick and i == "torch.compile")]
     else:

@@ -87,7 +87,8 @@ def print_preamble(results: dict) -> None:
     else:
         print("no GPU: plain-torch twins at CPU shapes, float32, each measurement in a fresh process; memory: rise "
               "of ru_maxrss (peak RSS) over its value after the inputs were built; time: median wall ms of "
-              f"{results['cpu_reps']} forward+backward run(s) after one warm-up; torch.compile and Liger skipped on CPU")
+              f"{results['cpu_reps']} forward+backward run(s) after one warm-up; torch.compile and Liger skipped "
+              "on CPU")
     print("ratios: this row's forward+backward figure over eager's (t/eager: time, mem/eager: peak memory) "
           "or Liger's (t/liger); below 1.00x is better")
 
@@ -120,7 +121,8 @@ def print_cpu_flce(results: dict) -> None:
     print(f"peak memory (ru_maxrss rise over the inputs, fresh process each): {s['ours_fb_mib']:.0f} MiB vs "
           f"{s['eager_fb_mib']:.0f} MiB: mem/eager {_cell(s['memory_ratio'], '.3fx').strip()} "
           f"(target <= {s['target']['memory']}x): {s['memory_verdict']}")
-    print(f"time (median of {s['reps']} after a warm-up): {s['ours_fb_ms'] / 1e3:.2f} s vs {s['eager_fb_ms'] / 1e3:.2f} s: "
+    print(f"time (median of {s['reps']} after a warm-up): {s['ours_fb_ms'] / 1e3:.2f} s vs "
+          f"{s['eager_fb_ms'] / 1e3:.2f} s: "
           f"t/eager {_cell(s['time_ratio'], '.2fx').strip()} (target <= {s['target']['time']}x): {s['time_verdict']}")
 
 

@@ -238,7 +238,8 @@ def _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction
         _dispatch.check_tensor("bias", bias, f"of shape ({vocab},) or None")
         if tuple(bias.shape) != (vocab,):
             raise ValueError(
-                f"bias has shape {tuple(bias.shape)} but weight of shape {tuple(weight.shape)} needs bias of shape ({vocab},)"
+                f"bias has shape {tuple(bias.shape)} but weight of shape {tuple(weight.shape)} needs "
+                f"bias of shape ({vocab},)"
             )
         if bias.dtype != hidden.dtype:
             raise ValueError(f"bias has dtype {bias.dtype} but hidden has {hidden.dtype}; they must match")

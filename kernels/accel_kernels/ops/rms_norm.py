@@ -12,8 +12,12 @@ replaces:
 
 The Triton kernels accumulate in float32 in every mode and round where the stock module rounds.
 Forward saves x and the per-row 1/rms in float32; backward gives the gradient of x and of the
-weight (the weight gradient from per-program partial sums over rows, then one sum). The
-plain-torch twin is the module's own formula (`_reference`), differentiated by autograd.
+weight (the weight gradient from per-program partial sums over rows, then one sum).
+
+The plain-torch twin is the module's own formula (`_reference`). Its forward keeps only the
+inputs; its backward recomputes the formula from them and differentiates it with autograd: the
+gradients eager torch gives, bit for bit, without the formula's fp32 intermediates held from
+forward to backward (one more forward of time, as with activation checkpointing).
 """
 from __future__ import annotations
 
@@ -211,8 +215,9 @@ def _forward_triton(x, weight, eps, offset, casting):
     return y.view(x.shape), (x2, weight, rstd)
 
 
-def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w):
-    """(dx of x_shape in x's dtype, dw in weight's dtype or None) from the forward's saved tensors."""
+def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
+    """(dx of x_shape in x's dtype, dw in weight's dtype or None) from the forward's saved tensors.
+    (forward_autocast is for the twin, which recomputes the forward; the kernels do not.)"""
     x2, weight, rstd = saved
     n_rows, n_cols = x2.shape
     dy2 = _rows(dy, n_cols)
@@ -256,6 +261,7 @@ class _RMSNormFunction(torch.autograd.Function):
         y, saved = (_forward_triton if triton_path else _forward_torch)(x, weight, eps, offset, casting)
         ctx.save_for_backward(*saved)
         ctx.options = (x.shape, eps, offset, casting, triton_path)
+        ctx.autocast = None if triton_path else _dispatch.autocast_state(x.device.type)
         return y
 
     @staticmethod
@@ -264,7 +270,7 @@ class _RMSNormFunction(torch.autograd.Function):
         if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
             _dispatch.check_first_order("rms_norm")
         dx, dw = (_backward_triton if triton_path else _backward_torch)(
-            dy, ctx.saved_tensors, x_shape, eps, offset, casting, *ctx.needs_input_grad[:2]
+            dy, ctx.saved_tensors, x_shape, eps, offset, casting, *ctx.needs_input_grad[:2], ctx.autocast
         )
         return dx, dw, None, None, None, None
 
@@ -293,14 +299,15 @@ def _forward_torch(x, weight, eps, offset, casting):
     return _reference(x, weight, eps, offset, casting), (x, weight)
 
 
-def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w):
+def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
     """`_backward_triton` in plain torch: the gradients autograd gives the module's formula
     (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
     are differentiable, through the recomputation from the saved inputs themselves."""
     create_graph = torch.is_grad_enabled()
     x, weight = (t if create_graph and need else t.detach().requires_grad_(need)
                  for t, need in zip(saved, (need_x, need_w)))
-    with torch.enable_grad():
+    # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
+    with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
         y = _reference(x, weight, eps, offset, casting)
     wanted = [t for t, need in zip((x, weight), (need_x, need_w)) if need]
     grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=create_graph))

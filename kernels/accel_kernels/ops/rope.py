@@ -7,8 +7,11 @@ with r = cos.shape[-1]. A program takes a block of (batch, position) tokens and 
 token's cos/sin row to all its query and key heads, so cos/sin are read once per token. The
 outputs are new tensors: q and k are never written. The backward applies the transposed rotation
 to the output gradients; the kernel gives cos and sin no gradient (they are position tables, built
-without grad); cos/sin that require grad are sent to the plain-torch twin, transformers' formula
-differentiated by autograd.
+without grad); cos/sin that require grad are sent to the plain-torch twin.
+
+The twin is transformers' formula (`_reference`). Its backward recomputes the formula and
+differentiates it with autograd (the gradients eager torch gives, bit for bit); q and k are kept
+for it only when cos or sin want a gradient, since the rotation is linear in q and k.
 """
 from __future__ import annotations
 
@@ -148,9 +151,11 @@ def _forward_triton(q, k, cos, sin, unsqueeze_dim):
     return q_out, k_out
 
 
-def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs):
+def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
+                     forward_autocast):
     """(dq, dk, None, None): the transposed rotation of the output gradients. Only taken when cos
-    and sin want no gradient; q and k (None here) do not enter the gradients of q and k."""
+    and sin want no gradient; q and k (None here) do not enter the gradients of q and k.
+    (forward_autocast is for the twin, which recomputes the forward; the kernel does not.)"""
     dq = _dispatch.empty(dq_out.shape, dtype=q_dtype, device=dq_out.device)
     dk = _dispatch.empty(dk_out.shape, dtype=k_dtype, device=dk_out.device)
     _rope_launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, backward=True)
@@ -172,6 +177,7 @@ class _RoPEFunction(torch.autograd.Function):
         keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         ctx.save_for_backward(cos, sin, *((q, k) if keep_qk else (None, None)))
         ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype)
+        ctx.autocast = None if triton_path else _dispatch.autocast_state(q.device.type)
         return q_out, k_out
 
     @staticmethod
@@ -181,7 +187,8 @@ class _RoPEFunction(torch.autograd.Function):
         if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
             _dispatch.check_first_order("rope")
         grads = (_backward_triton if triton_path else _backward_torch)(
-            dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, ctx.needs_input_grad[:4]
+            dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, ctx.needs_input_grad[:4],
+            ctx.autocast,
         )
         return (*grads, None, None)
 
@@ -213,7 +220,8 @@ def _forward_torch(q, k, cos, sin, unsqueeze_dim):
     return _reference(q, k, cos, sin, unsqueeze_dim)
 
 
-def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs):
+def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
+                    forward_autocast):
     """(dq, dk, dcos, dsin), each None unless needed: the gradients autograd gives the formula
     (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
     are differentiable, through the recomputation from the saved inputs themselves."""
@@ -223,7 +231,8 @@ def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dt
         k = torch.zeros((), dtype=k_dtype, device=dk_out.device).expand(dk_out.shape)
     inputs = [t if create_graph and need and t.requires_grad else t.detach().requires_grad_(need)
               for t, need in zip((q, k, cos, sin), needs)]
-    with torch.enable_grad():
+    # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
+    with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
         outs = _reference(*inputs, unsqueeze_dim)
     wanted = [t for t, need in zip(inputs, needs) if need]
     # an output of inputs that all want no gradient (e.g. k frozen, cos and sin tables) has no graph
