@@ -1,28 +1,62 @@
-"""Where an op runs: Triton or the plain-torch reference, chosen per call from the tensors.
+"""Where an op runs (Triton or its plain-torch twin, chosen per call from the tensors), the input
+checks every op shares, and the allocator of kernel outputs.
 
-Triton runs on GPU tensors, and on CPU tensors when TRITON_INTERPRET=1 was set before triton was
-imported (that is how CI exercises the real kernels). Everything else takes the plain-torch path,
-so a model with swapped kernels still runs anywhere.
+Triton runs on GPU tensors, and on CPU tensors when the kernels were defined for Triton's CPU
+interpreter (TRITON_INTERPRET=1 when accel_kernels was imported: that is how CI exercises the real
+kernels). Everything else, and everything when triton cannot be imported, takes the plain-torch
+twin, so a model with swapped kernels still runs anywhere.
 """
 from __future__ import annotations
 
-import os
+import contextlib
 
 import torch
+
+from . import _triton
 
 _GPU_TYPES = ("cuda", "xpu")
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run under the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when the kernels run under Triton's CPU interpreter.
+
+    Fixed for the life of the process: it is what TRITON_INTERPRET said when the kernels were
+    defined (accel_kernels' import), which is what triton itself obeys. Setting or clearing the
+    variable later changes nothing, here or in triton. False when triton cannot be imported.
+    """
+    return _triton.INTERPRETING
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether the op on tensor `t` should take the Triton path."""
+    """Whether the op on tensor `t` takes the Triton path (else its plain-torch twin)."""
+    if not _triton.AVAILABLE:
+        return False
     if t.device.type in _GPU_TYPES:
         return True
-    return t.device.type == "cpu" and interpreting()
+    return t.device.type == "cpu" and _triton.INTERPRETING
+
+
+def _type_name(value) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_tensor(name: str, value, expected: str) -> None:
+    """ValueError "<name> must be a torch.Tensor <expected>, got <type>" unless value is a tensor.
+
+    `expected` says what a valid argument looks like, e.g. "of shape (..., n)".
+    """
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor {expected}, got {_type_name(value)}")
+
+
+def check_floating(name: str, t: torch.Tensor) -> None:
+    """ValueError naming the argument when tensor t is not floating point."""
+    if not t.is_floating_point():
+        raise ValueError(
+            f"{name} must be a floating-point tensor, got {t.dtype}; expected float32, bfloat16 or "
+            f"float16 (float64 runs the plain-torch twin)"
+        )
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
@@ -35,6 +69,38 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
                 f"{name} is on {t.device} but {first_name} is on {first.device}; "
                 f"all tensors of one call must be on the same device"
             )
+
+
+def check_first_order(op: str) -> None:
+    """Call first thing in a backward that is not itself differentiable (the kernels' backwards).
+
+    Under backward(create_graph=True) autograd would record such a backward's outputs as constants,
+    and a second derivative through the op would silently lose its part: raise instead.
+    """
+    if torch.is_grad_enabled():  # autograd runs backwards with grad mode on only for create_graph
+        raise RuntimeError(
+            f"{op} gives first-order gradients only, but its backward ran under create_graph=True; "
+            f"call backward without create_graph (rms_norm and rope on float64 inputs, which run "
+            f"their plain-torch twins, do support it)"
+        )
+
+
+def autocast_state(device_type: str) -> tuple | None:
+    """The autocast setting in force for device_type (None where autocast does not exist): a
+    twin that recomputes its forward in backward replays it with `autocast_as`, so that the
+    recomputation matches the forward (backward usually runs outside the autocast block)."""
+    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))
+    if not available(device_type):
+        return None
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def autocast_as(state: tuple | None):
+    """Context manager: the autocast setting `autocast_state` recorded (nothing for None)."""
+    if state is None:
+        return contextlib.nullcontext()
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
 # Every op allocates its outputs through these two, so that tests can hand out poisoned, guarded

@@ -14,8 +14,9 @@ LOW_PRECISION_FLOOR = {torch.bfloat16: 1e-3, torch.float16: 1e-4}
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN or inf anywhere gives inf."""
-    out = out.detach().to(torch.float64)
-    ref = ref.detach().to(torch.float64)
+    # on the CPU: a GPU result meets a reference computed on the CPU
+    out = out.detach().cpu().to(torch.float64)
+    ref = ref.detach().cpu().to(torch.float64)
     if not torch.isfinite(out).all():
         return float("inf")
     denom = ref.norm().item()

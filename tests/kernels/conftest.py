@@ -1,7 +1,10 @@
 import os
 
-# The interpreter must be chosen before triton is imported: every kernel test runs the real
-# Triton code on CPU tensors. On a GPU machine run with TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda.
+# The interpreter must be chosen before accel_kernels is imported (its kernels are defined then,
+# and keep that mode: accel_kernels._dispatch.interpreting()): every kernel test runs the real
+# Triton code on CPU tensors. The top-level tests/conftest.py sets it first for the whole suite;
+# this line is for `pytest tests/kernels` run alone. On a GPU machine run with TRITON_INTERPRET=0
+# ACCEL_TEST_DEVICE=cuda.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

@@ -1,13 +1,16 @@
-"""The benchmark's correctness guard: a wrong implementation gets no time, only FAILED."""
+"""The benchmark: its correctness guard (a wrong implementation gets no time, only FAILED) and its
+report (every figure computed once into the records; tables and JSON read the same records)."""
+import json
+
 import torch
 
-from accel_kernels import bench
+from accel_kernels.bench import catalogue, cli, harness, report
 
 TINY = dict(n=64)
 
 
 def _op(ours):
-    return bench.Op(
+    return catalogue.Op(
         shapes={"cpu": TINY, "check": TINY},
         make=lambda device, dtype, n: [torch.randn(n, device=device).to(dtype).requires_grad_()],
         eager=lambda x: x.sin(), ours=ours, liger=None, bytes_moved=None,
@@ -15,16 +18,68 @@ def _op(ours):
 
 
 def test_wrong_output_or_wrong_grad_is_failed_and_not_timed(monkeypatch):
-    monkeypatch.setitem(bench.OPS, "wrong_output", _op(lambda x: x.sin() * 1.01))
-    monkeypatch.setitem(bench.OPS, "wrong_grad", _op(lambda x: x.sin().detach() + 0 * x))
+    monkeypatch.setitem(catalogue.OPS, "wrong_output", _op(lambda x: x.sin() * 1.01))
+    monkeypatch.setitem(catalogue.OPS, "wrong_grad", _op(lambda x: x.sin().detach() + 0 * x))
     for name in ("wrong_output", "wrong_grad"):
-        row = bench.run_one(name, "accel_kernels", "cpu", quick=True)
+        row = harness.run_one(name, "accel_kernels", "cpu", quick=True)
         assert row["status"] == "FAILED" and "disagrees with eager" in row["note"], row
         assert "fb_ms" not in row
 
 
 def test_right_implementation_is_timed_and_missing_liger_is_skipped(monkeypatch):
-    monkeypatch.setitem(bench.OPS, "right", _op(lambda x: torch.sin(x)))
-    row = bench.run_one("right", "accel_kernels", "cpu", quick=True)
-    assert row["status"] == "ok" and row["fb_ms"] > 0 and row["check_err"] <= bench.CHECK_TOL
-    assert bench.run_one("right", "liger", "cpu", quick=True)["status"] == "skipped"
+    monkeypatch.setitem(catalogue.OPS, "right", _op(lambda x: torch.sin(x)))
+    row = harness.run_one("right", "accel_kernels", "cpu", quick=True)
+    assert row["status"] == "ok" and row["fb_ms"] > 0 and row["check_err"] <= harness.CHECK_TOL
+    assert harness.run_one("right", "liger", "cpu", quick=True)["status"] == "skipped"
+
+
+def _row(op, impl, **figures):
+    return dict(op=op, impl=impl, status="ok", **figures)
+
+
+def test_cpu_report_ratios_are_ours_over_eager_in_table_and_json(capsys, tmp_path):
+    results = dict(device="cpu", copy_gbs=None, rows=[
+        _row("fused_linear_cross_entropy", "accel_kernels", fb_ms=900.0, fwd_mib=50.0, fb_mib=100.0, reps=1),
+        _row("fused_linear_cross_entropy", "eager", fb_ms=1000.0, fwd_mib=600.0, fb_mib=800.0, reps=1)])
+    report.compute(results)
+    ours = results["rows"][0]
+    assert ours["time_vs_eager"] == 0.9 and ours["mem_vs_eager"] == 0.125  # lower is better
+    assert results["rows"][1]["time_vs_eager"] == 1.0
+    assert "fb_gbs" not in ours and "time_vs_liger" not in ours  # GPU-only figures
+    assert results["cpu_flce"]["memory_ratio"] == 0.125 and results["cpu_flce"]["memory_verdict"] == "PASS"
+    assert results["cpu_flce"]["time_ratio"] == 0.9 and results["cpu_flce"]["time_verdict"] == "PASS"
+
+    report.print_table(results, "fused_linear_cross_entropy")
+    report.print_cpu_flce(results)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("impl"))
+    assert header.split() == ["impl", "f+b", "ms", "fwd", "MiB", "f+b", "MiB", "t/eager", "mem/eager"]
+    assert " 0.90x" in out and " 0.12x" in out and "mem/eager 0.125x" in out and "t/eager 0.90x" in out
+    report.write_json(tmp_path / "bench.json", results)
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["time_vs_eager"] == 0.9
+
+
+def test_gpu_report_bandwidth_and_liger_ratio(capsys):
+    op = catalogue.OPS["swiglu"]
+    moved = op.bytes_moved(2, **op.shapes["gpu"])
+    results = dict(device="cuda", copy_gbs=4000.0, rows=[
+        _row("swiglu", "accel_kernels", fwd_ms=1.0, bwd_ms=2.0, fb_ms=3.0, fwd_mib=1.0, bwd_mib=2.0, fb_mib=3.0),
+        _row("swiglu", "eager", fwd_ms=2.0, bwd_ms=4.0, fb_ms=6.0, fwd_mib=2.0, bwd_mib=4.0, fb_mib=6.0),
+        dict(op="swiglu", impl="liger", status="skipped", note="not installed")])
+    report.compute(results)
+    ours = results["rows"][0]
+    assert ours["time_vs_eager"] == 0.5 and ours["mem_vs_eager"] == 0.5 and ours["time_vs_liger"] is None
+    assert ours["fb_gbs"] == moved / 3e-3 / 1e9 and ours["pct_copy"] == 100 * ours["fb_gbs"] / 4000.0
+    report.print_table(results, "swiglu")
+    out = capsys.readouterr().out
+    assert "GB/s" in out and "t/liger" in out and "liger         skipped: not installed" in out
+
+
+def test_help_states_the_quick_duration(capsys):
+    try:
+        cli.main(["--help"])
+    except SystemExit:
+        pass
+    out = capsys.readouterr().out
+    duration = out[out.index("expected duration of --quick"):]
+    assert "on one H200: " in duration and "on CPU: " in duration

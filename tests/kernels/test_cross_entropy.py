@@ -4,17 +4,17 @@ Shapes stay small: on CPU the Triton interpreter runs one Python program per row
 """
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from accel_kernels.cross_entropy import TORCH_ROWS, TRITON_ROWS, _CrossEntropy, cross_entropy
+import accel_kernels._dispatch as dispatch
+import accel_kernels._launch as launch
+import accel_kernels.ops.cross_entropy as ce_module
+from accel_kernels import cross_entropy
+from accel_kernels.ops.cross_entropy import _CrossEntropyFunction
 
 from _checks import assert_close
-
-ce_module = importlib.import_module("accel_kernels.cross_entropy")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -157,11 +157,14 @@ def test_plain_torch_path_agrees_with_triton(device, reduction, monkeypatch):
     labels[1, 0] = -100
     go = _grad_output(labels, reduction, device)
     kw = dict(softcap=6.0, reduction=reduction)
-    assert ce_module.rows_impl(logits.cpu()).name == "triton"  # CPU tensors under the interpreter
-    loss_t, grad_t = _ours(logits, labels, go, **kw)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert ce_module.rows_impl(logits.cpu()).name == "torch"
-    loss_p, grad_p = _ours(logits.cpu(), labels.cpu(), go.cpu(), **kw)
+    assert dispatch.use_triton(logits)  # GPU tensors, or CPU tensors under the interpreter
+    with launch.recording() as launched:
+        loss_t, grad_t = _ours(logits, labels, go, **kw)
+    assert set(launched) == {"_ce_forward_kernel", "_ce_backward_kernel"}
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    with launch.recording() as launched:
+        loss_p, grad_p = _ours(logits.cpu(), labels.cpu(), go.cpu(), **kw)
+    assert launched == []
     torch.testing.assert_close(loss_p, loss_t.cpu(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad_p, grad_t.cpu(), rtol=1e-5, atol=1e-7)
 
@@ -174,16 +177,16 @@ def test_out_of_range_label_raises_on_cpu(bad):
         cross_entropy(logits, labels)
 
 
-@pytest.mark.parametrize("impl", [TRITON_ROWS, TORCH_ROWS], ids=lambda i: i.name)
-def test_out_of_range_label_gives_nan_without_host_check(device, impl):
+@pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch"])
+def test_out_of_range_label_gives_nan_without_host_check(device, triton_path):
     # What a GPU does, where no host check runs: NaN for that row, never a silent wrong loss.
     logits = torch.randn(4, 40, device=device, requires_grad=True)
     labels = torch.tensor([1, 40, -100, -3], device=device)
-    loss = _CrossEntropy.apply(logits, labels, -100, None, "none", impl)
+    loss = _CrossEntropyFunction.apply(logits, labels, -100, None, "none", triton_path)
     loss.sum().backward()
     assert torch.isnan(loss[[1, 3]]).all() and torch.isfinite(loss[[0, 2]]).all()
     assert torch.isnan(logits.grad[[1, 3]]).all() and torch.isfinite(logits.grad[[0, 2]]).all()
-    assert torch.isnan(_CrossEntropy.apply(logits, labels, -100, None, "mean", impl))
+    assert torch.isnan(_CrossEntropyFunction.apply(logits, labels, -100, None, "mean", triton_path))
 
 
 @pytest.mark.parametrize(

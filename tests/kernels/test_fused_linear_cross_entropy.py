@@ -5,19 +5,18 @@ Shapes stay small: on CPU the Triton interpreter runs one Python program per tok
 """
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accel_kernels.cross_entropy import TORCH_ROWS, TRITON_ROWS
-from accel_kernels.fused_linear_cross_entropy import _FusedLinearCrossEntropy, fused_linear_cross_entropy
+import accel_kernels._dispatch as dispatch
+import accel_kernels._launch as launch
+import accel_kernels.ops.fused_linear_cross_entropy as flce_module
+from accel_kernels import fused_linear_cross_entropy
+from accel_kernels.ops.fused_linear_cross_entropy import _FusedLinearCrossEntropyFunction
 
 from _checks import assert_close
-
-flce_module = importlib.import_module("accel_kernels.fused_linear_cross_entropy")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -157,9 +156,13 @@ def test_plain_torch_path_agrees_with_triton(device, reduction, monkeypatch):
     hidden, weight, bias, labels = _inputs((2, 5), 16, 250, torch.float32, device, ignored=(4,))
     go = _grad_output(labels, reduction, device)
     kw = dict(softcap=3.0, reduction=reduction, chunk_size=4)
-    triton_path = _ours(hidden, weight, bias, labels, go, **kw)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors now take the plain-torch path
-    plain = _ours(*[t.cpu() for t in (hidden, weight, bias, labels, go)], **kw)
+    with launch.recording() as launched:
+        triton_path = _ours(hidden, weight, bias, labels, go, **kw)
+    assert launched and set(launched) <= {"_ce_forward_kernel", "_ce_backward_kernel"}
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)  # now the plain-torch twin
+    with launch.recording() as launched:
+        plain = _ours(*[t.cpu() for t in (hidden, weight, bias, labels, go)], **kw)
+    assert launched == []
     for name, p, t in zip(("loss", "grad hidden", "grad weight", "grad bias"), plain, triton_path):
         torch.testing.assert_close(p, t.cpu(), rtol=1e-5, atol=1e-6, msg=name)
 
@@ -181,12 +184,16 @@ class _LargestOutput(TorchDispatchMode):
 
 @pytest.mark.usefixtures("unguarded_outputs")
 @pytest.mark.parametrize("path, reduction", [("torch", r) for r in REDUCTIONS] + [("triton", "none")])
-def test_never_materialises_full_logits(path, reduction, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if path == "torch" else "1")
+def test_never_materialises_full_logits(device, path, reduction, monkeypatch):
+    # the twin on CPU; the kernels where they run: GPU tensors, or CPU ones under the interpreter
+    if path == "torch":
+        device = torch.device("cpu")
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    assert dispatch.use_triton(torch.empty(0, device=device)) == (path == "triton")
     n, hidden_size, vocab = 64, 8, 300
     # The default chunking, with a budget of 16 tokens' logits.
     monkeypatch.setattr(flce_module, "TORCH_CHUNK_BYTES" if path == "torch" else "CHUNK_BYTES", 16 * vocab * 4)
-    hidden, weight, bias, labels = _inputs((n,), hidden_size, vocab, torch.float32, "cpu")
+    hidden, weight, bias, labels = _inputs((n,), hidden_size, vocab, torch.float32, device)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     with _LargestOutput() as spy:
         loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], reduction=reduction)
@@ -211,15 +218,15 @@ def test_out_of_range_label_raises_on_cpu(bad):
         fused_linear_cross_entropy(hidden, weight, labels, bias=bias)
 
 
-@pytest.mark.parametrize("impl", [TRITON_ROWS, TORCH_ROWS], ids=lambda i: i.name)
-def test_out_of_range_label_gives_nan_without_host_check(device, impl):
+@pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch"])
+def test_out_of_range_label_gives_nan_without_host_check(device, triton_path):
     # What a GPU does, where no host check runs: NaN loss, never a silent wrong one.
     hidden, weight, bias, labels = _inputs((4,), 8, 30, torch.float32, device)
     labels[2] = 30
-    loss = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, -100, None, "none", 2, impl)
+    loss = _FusedLinearCrossEntropyFunction.apply(hidden, weight, bias, labels, -100, None, "none", 2, triton_path)
     assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
     h = hidden.clone().requires_grad_()
-    _FusedLinearCrossEntropy.apply(h, weight, bias, labels, -100, None, "mean", 2, impl).backward()
+    _FusedLinearCrossEntropyFunction.apply(h, weight, bias, labels, -100, None, "mean", 2, triton_path).backward()
     assert torch.isnan(h.grad[2]).all() and torch.isfinite(h.grad[[0, 1, 3]]).all()
 
 

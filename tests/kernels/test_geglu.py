@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import accel_kernels._dispatch as dispatch
 from _checks import rel_err
 from _glu_checks import check_against_float64, forward_backward, saved_bytes
-from accel_kernels.geglu import geglu
+from accel_kernels import geglu
 
 # The interpreter evaluates exp in numpy, which warns where it overflows to inf inside sigmoid(x)
 # for large |x|; the result (sigmoid -> 0 or 1) is right.

@@ -1,13 +1,10 @@
-import importlib
-
 import pytest
 import torch
 
+import accel_kernels._dispatch as dispatch
+import accel_kernels.ops.rms_norm as rms_norm_module
 from _checks import assert_close, rel_err
-from accel_kernels.rms_norm import rms_norm
-
-# the package re-exports the function under the module's name: fetch the module itself
-rms_norm_module = importlib.import_module("accel_kernels.rms_norm")
+from accel_kernels import rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CASTINGS = ["llama", "gemma", "none"]
@@ -60,7 +57,8 @@ def triton_only(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("rms_norm took the plain-torch path")
 
-    monkeypatch.setattr(rms_norm_module, "rms_norm_reference", refuse)
+    monkeypatch.setattr(rms_norm_module, "_forward_torch", refuse)
+    monkeypatch.setattr(rms_norm_module, "_backward_torch", refuse)
 
 
 def weight_for(n, device, dtype, offset):
@@ -191,9 +189,9 @@ def test_plain_path_matches_triton_path(device, monkeypatch):
         weight = weight_for(200, device, dtype, offset)
         dy = torch.randn(5, 200, device=device).to(dtype)
         kw = dict(offset=offset, casting=casting)
-        monkeypatch.setattr(rms_norm_module, "use_triton", lambda t: True)
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
         triton_result = forward_backward(rms_norm, x, weight, dy, **kw)
-        monkeypatch.setattr(rms_norm_module, "use_triton", lambda t: False)
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
         plain_result = forward_backward(rms_norm, x, weight, dy, **kw)
         ref = forward_backward(eager, x.double(), weight.double(), dy.double(), **kw)
         for what, t, p, r in zip(("output", "grad of x", "grad of weight"), triton_result, plain_result, ref):
@@ -201,6 +199,26 @@ def test_plain_path_matches_triton_path(device, monkeypatch):
             # the plain path is the stock computation in that dtype: it sets the bound
             assert_close(t, r, dtype, stock=p, what=f"{casting} {dtype} {what}")
             assert rel_err(t, p) <= (1e-6 if dtype == torch.float32 else 1e-2), what
+
+
+def test_twin_gradients_under_autocast_are_eager_ones(device, monkeypatch):
+    # the twin recomputes the formula in backward, which runs outside the autocast block: it must
+    # replay the forward's autocast (on CUDA, autocast runs rsqrt and mean of bf16 in float32)
+    if device.type != "cuda":
+        pytest.skip("CPU autocast changes no op of the formula: nothing to tell apart here")
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    x = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
+    weight = weight_for(64, device, torch.bfloat16, 0.0)
+    dy = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
+    results = []
+    for fn in (rms_norm, eager):
+        xl, wl = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(xl, wl, casting="none")
+        y.backward(dy.to(y.dtype))
+        results.append((y.detach(), xl.grad, wl.grad))
+    for what, ours, stock in zip(("output", "grad of x", "grad of weight"), *results):
+        assert ours.dtype == stock.dtype and torch.equal(ours, stock), what
 
 
 def test_float64_and_empty_inputs_take_the_plain_path(device):

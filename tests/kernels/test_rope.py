@@ -1,13 +1,10 @@
-import importlib
-
 import pytest
 import torch
 
+import accel_kernels._dispatch as dispatch
+import accel_kernels.ops.rope as rope_module
 from _checks import assert_close, rel_err
-from accel_kernels.rope import rope
-
-# the package re-exports the function under the module's name: fetch the module itself
-rope_module = importlib.import_module("accel_kernels.rope")
+from accel_kernels import rope
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -69,7 +66,8 @@ def triton_only(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("rope took the plain-torch path")
 
-    monkeypatch.setattr(rope_module, "rope_reference", refuse)
+    monkeypatch.setattr(rope_module, "_forward_torch", refuse)
+    monkeypatch.setattr(rope_module, "_backward_torch", refuse)
 
 
 @pytest.mark.usefixtures("triton_only")
@@ -168,9 +166,9 @@ def test_plain_path_matches_triton_path(device, monkeypatch):
     for dtype, unsqueeze_dim in [(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 1)]:
         q, k, cos, sin = make_inputs(device, dtype, n_q=3, n_k=1, head_dim=20, rot_dim=12, unsqueeze_dim=unsqueeze_dim)
         dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
-        monkeypatch.setattr(rope_module, "use_triton", lambda t: True)
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
         triton_result = forward_backward(rope, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
-        monkeypatch.setattr(rope_module, "use_triton", lambda t: False)
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
         plain_result = forward_backward(rope, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
         ref = forward_backward(eager, q.double(), k.double(), cos.double(), sin.double(),
                                dq_out.double(), dk_out.double(), unsqueeze_dim)
@@ -179,6 +177,25 @@ def test_plain_path_matches_triton_path(device, monkeypatch):
             # the plain path is the stock computation in that dtype: it sets the bound
             assert_close(t, r, dtype, stock=p, what=f"{dtype} {what}")
             assert rel_err(t, p) <= (1e-6 if dtype == torch.float32 else 1e-2), what
+
+
+@pytest.mark.parametrize("path", ["triton", "twin"])
+def test_only_q_or_only_k_requires_grad(device, monkeypatch, path):
+    # a frozen k (or q): only the wanted gradient, and none for the other
+    if path == "twin":
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    q, k, cos, sin = make_inputs(device, torch.float32, rot_dim=8)
+    for q_grad in (True, False):
+        ql, kl = q.detach().requires_grad_(q_grad), k.detach().requires_grad_(not q_grad)
+        out = rope(ql, kl, cos, sin)[0 if q_grad else 1]
+        upstream = torch.randn_like(out)
+        out.backward(upstream)
+        ref_q, ref_k = q.double().requires_grad_(), k.double().requires_grad_()
+        ref = eager(ref_q, ref_k, cos.double(), sin.double())[0 if q_grad else 1]
+        ref.backward(upstream.double())
+        got, expected = (ql.grad, ref_q.grad) if q_grad else (kl.grad, ref_k.grad)
+        assert (kl.grad if q_grad else ql.grad) is None
+        assert_close(got, expected, torch.float32, what=f"{path}: grad of {'q' if q_grad else 'k'} alone")
 
 
 def test_cos_sin_requiring_grad_get_their_gradient(device):

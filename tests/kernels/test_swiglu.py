@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import accel_kernels._dispatch as dispatch
 from _checks import rel_err
 from _glu_checks import check_against_float64, forward_backward, saved_bytes
-from accel_kernels.swiglu import swiglu
+from accel_kernels import swiglu
 
 
 def eager(gate, up):

@@ -12,25 +12,22 @@ in the forward costs two reads + one write there, and another read + write in th
 scale it by grad_output (or a host sync to skip that when it is 1). Recomputing is the cheaper of
 the two, does no gradient work in evaluation, and holds one logits-dtype buffer (the gradient)
 only while the backward runs. The fused linear cross-entropy (fused_linear_cross_entropy.py) does
-want the gradient during the forward, in place in its own chunk buffer: `forward_rows(...,
+want the gradient during the forward, in place in its own chunk buffer: `_forward_triton(...,
 grad=...)` is that mode of the same kernel.
 
-The row-wise work is offered by two interchangeable implementations with one signature,
-`forward_rows` / `backward_rows`: the Triton kernels (`TRITON_ROWS`) and plain torch (`TORCH_ROWS`,
-the same math, processing a bounded number of rows at a time). The fused op reuses them.
+The host functions and their plain-torch twins work row-wise with one signature each:
+`_forward_triton` / `_forward_torch` and `_backward_triton` / `_backward_torch` (the twin is the same
+math, processing a bounded number of rows at a time). The fused op runs them on its chunks of
+logits, picked by `_row_functions(triton_path)`.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
-from torch.autograd.function import once_differentiable
 
-from . import _dispatch
-from ._triton_common import cast_rounded
+from .. import _dispatch, _launch
+from .._triton import cast_rounded, jit, tl
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -38,7 +35,7 @@ REDUCTIONS = ("mean", "sum", "none")
 # thread per live tensor, enough loads in flight to stream HBM without spilling registers.
 MAX_BLOCK = 8192
 
-# Rows the plain-torch path processes at once: it materialises a few fp32 copies of them.
+# Rows the plain-torch twin processes at once: it materialises a few fp32 copies of them.
 TORCH_ROWS_ELEMENTS = 1 << 22
 
 
@@ -47,7 +44,7 @@ TORCH_ROWS_ELEMENTS = 1 << 22
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _tanh(x):
     """tanh of fp32 x from exp (libdevice tanh is not reachable alike across Triton versions and the interpreter)."""
     e = tl.exp(-2.0 * tl.abs(x))
@@ -55,14 +52,14 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit
+@jit
 def _zero_row(g_row, n_cols, BLOCK: tl.constexpr):
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         tl.store(g_row + cols, tl.zeros([BLOCK], dtype=g_row.dtype.element_ty), mask=cols < n_cols)
 
 
-@triton.jit
+@jit
 def _write_grad_row(x_row, g_row, label, lse, scale, n_cols, softcap,
                     HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
     """g = scale * (softmax(z) - onehot(label)) * dz/dx for one row; g_row may alias x_row."""
@@ -82,7 +79,7 @@ def _write_grad_row(x_row, g_row, label, lse, scale, n_cols, softcap,
         tl.store(g_row + cols, cast_rounded(g, g_row.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _ce_forward_kernel(
     X, stride_xa, stride_xb, rows_b,  # row r starts at X + (r // rows_b) * stride_xa + (r % rows_b) * stride_xb
     Y, stride_y,
@@ -130,7 +127,7 @@ def _ce_forward_kernel(
                             HAS_SOFTCAP, BLOCK)
 
 
-@triton.jit
+@jit
 def _ce_backward_kernel(
     X, stride_xa, stride_xb, rows_b,
     Y, stride_y,
@@ -153,12 +150,12 @@ def _ce_backward_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Row-wise implementations: Triton and plain torch, one signature
+# Host launch (row-wise; the fused op calls these on its chunks)
 # --------------------------------------------------------------------------------------------
 
 
 def _launch_config(n_cols: int) -> tuple[int, int]:
-    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
+    block = min(_launch.next_power_of_2(n_cols), MAX_BLOCK)
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
     return block, num_warps
 
@@ -174,7 +171,7 @@ def _scale_stride(scale: torch.Tensor) -> int:
     return 0 if scale.numel() == 1 else scale.stride(0)
 
 
-def _forward_rows_triton(x, labels, ignore_index, softcap, loss, lse, grad=None, scale=None):
+def _forward_triton(x, labels, ignore_index, softcap, loss, lse, grad=None, scale=None):
     """Per-row loss and lse (fp32, written into `loss`, `lse`) of the logits rows of x.
 
     x: (N, V) or (A, B, V) with unit column stride (rows r = a * B + b); labels: (N,) integer.
@@ -189,7 +186,8 @@ def _forward_rows_triton(x, labels, ignore_index, softcap, loss, lse, grad=None,
     write_grad = grad is not None
     if not write_grad:
         grad, scale = lse, lse  # unused pointers
-    _ce_forward_kernel[(n_rows,)](
+    _launch.launch(
+        _ce_forward_kernel, (n_rows,),
         x, *_row_strides(x), labels, labels.stride(0), loss, lse,
         grad, grad.stride(0) if write_grad else 0, scale, _scale_stride(scale) if write_grad else 0,
         n_cols, ignore_index, 1.0 if softcap is None else float(softcap),
@@ -198,19 +196,92 @@ def _forward_rows_triton(x, labels, ignore_index, softcap, loss, lse, grad=None,
     )
 
 
-def _backward_rows_triton(x, labels, ignore_index, softcap, lse, scale, grad):
+def _backward_triton(x, labels, ignore_index, softcap, lse, scale, grad):
     """Writes scale * d loss_r / d x_r into grad ((N, V) contiguous) from the lse of the forward."""
     n_cols = x.shape[-1]
     n_rows = labels.shape[0]
     if n_rows == 0:
         return
     block, num_warps = _launch_config(n_cols)
-    _ce_backward_kernel[(n_rows,)](
+    _launch.launch(
+        _ce_backward_kernel, (n_rows,),
         x, *_row_strides(x), labels, labels.stride(0), lse, grad, grad.stride(0),
         scale, _scale_stride(scale), n_cols, ignore_index,
         1.0 if softcap is None else float(softcap),
         HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=num_warps,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# autograd Function
+# --------------------------------------------------------------------------------------------
+
+
+def _flat_labels(labels: torch.Tensor) -> torch.Tensor:
+    y = labels.reshape(-1)
+    if y.dtype not in (torch.int32, torch.int64):
+        y = y.long()
+    return y
+
+
+def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
+    """The logits as rows without copying where possible: (N, V), or (A, B, V) for the kernels."""
+    vocab = logits.shape[-1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    try:
+        return logits.view(-1, vocab)
+    except RuntimeError:
+        pass
+    if triton_rows and logits.dim() >= 3:  # e.g. logits[:, :-1, :]: two row strides, no copy
+        try:
+            return logits.view(-1, logits.shape[-2], vocab)
+        except RuntimeError:
+            pass
+    return logits.reshape(-1, vocab)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Cross-entropy of rows of logits; `triton_path` picks the kernels or the twin."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index, softcap, reduction, triton_path):
+        forward_rows, _ = _row_functions(triton_path)
+        x = _rows_view(logits, triton_path)
+        y = _flat_labels(labels)
+        n = y.shape[0]
+        loss = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
+        lse = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
+        forward_rows(x, y, ignore_index, softcap, loss, lse)
+        n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
+        ctx.save_for_backward(x, y, lse, n_valid)
+        ctx.options = (ignore_index, softcap, reduction, triton_path, logits.shape, logits.dtype)
+        if reduction == "none":
+            return loss.view(labels.shape)
+        total = loss.sum()
+        # All tokens ignored: 0 / 1 = 0 (and zero gradients), not eager torch's 0 / 0 = NaN.
+        return total / n_valid.clamp(min=1) if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        _dispatch.check_first_order("cross_entropy")
+        x, y, lse, n_valid = ctx.saved_tensors
+        ignore_index, softcap, reduction, triton_path, shape, dtype = ctx.options
+        _, backward_rows = _row_functions(triton_path)
+        if reduction == "none":
+            scale = grad_output.reshape(-1).float()
+        elif reduction == "mean":
+            scale = (grad_output.float() / n_valid.clamp(min=1)).reshape(1)
+        else:
+            scale = grad_output.float().reshape(1)
+        grad = _dispatch.empty((y.shape[0], shape[-1]), dtype=dtype, device=x.device)
+        backward_rows(x, y, ignore_index, softcap, lse, scale, grad)
+        return grad.view(shape), None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-torch twin (row-wise, same signatures as the host functions)
+# --------------------------------------------------------------------------------------------
 
 
 def _torch_row_blocks(x: torch.Tensor):
@@ -268,36 +339,27 @@ def _torch_rows(x, labels, ignore_index, softcap, scale, grad, loss=None, lse=No
             grad[s:e].copy_(p)
 
 
-def _forward_rows_torch(x, labels, ignore_index, softcap, loss, lse, grad=None, scale=None):
-    """Plain-torch `_forward_rows_triton`: same arguments, same results (x must be 2-D here)."""
+def _forward_torch(x, labels, ignore_index, softcap, loss, lse, grad=None, scale=None):
+    """`_forward_triton` in plain torch: same arguments, same results (x must be 2-D here)."""
     _torch_rows(x, labels, ignore_index, softcap, scale, grad, loss=loss, lse=lse)
 
 
-def _backward_rows_torch(x, labels, ignore_index, softcap, lse, scale, grad):
-    """Plain-torch `_backward_rows_triton` (x must be 2-D here)."""
+def _backward_torch(x, labels, ignore_index, softcap, lse, scale, grad):
+    """`_backward_triton` in plain torch (x must be 2-D here)."""
     _torch_rows(x, labels, ignore_index, softcap, scale, grad, saved_lse=lse)
 
 
-class RowsImpl(NamedTuple):
-    forward_rows: object
-    backward_rows: object
-    name: str
-
-
-TRITON_ROWS = RowsImpl(_forward_rows_triton, _backward_rows_triton, "triton")
-TORCH_ROWS = RowsImpl(_forward_rows_torch, _backward_rows_torch, "torch")
-
-
-def rows_impl(t: torch.Tensor) -> RowsImpl:
-    return TRITON_ROWS if _dispatch.use_triton(t) else TORCH_ROWS
+def _row_functions(triton_path: bool):
+    """(forward, backward) row functions: the host launches, or their plain-torch twins."""
+    return (_forward_triton, _backward_triton) if triton_path else (_forward_torch, _backward_torch)
 
 
 # --------------------------------------------------------------------------------------------
-# Validation shared with the fused op
+# Input checks (the fused op shares _check_options and _check_labels)
 # --------------------------------------------------------------------------------------------
 
 
-def check_options(ignore_index, softcap, reduction) -> None:
+def _check_options(ignore_index, softcap, reduction) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -308,13 +370,12 @@ def check_options(ignore_index, softcap, reduction) -> None:
             raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
 
 
-def check_labels(labels, expected_shape, vocab: int, ignore_index: int, against: str) -> None:
+def _check_labels(labels, expected_shape, vocab: int, ignore_index: int, against: str) -> None:
     """labels: an integer tensor of `expected_shape`; on CPU also every label in [0, vocab) or ignore_index.
 
     On a GPU the range is not checked on the host (that would sync): the kernel gives NaN instead.
     """
-    if not isinstance(labels, torch.Tensor):
-        raise ValueError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    _dispatch.check_tensor("labels", labels, f"of an integer dtype and shape {tuple(expected_shape)}")
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
         raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
     if tuple(labels.shape) != tuple(expected_shape):
@@ -331,67 +392,20 @@ def check_labels(labels, expected_shape, vocab: int, ignore_index: int, against:
             )
 
 
-def flat_labels(labels: torch.Tensor) -> torch.Tensor:
-    y = labels.reshape(-1)
-    if y.dtype not in (torch.int32, torch.int64):
-        y = y.long()
-    return y
+def _check_inputs(logits, labels, ignore_index, softcap, reduction) -> None:
+    _dispatch.check_tensor("logits", logits, "of shape (..., V)")
+    _dispatch.check_floating("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    _check_options(ignore_index, softcap, reduction)
+    _check_labels(labels, logits.shape[:-1], logits.shape[-1], ignore_index,
+                  against=f"logits of shape {tuple(logits.shape)}")
+    _dispatch.check_same_device(logits=logits, labels=labels)
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd
+# Entry
 # --------------------------------------------------------------------------------------------
-
-
-def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
-    """The logits as rows without copying where possible: (N, V), or (A, B, V) for the kernels."""
-    vocab = logits.shape[-1]
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    try:
-        return logits.view(-1, vocab)
-    except RuntimeError:
-        pass
-    if triton_rows and logits.dim() >= 3:  # e.g. logits[:, :-1, :]: two row strides, no copy
-        try:
-            return logits.view(-1, logits.shape[-2], vocab)
-        except RuntimeError:
-            pass
-    return logits.reshape(-1, vocab)
-
-
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, ignore_index, softcap, reduction, impl):
-        x = _rows_view(logits, impl is TRITON_ROWS)
-        y = flat_labels(labels)
-        n = y.shape[0]
-        loss = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
-        lse = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
-        impl.forward_rows(x, y, ignore_index, softcap, loss, lse)
-        n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
-        ctx.save_for_backward(x, y, lse, n_valid)
-        ctx.options = (ignore_index, softcap, reduction, impl, logits.shape, logits.dtype)
-        if reduction == "none":
-            return loss.view(labels.shape)
-        total = loss.sum()
-        # All tokens ignored: 0 / 1 = 0 (and zero gradients), not eager torch's 0 / 0 = NaN.
-        return total / n_valid.clamp(min=1) if reduction == "mean" else total
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        x, y, lse, n_valid = ctx.saved_tensors
-        ignore_index, softcap, reduction, impl, shape, dtype = ctx.options
-        if reduction == "none":
-            scale = grad_output.reshape(-1).float()
-        elif reduction == "mean":
-            scale = (grad_output.float() / n_valid.clamp(min=1)).reshape(1)
-        else:
-            scale = grad_output.float().reshape(1)
-        grad = _dispatch.empty((y.shape[0], shape[-1]), dtype=dtype, device=x.device)
-        impl.backward_rows(x, y, ignore_index, softcap, lse, scale, grad)
-        return grad.view(shape), None, None, None, None, None
 
 
 def cross_entropy(
@@ -415,17 +429,10 @@ def cross_entropy(
       checking would cost a host sync, so that token's loss and gradient are NaN instead.
     - Bad shapes, dtypes, devices or options raise ValueError naming the argument.
 
-    Runs the Triton kernels on GPU tensors (and CPU tensors under TRITON_INTERPRET=1), plain torch
-    elsewhere; the kernels compute in fp32, so float64 logits get fp32 accuracy there.
+    Runs the Triton kernels on GPU tensors (and on CPU tensors when the kernels run under Triton's
+    interpreter), the plain-torch twin elsewhere; the kernels compute in fp32, so float64 logits
+    get fp32 accuracy there.
     """
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        what = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be a floating-point tensor of shape (..., V), got {what}")
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
-    check_options(ignore_index, softcap, reduction)
-    if isinstance(labels, torch.Tensor):
-        _dispatch.check_same_device(logits=logits, labels=labels)
-    check_labels(labels, logits.shape[:-1], logits.shape[-1], ignore_index,
-                 against=f"logits of shape {tuple(logits.shape)}")
-    return _CrossEntropy.apply(logits, labels, ignore_index, softcap, reduction, rows_impl(logits))
+    _check_inputs(logits, labels, ignore_index, softcap, reduction)
+    return _CrossEntropyFunction.apply(logits, labels, ignore_index, softcap, reduction,
+                                       _dispatch.use_triton(logits))

@@ -20,16 +20,19 @@ scaled gradients as new tensors rather than scaling the saved ones in place, so 
 holds both (another (V, H)): in place, AccumulateGrad could adopt a saved tensor as .grad and a
 second backward through a retained graph would see it modified.
 
+This op has no kernels of its own: its host function `_chunked_pass` runs torch matmuls and
+cross_entropy.py's row functions on each chunk, the Triton launches or their plain-torch twins as
+`triton_path` says, so its plain-torch twin is the same pass over the twin rows.
+
 Memory and time against eager F.cross_entropy(hidden @ weight.T, labels):
 `python -m accel_kernels.bench --ops fused_linear_cross_entropy`.
 """
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _dispatch
-from .cross_entropy import TRITON_ROWS, check_labels, check_options, flat_labels, rows_impl
+from .. import _dispatch
+from .cross_entropy import _check_labels, _check_options, _flat_labels, _row_functions
 
 # Budget for one chunk of logits. The Triton path holds one chunk in the logits dtype (at vocab
 # 128256 in bf16: 1024 tokens, matmuls of M=1024 are already efficient on an H100/H200). The
@@ -37,6 +40,16 @@ from .cross_entropy import TRITON_ROWS, check_labels, check_options, flat_labels
 # its peak is set by the (V, H) gradients, not by this budget, and CPU matmuls want larger chunks.
 CHUNK_BYTES = 256 << 20
 TORCH_CHUNK_BYTES = 64 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels: none of its own (the chunks go through cross_entropy's row kernels)
+# --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# Host launch: the chunked pass (launches only through cross_entropy's row functions)
+# --------------------------------------------------------------------------------------------
 
 
 def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
@@ -73,15 +86,17 @@ def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
         acc.add_(torch.mm(a, b))
 
 
-def _chunked_pass(h, w, b, y, ignore_index, softcap, impl, rows, *, scale, need_h, need_w, need_b,
+def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale, need_h, need_w, need_b,
                   loss=None, lse=None, saved_lse=None):
-    """One walk over the token chunks.
+    """One walk over the token chunks, with cross_entropy's Triton rows or (triton_path False)
+    their plain-torch twins.
 
     Forward mode (saved_lse is None): writes per-token loss and lse; if any gradient is needed,
     also the gradients scaled per token by `scale`. Backward mode: recomputes each chunk's logits
     and writes the gradients from `saved_lse`. Returns (grad_h, grad_w fp32, grad_b fp32), None
     for those not needed.
     """
+    forward_rows, backward_rows = _row_functions(triton_path)
     n, hidden = h.shape
     vocab = w.shape[0]
     want_grad = need_h or need_w or need_b
@@ -100,10 +115,10 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, impl, rows, *, scale, need_
             torch.addmm(b, h_c, w.t(), out=logits)
         sc = scale if scale is None or scale.numel() == 1 else scale[s:e]
         if saved_lse is None:
-            impl.forward_rows(logits, y[s:e], ignore_index, softcap, loss[s:e], lse[s:e],
-                              grad=logits if want_grad else None, scale=sc)
+            forward_rows(logits, y[s:e], ignore_index, softcap, loss[s:e], lse[s:e],
+                         grad=logits if want_grad else None, scale=sc)
         else:
-            impl.backward_rows(logits, y[s:e], ignore_index, softcap, saved_lse[s:e], sc, logits)
+            backward_rows(logits, y[s:e], ignore_index, softcap, saved_lse[s:e], sc, logits)
         if not want_grad:
             continue
         g = logits  # now d loss / d logits of this chunk, scaled
@@ -129,11 +144,18 @@ def _scaled(grad: torch.Tensor | None, factor: torch.Tensor | None, dtype: torch
     return torch.mul(grad, factor.float(), out=out)
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
+# --------------------------------------------------------------------------------------------
+# autograd Function
+# --------------------------------------------------------------------------------------------
+
+
+class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Loss of hidden @ weight.T (+ bias) chunk by chunk; `triton_path` picks the rows' kernels or twins."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, impl):
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, triton_path):
         h = hidden.reshape(-1, hidden.shape[-1])
-        y = flat_labels(labels)
+        y = _flat_labels(labels)
         n = y.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
@@ -145,10 +167,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             scale = torch.ones(1, dtype=torch.float32, device=h.device)
         loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
         lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
-        grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, impl, rows, scale=scale,
+        grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows, scale=scale,
                               need_h=need_h and grads_now, need_w=need_w and grads_now,
                               need_b=need_b and grads_now, loss=loss, lse=lse)
-        ctx.options = (ignore_index, softcap, reduction, rows, impl, hidden.shape, need_h, need_w, need_b)
+        ctx.options = (ignore_index, softcap, reduction, rows, triton_path, hidden.shape, need_h, need_w, need_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         if reduction == "none":
             ctx.save_for_backward(h, weight, bias, y, lse)
@@ -159,12 +181,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output):
-        ignore_index, softcap, reduction, rows, impl, hidden_shape, need_h, need_w, need_b = ctx.options
+        _dispatch.check_first_order("fused_linear_cross_entropy")
+        ignore_index, softcap, reduction, rows, triton_path, hidden_shape, need_h, need_w, need_b = ctx.options
         if reduction == "none":
             h, weight, bias, y, lse = ctx.saved_tensors
-            grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, impl, rows,
+            grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows,
                                   scale=grad_output.reshape(-1).float(), need_h=need_h,
                                   need_w=need_w, need_b=need_b, saved_lse=lse)
             factor = None
@@ -182,6 +204,55 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if grad_h is not None:
             grad_h = grad_h.view(hidden_shape)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-torch twin: _chunked_pass(..., triton_path=False), over cross_entropy's twin rows
+# --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size) -> None:
+    _dispatch.check_tensor("hidden", hidden, "of shape (..., H)")
+    _dispatch.check_tensor("weight", weight, "of shape (V, H)")
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        _dispatch.check_floating(name, t)
+    if hidden.dim() < 1:
+        raise ValueError(f"hidden must have shape (..., H), got {tuple(hidden.shape)}")
+    hidden_size = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != hidden_size:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but hidden of shape {tuple(hidden.shape)} needs "
+            f"weight of shape (V, {hidden_size})"
+        )
+    vocab = weight.shape[0]
+    if vocab < 1:
+        raise ValueError(f"weight must have shape (V, H) with V >= 1, got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; they must match")
+    if bias is not None:
+        _dispatch.check_tensor("bias", bias, f"of shape ({vocab},) or None")
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(
+                f"bias has shape {tuple(bias.shape)} but weight of shape {tuple(weight.shape)} needs "
+                f"bias of shape ({vocab},)"
+            )
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"bias has dtype {bias.dtype} but hidden has {hidden.dtype}; they must match")
+    _check_options(ignore_index, softcap, reduction)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    _check_labels(labels, hidden.shape[:-1], vocab, ignore_index, against=f"hidden of shape {tuple(hidden.shape)}")
+    _dispatch.check_same_device(hidden=hidden, weight=weight, bias=bias, labels=labels)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry
+# --------------------------------------------------------------------------------------------
 
 
 def fused_linear_cross_entropy(
@@ -210,43 +281,10 @@ def fused_linear_cross_entropy(
     chunk_size: tokens per chunk (default: as many as fit CHUNK_BYTES of logits on the Triton
     path, TORCH_CHUNK_BYTES on the plain-torch path).
     """
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a floating-point tensor, got {what}")
-    if hidden.dim() < 1:
-        raise ValueError(f"hidden must have shape (..., H), got {tuple(hidden.shape)}")
-    hidden_size = hidden.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != hidden_size:
-        raise ValueError(
-            f"weight has shape {tuple(weight.shape)} but hidden of shape {tuple(hidden.shape)} needs "
-            f"weight of shape (V, {hidden_size})"
-        )
-    vocab = weight.shape[0]
-    if vocab < 1:
-        raise ValueError(f"weight must have shape (V, H) with V >= 1, got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; they must match")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab,):
-            what = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-            raise ValueError(
-                f"bias has shape {what} but weight of shape {tuple(weight.shape)} needs bias of shape ({vocab},)"
-            )
-        if bias.dtype != hidden.dtype:
-            raise ValueError(f"bias has dtype {bias.dtype} but hidden has {hidden.dtype}; they must match")
-    check_options(ignore_index, softcap, reduction)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    _dispatch.check_same_device(hidden=hidden, weight=weight, bias=bias,
-                                labels=labels if isinstance(labels, torch.Tensor) else None)
-    check_labels(labels, hidden.shape[:-1], vocab, ignore_index,
-                 against=f"hidden of shape {tuple(hidden.shape)}")
-
-    impl = rows_impl(hidden)
-    n_rows = labels.numel()
+    _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size)
+    triton_path = _dispatch.use_triton(hidden)
     if chunk_size is None:
-        budget = CHUNK_BYTES if impl is TRITON_ROWS else TORCH_CHUNK_BYTES
-        chunk_size = chunk_rows(n_rows, vocab, hidden.element_size(), budget)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, ignore_index, softcap,
-                                          reduction, chunk_size, impl)
+        budget = CHUNK_BYTES if triton_path else TORCH_CHUNK_BYTES
+        chunk_size = chunk_rows(labels.numel(), weight.shape[0], hidden.element_size(), budget)
+    return _FusedLinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index, softcap,
+                                                  reduction, chunk_size, triton_path)

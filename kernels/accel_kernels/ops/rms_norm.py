@@ -13,23 +13,23 @@ replaces:
 The Triton kernels accumulate in float32 in every mode and round where the stock module rounds.
 Forward saves x and the per-row 1/rms in float32; backward gives the gradient of x and of the
 weight (the weight gradient from per-program partial sums over rows, then one sum).
+
+The plain-torch twin is the module's own formula (`_reference`). Its forward keeps only the
+inputs; its backward recomputes the formula from them and differentiates it with autograd: the
+gradients eager torch gives, bit for bit, without the formula's fp32 intermediates held from
+forward to backward (one more forward of time, as with activation checkpointing).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import triton
-import triton.language as tl
 
-from . import _dispatch
-from ._dispatch import check_same_device, use_triton
-from ._triton_common import cast_rounded
+from .. import _dispatch, _launch
+from .._triton import cast_rounded, constexpr, jit, tl
 
 CASTINGS = ("llama", "gemma", "none")
-LLAMA = tl.constexpr(0)
-GEMMA = tl.constexpr(1)
-NONE = tl.constexpr(2)
+LLAMA = constexpr(0)
+GEMMA = constexpr(1)
+NONE = constexpr(2)
 _CASTING_IDS = {"llama": 0, "gemma": 1, "none": 2}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -40,13 +40,18 @@ _MAX_BLOCK_N = 8192
 _TILE = 4096
 
 
-@triton.jit
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@jit
 def _round(x, dtype: tl.constexpr):
     """fp32 x rounded to dtype's precision, kept in fp32: a step the stock module does in dtype."""
     return cast_rounded(x, dtype).to(tl.float32)
 
 
-@triton.jit
+@jit
 def _factors(xhat, w, offset, X, W, CASTING: tl.constexpr):
     """The two float32 factors whose product the stock module computes: (normalized x, offset + weight)."""
     if CASTING == LLAMA:
@@ -62,7 +67,7 @@ def _factors(xhat, w, offset, X, W, CASTING: tl.constexpr):
     return xhat, w
 
 
-@triton.jit
+@jit
 def _rms_norm_fwd_kernel(
     X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps, offset,
     CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -97,7 +102,7 @@ def _rms_norm_fwd_kernel(
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast_rounded(xhat * w_eff, Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _rms_norm_bwd_dot_kernel(
     DY, X, W, RSTD, DOT, n_rows, n_cols, stride_dy, stride_x, offset,
     CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -120,7 +125,7 @@ def _rms_norm_bwd_dot_kernel(
     tl.store(DOT + rows, dot, mask=row_ok)
 
 
-@triton.jit
+@jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DOT, DX, DW_PARTIAL, n_rows, n_cols, stride_dy, stride_x, stride_dx, offset,
     rows_per_program,
@@ -159,10 +164,15 @@ def _rms_norm_bwd_kernel(
             tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_ok)
 
 
+# --------------------------------------------------------------------------------------------
+# Host launch
+# --------------------------------------------------------------------------------------------
+
+
 def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for rows of width n_cols."""
-    block_n = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_N)
-    block_m = max(1, min(_TILE // block_n, triton.next_power_of_2(n_rows)))
+    block_n = min(_launch.next_power_of_2(n_cols), _MAX_BLOCK_N)
+    block_m = max(1, min(_TILE // block_n, _launch.next_power_of_2(n_rows)))
     return block_m, block_n
 
 
@@ -178,11 +188,6 @@ def _max_programs(device: torch.device) -> int:
     return 4 if device.type == "cpu" else 64
 
 
-def _on_device(t: torch.Tensor):
-    # Triton launches on the current CUDA device; layers of one model may live on several GPUs
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
 def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """t as (rows, n_cols) with unit column stride; copies only when a view cannot be had."""
     t = t.reshape(-1, n_cols)
@@ -193,71 +198,90 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dty
     return torch.promote_types(weight.dtype, x.dtype) if casting == "llama" else x.dtype
 
 
-def rms_norm_forward(x2, weight, eps, offset, casting):
-    """Launch the forward on x2 (rows, n): returns (y (rows, n), rstd (rows,) float32)."""
+def _forward_triton(x, weight, eps, offset, casting):
+    """(y of x's shape, tensors for the backward: x as (rows, n), weight, rstd (rows,) float32)."""
+    x2 = _rows(x, x.shape[-1])
+    weight = weight.contiguous()
     n_rows, n_cols = x2.shape
     y = _dispatch.empty((n_rows, n_cols), dtype=_out_dtype(x2, weight, casting), device=x2.device)
     rstd = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n = _blocks(n_rows, n_cols)
-    num_warps = _num_warps(block_m * block_n, per_thread=16)
-    with _on_device(x2):
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-            x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps, offset,
-            CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
-    return y, rstd
+    _launch.launch(
+        _rms_norm_fwd_kernel, (_launch.cdiv(n_rows, block_m),),
+        x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps, offset,
+        CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=_num_warps(block_m * block_n, per_thread=16),
+    )
+    return y.view(x.shape), (x2, weight, rstd)
 
 
-def rms_norm_backward(dy2, x2, weight, rstd, offset, casting, compute_dw):
-    """Launch the backward: returns (dx (rows, n) in x's dtype, dw in weight's dtype or None)."""
+def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
+    """(dx of x_shape in x's dtype, dw in weight's dtype or None) from the forward's saved tensors.
+    (forward_autocast is for the twin, which recomputes the forward; the kernels do not.)"""
+    x2, weight, rstd = saved
     n_rows, n_cols = x2.shape
+    dy2 = _rows(dy, n_cols)
     block_m, block_n = _blocks(n_rows, n_cols)
     num_warps = _num_warps(block_m * block_n, per_thread=8)
     one_block = block_n >= n_cols
-    row_tiles = triton.cdiv(n_rows, block_m)
-    rows_per_program = triton.cdiv(row_tiles, min(row_tiles, _max_programs(x2.device))) * block_m
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    row_tiles = _launch.cdiv(n_rows, block_m)
+    rows_per_program = _launch.cdiv(row_tiles, min(row_tiles, _max_programs(x2.device))) * block_m
+    n_programs = _launch.cdiv(n_rows, rows_per_program)
     dx = _dispatch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
-    dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_dw else rstd
+    dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device) if need_w else rstd
     dot = rstd
-    with _on_device(x2):
-        if not one_block:
-            dot = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-            _rms_norm_bwd_dot_kernel[(row_tiles,)](
-                dy2, x2, weight, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), offset,
-                CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-            )
-        _rms_norm_bwd_kernel[(n_programs,)](
-            dy2, x2, weight, rstd, dot, dx, dw_partial, n_rows, n_cols,
-            dy2.stride(0), x2.stride(0), dx.stride(0), offset, rows_per_program,
-            CASTING=_CASTING_IDS[casting], ONE_BLOCK=one_block, COMPUTE_DW=compute_dw,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    if not one_block:
+        dot = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
+        _launch.launch(
+            _rms_norm_bwd_dot_kernel, (row_tiles,),
+            dy2, x2, weight, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), offset,
+            CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
-    return dx, dw
+    _launch.launch(
+        _rms_norm_bwd_kernel, (n_programs,),
+        dy2, x2, weight, rstd, dot, dx, dw_partial, n_rows, n_cols,
+        dy2.stride(0), x2.stride(0), dx.stride(0), offset, rows_per_program,
+        CASTING=_CASTING_IDS[casting], ONE_BLOCK=one_block, COMPUTE_DW=need_w,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    dw = dw_partial.sum(0).to(weight.dtype) if need_w else None
+    return dx.view(x_shape), dw
 
 
-class RMSNormFunction(torch.autograd.Function):
+# --------------------------------------------------------------------------------------------
+# autograd Function
+# --------------------------------------------------------------------------------------------
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with a hand-written backward; `triton_path` picks the kernels or the twin."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting):
-        x2 = _rows(x, x.shape[-1])
-        weight = weight.contiguous()
-        y, rstd = rms_norm_forward(x2, weight, eps, offset, casting)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.offset, ctx.casting, ctx.x_shape = offset, casting, x.shape
-        return y.view(x.shape)
+    def forward(ctx, x, weight, eps, offset, casting, triton_path):
+        y, saved = (_forward_triton if triton_path else _forward_torch)(x, weight, eps, offset, casting)
+        ctx.save_for_backward(*saved)
+        ctx.options = (x.shape, eps, offset, casting, triton_path)
+        ctx.autocast = None if triton_path else _dispatch.autocast_state(x.device.type)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(
-            _rows(dy, x2.shape[1]), x2, weight, rstd, ctx.offset, ctx.casting, ctx.needs_input_grad[1]
+        x_shape, eps, offset, casting, triton_path = ctx.options
+        if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
+            _dispatch.check_first_order("rms_norm")
+        dx, dw = (_backward_triton if triton_path else _backward_torch)(
+            dy, ctx.saved_tensors, x_shape, eps, offset, casting, *ctx.needs_input_grad[:2], ctx.autocast
         )
-        return dx.view(ctx.x_shape), dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
-def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, casting="llama"):
-    """The same math in plain torch (differentiable by autograd): the path off GPU."""
+# --------------------------------------------------------------------------------------------
+# Plain-torch twin
+# --------------------------------------------------------------------------------------------
+
+
+def _reference(x, weight, eps, offset, casting):
+    """The stock modules' formula in plain torch: LlamaRMSNorm, GemmaRMSNorm, or all in x's dtype."""
     if casting == "llama":
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -270,21 +294,52 @@ def rms_norm_reference(x, weight, eps=1e-6, offset=0.0, casting="llama"):
     return h * (offset + weight.to(x.dtype))
 
 
-def _check(x, weight, casting):
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+def _forward_torch(x, weight, eps, offset, casting):
+    """`_forward_triton` in plain torch: the module's formula; saves the inputs themselves."""
+    return _reference(x, weight, eps, offset, casting), (x, weight)
+
+
+def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
+    """`_backward_triton` in plain torch: the gradients autograd gives the module's formula
+    (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
+    are differentiable, through the recomputation from the saved inputs themselves."""
+    create_graph = torch.is_grad_enabled()
+    x, weight = (t if create_graph and need else t.detach().requires_grad_(need)
+                 for t, need in zip(saved, (need_x, need_w)))
+    # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
+    with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
+        y = _reference(x, weight, eps, offset, casting)
+    wanted = [t for t, need in zip((x, weight), (need_x, need_w)) if need]
+    grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=create_graph))
+    return (next(grads) if need_x else None), (next(grads) if need_w else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, weight, casting) -> None:
+    _dispatch.check_tensor("x", x, "of shape (..., n)")
+    _dispatch.check_tensor("weight", weight, "of shape (n,)")
+    _dispatch.check_floating("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dim (the normalized last dim), got a 0-dim tensor")
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise ValueError(f"weight must be a floating-point tensor, got {getattr(weight, 'dtype', type(weight))}")
+    _dispatch.check_floating("weight", weight)
     if tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"weight must have shape ({x.shape[-1]},) (x.shape[-1]), got {tuple(weight.shape)}")
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
-    check_same_device(x=x, weight=weight)
+    _dispatch.check_same_device(x=x, weight=weight)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama") -> torch.Tensor:
+# --------------------------------------------------------------------------------------------
+# Entry
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+             casting: str = "llama") -> torch.Tensor:
     """RMSNorm of x over its last dim: x / sqrt(mean(x**2) + eps) * (offset + weight).
 
     x: (..., n) floating point, any leading dims, any strides; weight: (n,) on x's device.
@@ -292,11 +347,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     module docstring says: casting="llama" (offset 0) matches transformers' LlamaRMSNorm,
     casting="gemma" with offset=1.0 GemmaRMSNorm. Differentiable in x and weight (weight may
     have requires_grad=False). Inputs are never written. Raises ValueError naming a bad argument.
-    float32/bfloat16/float16 run the Triton kernels (on GPU, or on CPU under TRITON_INTERPRET=1);
-    float64 and everything else run the plain-torch reference.
+    float32/bfloat16/float16 run the Triton kernels (on GPU, or on CPU when the kernels run under
+    Triton's interpreter); float64 and everything else run the plain-torch twin, whose gradients
+    are autograd's of the module's formula.
     """
-    _check(x, weight, casting)
-    # float64 (and empty) inputs take the plain path: the kernels accumulate in float32
-    if not use_triton(x) or x.numel() == 0 or x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
-        return rms_norm_reference(x, weight, eps, offset, casting)
-    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting)
+    _check_inputs(x, weight, casting)
+    # float64 (and empty) inputs take the twin: the kernels accumulate in float32
+    triton_path = (_dispatch.use_triton(x) and x.numel() > 0
+                   and x.dtype in _DTYPES and weight.dtype in _DTYPES)
+    return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting, triton_path)

@@ -7,25 +7,29 @@ with r = cos.shape[-1]. A program takes a block of (batch, position) tokens and 
 token's cos/sin row to all its query and key heads, so cos/sin are read once per token. The
 outputs are new tensors: q and k are never written. The backward applies the transposed rotation
 to the output gradients; the kernel gives cos and sin no gradient (they are position tables, built
-without grad); cos/sin that require grad are sent to the plain-torch path.
+without grad); cos/sin that require grad are sent to the plain-torch twin.
+
+The twin is transformers' formula (`_reference`). Its backward recomputes the formula and
+differentiates it with autograd (the gradients eager torch gives, bit for bit); q and k are kept
+for it only when cos or sin want a gradient, since the rotation is linear in q and k.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import triton
-import triton.language as tl
 
-from . import _dispatch
-from ._dispatch import check_same_device, use_triton
-from ._triton_common import cast_rounded
+from .. import _dispatch, _launch
+from .._triton import cast_rounded, jit, tl
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 4096
 
 
-@triton.jit
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@jit
 def _rotate_heads(
     X, O, x_tok, o_tok, x_stride_h, o_stride_h, n_heads, tok_ok, c1, c2, s1, s2, half, n_pass,
     BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
@@ -56,7 +60,7 @@ def _rotate_heads(
         tl.store(o + p, cast_rounded(xp, O.dtype.element_ty), mask=pass_mask)
 
 
-@triton.jit
+@jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, n_tokens, seq_len,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh,
@@ -85,6 +89,11 @@ def _rope_kernel(
                   c1, c2, s1, s2, half, n_pass, BACKWARD, BLOCK_KH, BLOCK_HALF, BLOCK_PASS)
 
 
+# --------------------------------------------------------------------------------------------
+# Host launch
+# --------------------------------------------------------------------------------------------
+
+
 def _bsh_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a (B, H, S, D) tensor (unsqueeze_dim=1) or (B, S, H, D) one (2)."""
     if unsqueeze_dim == 1:
@@ -97,20 +106,15 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _on_device(t: torch.Tensor):
-    # Triton launches on the current CUDA device; layers of one model may live on several GPUs
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
-def rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward):
+def _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward):
     """Rotate q, k into q_out, k_out (backward=True: apply the transposed rotation, for gradients)."""
     q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
     batch, seq_len, head_dim, rot_dim = q.shape[0], cos.shape[1], q.shape[-1], cos.shape[-1]
     n_q_heads, n_k_heads = q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]
     n_pass = head_dim - rot_dim
-    block_qh, block_kh = triton.next_power_of_2(n_q_heads), triton.next_power_of_2(n_k_heads)
-    block_half = triton.next_power_of_2(rot_dim // 2)
-    block_pass = triton.next_power_of_2(n_pass) if n_pass else 0
+    block_qh, block_kh = _launch.next_power_of_2(n_q_heads), _launch.next_power_of_2(n_k_heads)
+    block_half = _launch.next_power_of_2(rot_dim // 2)
+    block_pass = _launch.next_power_of_2(n_pass) if n_pass else 0
     # tokens per program: a tile of about _TILE elements (one token when its heads fill that)
     per_token = (block_qh + block_kh) * (2 * block_half + block_pass)
     n_tokens = batch * seq_len
@@ -122,16 +126,16 @@ def rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward):
     # cos/sin of batch 1 serve every batch element: batch stride 0
     cos_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_sb = sin.stride(0) if sin.shape[0] > 1 else 0
-    with _on_device(q):
-        _rope_kernel[(triton.cdiv(n_tokens, block_s),)](
-            q, k, q_out, k_out, cos, sin, n_tokens, seq_len,
-            *_bsh_strides(q, unsqueeze_dim), *_bsh_strides(k, unsqueeze_dim),
-            *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
-            cos_sb, cos.stride(1), sin_sb, sin.stride(1),
-            n_q_heads, n_k_heads, rot_dim // 2, n_pass,
-            BACKWARD=backward, BLOCK_S=block_s, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
-            BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
-        )
+    _launch.launch(
+        _rope_kernel, (_launch.cdiv(n_tokens, block_s),),
+        q, k, q_out, k_out, cos, sin, n_tokens, seq_len,
+        *_bsh_strides(q, unsqueeze_dim), *_bsh_strides(k, unsqueeze_dim),
+        *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
+        cos_sb, cos.stride(1), sin_sb, sin.stride(1),
+        n_q_heads, n_k_heads, rot_dim // 2, n_pass,
+        BACKWARD=backward, BLOCK_S=block_s, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
+        BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
+    )
 
 
 def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
@@ -139,24 +143,59 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
-class RoPEFunction(torch.autograd.Function):
+def _forward_triton(q, k, cos, sin, unsqueeze_dim):
+    """(q_out, k_out), new tensors in the dtypes torch promotion gives."""
+    q_out = _dispatch.empty(q.shape, dtype=_out_dtype(q, cos, sin), device=q.device)
+    k_out = _dispatch.empty(k.shape, dtype=_out_dtype(k, cos, sin), device=k.device)
+    _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward=False)
+    return q_out, k_out
+
+
+def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
+                     forward_autocast):
+    """(dq, dk, None, None): the transposed rotation of the output gradients. Only taken when cos
+    and sin want no gradient; q and k (None here) do not enter the gradients of q and k.
+    (forward_autocast is for the twin, which recomputes the forward; the kernel does not.)"""
+    dq = _dispatch.empty(dq_out.shape, dtype=q_dtype, device=dq_out.device)
+    dk = _dispatch.empty(dk_out.shape, dtype=k_dtype, device=dk_out.device)
+    _rope_launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, backward=True)
+    return dq, dk, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# autograd Function
+# --------------------------------------------------------------------------------------------
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """Rotary embedding of q and k; `triton_path` picks the kernel or the twin."""
+
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
-        q_out = _dispatch.empty(q.shape, dtype=_out_dtype(q, cos, sin), device=q.device)
-        k_out = _dispatch.empty(k.shape, dtype=_out_dtype(k, cos, sin), device=k.device)
-        rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward=False)
-        ctx.save_for_backward(cos, sin)
-        ctx.unsqueeze_dim, ctx.q_dtype, ctx.k_dtype = unsqueeze_dim, q.dtype, k.dtype
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, triton_path):
+        q_out, k_out = (_forward_triton if triton_path else _forward_torch)(q, k, cos, sin, unsqueeze_dim)
+        # the rotation is linear in q and k: they are needed only for the gradients of cos and sin
+        keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        ctx.save_for_backward(cos, sin, *((q, k) if keep_qk else (None, None)))
+        ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype)
+        ctx.autocast = None if triton_path else _dispatch.autocast_state(q.device.type)
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
-        cos, sin = ctx.saved_tensors
-        dq = _dispatch.empty(dq_out.shape, dtype=ctx.q_dtype, device=dq_out.device)
-        dk = _dispatch.empty(dk_out.shape, dtype=ctx.k_dtype, device=dk_out.device)
-        rope_launch(dq_out, dk_out, dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True)
-        # cos and sin get no gradient
-        return dq, dk, None, None, None
+        cos, sin, q, k = ctx.saved_tensors
+        unsqueeze_dim, triton_path, q_dtype, k_dtype = ctx.options
+        if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
+            _dispatch.check_first_order("rope")
+        grads = (_backward_triton if triton_path else _backward_torch)(
+            dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, ctx.needs_input_grad[:4],
+            ctx.autocast,
+        )
+        return (*grads, None, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-torch twin
+# --------------------------------------------------------------------------------------------
 
 
 def _rotate_half(x):
@@ -164,8 +203,8 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_reference(q, k, cos, sin, unsqueeze_dim=1):
-    """The same math in plain torch (differentiable by autograd): the path off GPU."""
+def _reference(q, k, cos, sin, unsqueeze_dim):
+    """transformers' apply_rotary_pos_emb, with the dims past cos's width passing through."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     r = cos.shape[-1]
@@ -176,10 +215,43 @@ def rope_reference(q, k, cos, sin, unsqueeze_dim=1):
     return q_out, k_out
 
 
-def _check(q, k, cos, sin, unsqueeze_dim):
+def _forward_torch(q, k, cos, sin, unsqueeze_dim):
+    """`_forward_triton` in plain torch: transformers' formula."""
+    return _reference(q, k, cos, sin, unsqueeze_dim)
+
+
+def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
+                    forward_autocast):
+    """(dq, dk, dcos, dsin), each None unless needed: the gradients autograd gives the formula
+    (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
+    are differentiable, through the recomputation from the saved inputs themselves."""
+    create_graph = torch.is_grad_enabled()
+    if q is None:  # not saved: cos and sin want no gradient, and q, k do not enter their own
+        q = torch.zeros((), dtype=q_dtype, device=dq_out.device).expand(dq_out.shape)
+        k = torch.zeros((), dtype=k_dtype, device=dk_out.device).expand(dk_out.shape)
+    inputs = [t if create_graph and need and t.requires_grad else t.detach().requires_grad_(need)
+              for t, need in zip((q, k, cos, sin), needs)]
+    # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
+    with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
+        outs = _reference(*inputs, unsqueeze_dim)
+    wanted = [t for t, need in zip(inputs, needs) if need]
+    # an output of inputs that all want no gradient (e.g. k frozen, cos and sin tables) has no graph
+    used = [(o, g) for o, g in zip(outs, (dq_out, dk_out)) if o.requires_grad]
+    grads = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used], create_graph=create_graph))
+    return tuple(next(grads) if need else None for need in needs)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, cos, sin, unsqueeze_dim):
+    for name, t, shape in (("q", q, "(B, H, S, D) or (B, S, H, D)"), ("k", k, "(B, H, S, D) or (B, S, H, D)"),
+                           ("cos", cos, "(B or 1, S, rotary_dim)"), ("sin", sin, "(B or 1, S, rotary_dim)")):
+        _dispatch.check_tensor(name, t, f"of shape {shape}")
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
+        _dispatch.check_floating(name, t)
     if unsqueeze_dim not in (1, 2):
         raise ValueError(
             f"unsqueeze_dim must be 1 (q, k of shape (B, H, S, D)) or 2 ((B, S, H, D)), got {unsqueeze_dim!r}"
@@ -205,7 +277,12 @@ def _check(q, k, cos, sin, unsqueeze_dim):
         raise ValueError(
             f"cos/sin rotary dim (last dim) must be even, positive and at most the head dim {head_dim}, got {rot_dim}"
         )
-    check_same_device(q=q, k=k, cos=cos, sin=sin)
+    _dispatch.check_same_device(q=q, k=k, cos=cos, sin=sin)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry
+# --------------------------------------------------------------------------------------------
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
@@ -216,14 +293,15 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     first R dims of each head rotate, the last D - R pass through (partial rotary). Any strides.
     Outputs are new tensors of q's/k's shape in the dtype torch promotion gives q (k) with
     cos and sin. Differentiable in q and k. The kernel gives cos and sin no gradient: when either
-    requires grad, the plain-torch path runs instead so that they get one. Raises ValueError
-    naming a bad argument. float32/bfloat16/float16 run the Triton kernel (on GPU, or CPU under
-    TRITON_INTERPRET=1); float64 and everything off GPU run the plain-torch reference.
+    requires grad, the plain-torch twin runs instead so that they get one. Raises ValueError
+    naming a bad argument. float32/bfloat16/float16 run the Triton kernel (on GPU, or on CPU when
+    the kernels run under Triton's interpreter); float64 and everything else run the plain-torch
+    twin.
     """
-    _check(q, k, cos, sin, unsqueeze_dim)
-    # float64 (and empty) inputs take the plain path: the kernel computes in float32; so do cos/sin
-    # that require grad (transformers builds them under no_grad), which the kernel would not give one
-    if (not use_triton(q) or q.numel() == 0 or k.numel() == 0 or any(t.dtype not in _DTYPES for t in (q, k, cos, sin))
-            or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))):
-        return rope_reference(q, k, cos, sin, unsqueeze_dim)
-    return RoPEFunction.apply(q, k, cos, sin, unsqueeze_dim)
+    _check_inputs(q, k, cos, sin, unsqueeze_dim)
+    # float64 (and empty) inputs take the twin: the kernel computes in float32; so do cos/sin that
+    # require grad (transformers builds them under no_grad), which the kernel would not give one
+    triton_path = (_dispatch.use_triton(q) and q.numel() > 0 and k.numel() > 0
+                   and all(t.dtype in _DTYPES for t in (q, k, cos, sin))
+                   and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)))
+    return _RoPEFunction.apply(q, k, cos, sin, unsqueeze_dim, triton_path)

@@ -1,22 +1,22 @@
-"""Gated linear units, out = act(gate) * up: the kernel skeleton SwiGLU and GeGLU share.
+"""Gated linear units, out = act(gate) * up: the parts SwiGLU and GeGLU share.
 
 The two ops differ only in the activation and its derivative, so one elementwise kernel pair
-(forward, backward) serves both, selected by the constexpr ACT. Kernels walk the flat,
-contiguous tensor in 1-D blocks and compute in fp32; outputs are in the input dtype.
+(forward, backward) serves both, selected by the constexpr ACT, and this file holds the parts of
+both op files in the usual order (kernels, host launch, autograd Function, plain-torch twin,
+checks, entry `gated_unit`); swiglu.py and geglu.py hold their public entries only. Kernels walk
+the flat, contiguous tensor in 1-D blocks and compute in fp32; outputs are in the input dtype.
 
 Memory: the forward saves only gate and up and the backward recomputes act(gate), so an MLP keeps
 two activation-sized tensors for backward where eager `act(gate) * up` keeps three.
 
-float64 inputs take the plain-torch path everywhere (the kernels compute in fp32).
+float64 inputs take the plain-torch twin everywhere (the kernels compute in fp32).
 """
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from . import _dispatch
-from ._triton_common import cast_rounded
+from .. import _dispatch, _launch
+from .._triton import cast_rounded, jit, tl
 
 SILU, GELU_ERF, GELU_TANH = 0, 1, 2
 
@@ -24,10 +24,15 @@ BLOCK = 1024
 NUM_WARPS = BLOCK // 256  # 8 elements per thread: one 16-byte load of bf16
 
 
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
 # SiLU and tanh-GELU are both g * sigmoid(z(g)): z = g for SiLU, and since
 # 0.5 * (1 + tanh(y)) = sigmoid(2y), z = 2 * sqrt(2/pi) * (g + 0.044715 g^3) for tanh-GELU. Then
 # d/dg [g * s] = s + g * s * (1 - s) * dz/dg, with no 1 - tanh^2 cancellation.
-@triton.jit
+@jit
 def _act_and_grad(g, ACT: tl.constexpr):
     """act(g) and d act / d g for fp32 g (the forward only uses the first; the compiler drops the rest)."""
     if ACT == 1:  # gelu, erf form: g * Phi(g)
@@ -47,7 +52,7 @@ def _act_and_grad(g, ACT: tl.constexpr):
     return a, da
 
 
-@triton.jit
+@jit
 def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     # int64 block start: tensors of 2**31 elements and more are common at LLM scale.
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -59,7 +64,7 @@ def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: 
     tl.store(out_ptr + start + offs, cast_rounded(a * u, out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _glu_backward_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n,
                          ACT: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -73,8 +78,13 @@ def _glu_backward_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n,
     tl.store(dup_ptr + start + offs, cast_rounded(dout * a, dup_ptr.dtype.element_ty), mask=mask)
 
 
+# --------------------------------------------------------------------------------------------
+# Host launch
+# --------------------------------------------------------------------------------------------
+
+
 def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, BLOCK),)
+    return (_launch.cdiv(n, BLOCK),)
 
 
 def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
@@ -82,7 +92,8 @@ def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Ten
     out = _dispatch.empty_like(gate)
     n = gate.numel()
     if n:
-        _glu_forward_kernel[_grid(n)](gate, up, out, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _launch.launch(_glu_forward_kernel, _grid(n), gate, up, out, n, ACT=act, BLOCK=BLOCK,
+                       num_warps=NUM_WARPS)
     return out
 
 
@@ -91,12 +102,39 @@ def _backward_triton(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tens
     dgate, dup = _dispatch.empty_like(gate), _dispatch.empty_like(up)
     n = gate.numel()
     if n:
-        _glu_backward_kernel[_grid(n)](dout, gate, up, dgate, dup, n, ACT=act, BLOCK=BLOCK,
-                                       num_warps=NUM_WARPS)
+        _launch.launch(_glu_backward_kernel, _grid(n), dout, gate, up, dgate, dup, n, ACT=act,
+                       BLOCK=BLOCK, num_warps=NUM_WARPS)
     return dgate, dup
 
 
-# Plain-torch path: the same math as the kernels, in fp32 (float64 stays float64), written with
+# --------------------------------------------------------------------------------------------
+# autograd Function
+# --------------------------------------------------------------------------------------------
+
+
+class _GatedUnitFunction(torch.autograd.Function):
+    """act(gate) * up, saving only gate and up for backward; `triton_path` picks Triton or the twin."""
+
+    @staticmethod
+    def forward(ctx, gate, up, act: int, triton_path: bool):
+        ctx.save_for_backward(gate, up)  # the originals: a contiguous copy here would be a third tensor
+        ctx.act, ctx.triton_path = act, triton_path
+        return (_forward_triton if triton_path else _forward_torch)(gate, up, act)
+
+    @staticmethod
+    def backward(ctx, dout):
+        _dispatch.check_first_order("swiglu" if ctx.act == SILU else "geglu")
+        gate, up = ctx.saved_tensors
+        dgate, dup = (_backward_triton if ctx.triton_path else _backward_torch)(dout, gate, up, ctx.act)
+        return dgate, dup, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-torch twin
+# --------------------------------------------------------------------------------------------
+
+
+# The same math as the kernels, in fp32 (float64 stays float64), written with
 # in-place steps on fresh temporaries so that it holds few activation-sized buffers at once.
 # `g`, `u`, `d` may be the caller's tensors: never modified.
 def _sigmoid_of_z(g: torch.Tensor, act: int) -> torch.Tensor:
@@ -137,30 +175,17 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-class GatedUnitFunction(torch.autograd.Function):
-    """act(gate) * up, saving only gate and up for backward; `triton_path` picks the backend."""
-
-    @staticmethod
-    def forward(ctx, gate, up, act: int, triton_path: bool):
-        ctx.save_for_backward(gate, up)  # the originals: a contiguous copy here would be a third tensor
-        ctx.act, ctx.triton_path = act, triton_path
-        return (_forward_triton if triton_path else _forward_torch)(gate, up, act)
-
-    @staticmethod
-    def backward(ctx, dout):
-        gate, up = ctx.saved_tensors
-        dgate, dup = (_backward_triton if ctx.triton_path else _backward_torch)(dout, gate, up, ctx.act)
-        return dgate, dup, None, None
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
 
 
-def check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
+def _check_inputs(gate, up) -> None:
     """ValueError naming the argument when gate and up cannot go through a gated unit together."""
     for name, t in (("gate", gate), ("up", up)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor of shape (..., intermediate), got {type(t).__name__}")
+        _dispatch.check_tensor(name, t, "of shape (..., intermediate)")
     _dispatch.check_same_device(gate=gate, up=up)
-    if not gate.is_floating_point():
-        raise ValueError(f"gate must be a floating-point tensor (float32, bfloat16, float16), got {gate.dtype}")
+    _dispatch.check_floating("gate", gate)
     if up.dtype != gate.dtype:
         raise ValueError(f"up has dtype {up.dtype} but gate has {gate.dtype}; expected up.dtype == gate.dtype")
     if up.shape != gate.shape:
@@ -170,8 +195,13 @@ def check_inputs(gate: torch.Tensor, up: torch.Tensor) -> None:
         )
 
 
+# --------------------------------------------------------------------------------------------
+# Entry (swiglu.py and geglu.py call it with their activation)
+# --------------------------------------------------------------------------------------------
+
+
 def gated_unit(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """Validate, pick the backend from the tensors, and run act(gate) * up with autograd."""
-    check_inputs(gate, up)
+    _check_inputs(gate, up)
     triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64
-    return GatedUnitFunction.apply(gate, up, act, triton_path)
+    return _GatedUnitFunction.apply(gate, up, act, triton_path)

@@ -1,0 +1,173 @@
+"""The op catalogue: for each op, its shapes, an input maker, the eager formula it replaces
+(transformers' own code in plain torch), accel_kernels' call and Liger Kernel's.
+
+Shapes: "gpu" is llama-3-8B scale in bf16 (hidden 4096, intermediate 14336, 32 q / 8 kv heads of
+128, vocab 128256; 8192 tokens = batch 4 x seq 2048); "cpu" is small float32 shapes for the
+plain-torch twins; "check" is the tiny float32 shape of the correctness guard.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+import accel_kernels
+
+
+class Op(NamedTuple):
+    shapes: dict  # "gpu", "cpu", "check" -> keyword arguments of make
+    make: Callable  # (device, dtype, **shape) -> list of inputs; the ones to differentiate require grad
+    eager: Callable  # the transformers-style formula in plain torch
+    ours: Callable
+    liger: Callable | None  # imports liger_kernel when called; None where Liger has no such op
+    bytes_moved: Callable | None  # (element size, **shape) -> bytes fwd+bwd must move; None if not memory-bound
+
+
+def _randn(*shape, device, dtype, grad=True):
+    return torch.randn(*shape, device=device).to(dtype).requires_grad_(grad)
+
+
+def _labels(n, vocab, device):
+    labels = torch.randint(0, vocab, (n,), device=device)
+    return labels.masked_fill(torch.rand(n, device=device) < 0.1, -100)  # some ignored tokens, as in SFT
+
+
+# --- rms_norm: transformers' LlamaRMSNorm ---
+def _eager_rms_norm(x, w, eps=1e-6):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _liger_rms_norm(x, w):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    return LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)  # in_place=False
+
+
+RMS_NORM = Op(
+    shapes={"gpu": dict(batch=4, seq=2048, hidden=4096), "cpu": dict(batch=4, seq=512, hidden=1024),
+            "check": dict(batch=2, seq=8, hidden=256)},
+    make=lambda device, dtype, batch, seq, hidden: [
+        _randn(batch, seq, hidden, device=device, dtype=dtype),
+        (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype).requires_grad_()],
+    eager=_eager_rms_norm,
+    ours=lambda x, w: accel_kernels.rms_norm(x, w, eps=1e-6),
+    liger=_liger_rms_norm,
+    # fwd reads x, writes y; bwd reads dy, x, writes dx (the weight and its grad are one row)
+    bytes_moved=lambda e, batch, seq, hidden: 5 * batch * seq * hidden * e,
+)
+
+
+# --- swiglu / geglu: LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) ---
+def _liger_swiglu(g, u):
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    return LigerSiLUMulFunction.apply(g, u)
+
+
+def _liger_geglu(g, u):
+    from liger_kernel.ops.geglu import LigerGELUMulFunction  # tanh approximation only
+    return LigerGELUMulFunction.apply(g, u)
+
+
+def _glu_op(eager, ours, liger):
+    return Op(
+        shapes={"gpu": dict(tokens=8192, intermediate=14336), "cpu": dict(tokens=2048, intermediate=2816),
+                "check": dict(tokens=16, intermediate=300)},
+        make=lambda device, dtype, tokens, intermediate: [
+            _randn(tokens, intermediate, device=device, dtype=dtype) for _ in range(2)],
+        eager=eager, ours=ours, liger=liger,
+        # fwd reads gate, up, writes out; bwd reads dout, gate, up, writes dgate, dup
+        bytes_moved=lambda e, tokens, intermediate: 8 * tokens * intermediate * e,
+    )
+
+
+SWIGLU = _glu_op(lambda g, u: F.silu(g) * u, accel_kernels.swiglu, _liger_swiglu)
+# tanh, as Gemma's gelu_pytorch_tanh: the GeGLU Liger implements
+GEGLU = _glu_op(lambda g, u: F.gelu(g, approximate="tanh") * u,
+                lambda g, u: accel_kernels.geglu(g, u, approximate="tanh"), _liger_geglu)
+
+
+# --- rope: transformers' apply_rotary_pos_emb on q, k as attention makes them ---
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _eager_rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _make_rope(device, dtype, batch, seq, q_heads, kv_heads, head_dim):
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.arange(seq, device=device).float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq, head_dim)
+    # q, k as projections give them, (B, S, H, D); every implementation sees the (B, H, S, D) view
+    return [_randn(batch, seq, q_heads, head_dim, device=device, dtype=dtype),
+            _randn(batch, seq, kv_heads, head_dim, device=device, dtype=dtype),
+            emb.cos().to(dtype).contiguous(), emb.sin().to(dtype).contiguous()]
+
+
+def _heads_first(fn):
+    return lambda q, k, cos, sin: fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
+
+def _liger_rope(q, k, cos, sin):
+    from liger_kernel.ops.rope import LigerRopeFunction
+    return LigerRopeFunction.apply(q, k, cos, sin, None, 1)
+
+
+ROPE = Op(
+    shapes={"gpu": dict(batch=4, seq=2048, q_heads=32, kv_heads=8, head_dim=128),
+            "cpu": dict(batch=1, seq=512, q_heads=32, kv_heads=8, head_dim=128),
+            "check": dict(batch=2, seq=16, q_heads=4, kv_heads=2, head_dim=64)},
+    make=_make_rope,
+    eager=_heads_first(_eager_rope),
+    ours=_heads_first(accel_kernels.rope),
+    liger=_heads_first(_liger_rope),
+    # each pass reads q, k, cos, sin and writes q, k
+    bytes_moved=lambda e, batch, seq, q_heads, kv_heads, head_dim:
+        2 * (2 * (q_heads + kv_heads) + 2) * batch * seq * head_dim * e,
+)
+
+
+# --- cross_entropy: transformers' loss, logits upcast to float32 ---
+def _liger_ce(logits, labels):
+    from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+    return LigerCrossEntropyFunction.apply(logits, labels, None, -100)  # (input, target, weight, ignore_index)
+
+
+CROSS_ENTROPY = Op(
+    shapes={"gpu": dict(tokens=8192, vocab=128256), "cpu": dict(tokens=1024, vocab=32000),
+            "check": dict(tokens=64, vocab=1000)},
+    make=lambda device, dtype, tokens, vocab: [
+        _randn(tokens, vocab, device=device, dtype=dtype), _labels(tokens, vocab, device)],
+    eager=lambda logits, labels: F.cross_entropy(logits.float(), labels, ignore_index=-100),
+    ours=lambda logits, labels: accel_kernels.cross_entropy(logits, labels),
+    liger=_liger_ce,
+    bytes_moved=lambda e, tokens, vocab: 2 * tokens * vocab * e,  # read the logits, write their grad
+)
+
+
+# --- fused linear cross-entropy: lm_head matmul + loss without the full logits ---
+def _liger_flce(hidden, weight, labels):
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    return LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
+
+
+FLCE = Op(
+    shapes={"gpu": dict(tokens=8192, hidden=4096, vocab=128256), "cpu": dict(tokens=4096, hidden=1024, vocab=32000),
+            "check": dict(tokens=64, hidden=128, vocab=1000)},
+    make=lambda device, dtype, tokens, hidden, vocab: [
+        _randn(tokens, hidden, device=device, dtype=dtype),
+        (torch.randn(vocab, hidden, device=device) / math.sqrt(hidden)).to(dtype).requires_grad_(),
+        _labels(tokens, vocab, device)],
+    eager=lambda hidden, weight, labels: F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100),
+    ours=lambda hidden, weight, labels: accel_kernels.fused_linear_cross_entropy(hidden, weight, labels),
+    liger=_liger_flce,
+    bytes_moved=None,  # matmul-bound
+)
+
+OPS = {"rms_norm": RMS_NORM, "swiglu": SWIGLU, "geglu": GEGLU, "rope": ROPE,
+       "cross_entropy": CROSS_ENTROPY, "fused_linear_cross_entropy": FLCE}
