@@ -19,7 +19,7 @@ from _models import FAMILIES, padded_batch, pair, rel, training_step
 def test_training_step_equals_stock_in_float32(family):
     stock, twin = pair(family)
     report = swap_kernels(twin)
-    _, _, _, swapped, refused = FAMILIES[family]
+    swapped, refused, _ = FAMILIES[family]
     assert set(report.swapped) == swapped, report
     assert {r.op for r in report.refused} == refused, report
 
@@ -51,3 +51,18 @@ def test_training_step_in_bfloat16_is_as_close_to_float64_as_stock(family):
     for name, ref in grads_ref.items():
         bound = 1.5 * rel(grads0[name], ref) + BF16_FLOOR
         assert rel(grads1[name], ref) <= bound, name
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "phi3"])
+def test_each_kernel_kind_really_runs_in_a_training_step(family):
+    from accel_kernels import _launch
+
+    _, twin = pair(family)
+    swap_kernels(twin)
+    with _launch.recording() as launched:
+        training_step(twin, padded_batch())
+    expected = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_rope_kernel", "_glu_forward_kernel",
+                "_glu_backward_kernel", "_ce_forward_kernel"}
+    assert expected <= set(launched), sorted(set(launched))
+    # one RMSNorm launch per norm forward: 2 per layer and the final one
+    assert launched.count("_rms_norm_fwd_kernel") == 5
