@@ -13,7 +13,7 @@ import os
 from . import accelerate_state, model_loading  # noqa: F401  (each registers its patch)
 from .device_map import prepare_device_map
 from .patching import DISABLED, PatchStatus, disable, enable, status
-from .topology import Topology, TopologyError, topology
+from .topology_resolver import Topology, TopologyError, topology
 
 __version__ = "0.1.0"
 

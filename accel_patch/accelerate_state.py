@@ -25,7 +25,7 @@ from _thread import _local
 from collections import namedtuple
 
 from . import patching
-from .topology import Topology, scrub_blank_env, topology
+from .topology_resolver import Topology, scrub_blank_env, topology
 
 SINGLE_DEVICE = "single-device"
 CPU_DISTRIBUTED = "cpu-distributed"
@@ -115,7 +115,7 @@ class _Hidden:
 def _export_launcher_env(topo: Topology) -> None:
     missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n, "").strip()]
     if missing:
-        from .topology import TopologyError
+        from .topology_resolver import TopologyError
 
         raise TopologyError(
             f"{topo.launcher} started {topo.world_size} processes but {' and '.join(missing)} "

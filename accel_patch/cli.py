@@ -15,7 +15,7 @@ import sys
 from importlib import metadata
 
 from . import __version__, status
-from .topology import TopologyError
+from .topology_resolver import TopologyError
 
 DISTRIBUTIONS = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "triton", "accel-patch")
 FIELDS = ("world_size", "rank", "local_rank", "local_world_size", "num_nodes")
@@ -37,7 +37,7 @@ def env_report() -> dict:
     """Everything `accel-patch env` shows. Raises TopologyError for a bad launcher variable."""
     from .accelerate_state import decide
     from .device_map import prepare_device_map
-    from .topology import scrub_blank_env, topology
+    from .topology_resolver import scrub_blank_env, topology
 
     environ = dict(os.environ)
     scrub_blank_env(environ)  # blank means unset, as at decision time

@@ -1,4 +1,3 @@
-import importlib
 
 import pytest
 
@@ -7,10 +6,10 @@ import pytest
 def devices(monkeypatch):
     """devices(count, kind="cuda"): this process sees `count` local accelerators (0 until called),
     so a test runs the same on a CPU box and a GPU box."""
-    topology_module = importlib.import_module("accel_patch.topology")
+    from accel_patch import topology_resolver
 
     def fake(count: int, kind: str = "cuda") -> None:
-        monkeypatch.setattr(topology_module, "local_accelerators", lambda: (kind if count else "cpu", count))
+        monkeypatch.setattr(topology_resolver, "local_accelerators", lambda: (kind if count else "cpu", count))
 
     fake(0)
     return fake

@@ -29,7 +29,7 @@ from accel_patch.accelerate_state import (
 )
 from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
-topology_module = importlib.import_module("accel_patch.topology")
+from accel_patch import topology_resolver
 
 PATCHES = set(p.name for p in accel_patch.status())  # the package's own, before tests add fakes
 

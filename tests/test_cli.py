@@ -5,7 +5,6 @@ for the error path; the other settings call `main()` in-process, which is the sa
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import pytest
 from accel_patch import cli
 from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
-topology_module = importlib.import_module("accel_patch.topology")
+from accel_patch import topology_resolver
 
 SCRIPT = Path(sys.executable).with_name("accel-patch")
 
@@ -102,7 +101,7 @@ def env(monkeypatch):
     for name in list(os.environ):
         if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
             monkeypatch.delenv(name)
-    monkeypatch.setattr(topology_module, "local_accelerators", lambda: ("cpu", 0))
+    monkeypatch.setattr(topology_resolver, "local_accelerators", lambda: ("cpu", 0))
     return monkeypatch
 
 
@@ -164,7 +163,7 @@ def test_env_reports_deepspeed_as_untouched(env, capsys):
 
 
 def test_env_local_rank_without_device_is_exit_2(env, capsys):
-    env.setattr(topology_module, "local_accelerators", lambda: ("cuda", 2))
+    env.setattr(topology_resolver, "local_accelerators", lambda: ("cuda", 2))
     for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3"}.items():
         env.setenv(name, value)
     assert cli.main(["env"]) == 2

@@ -6,7 +6,6 @@ the environment only (loading needs no process group).
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
@@ -19,7 +18,7 @@ from accel_patch import TopologyError, prepare_device_map
 from accel_patch.model_loading import STRATEGIES, ModelLoadingPatch, _is_quantized, choose_device_map
 from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
-topology_module = importlib.import_module("accel_patch.topology")
+from accel_patch import topology_resolver
 
 
 @pytest.fixture(autouse=True)

@@ -5,12 +5,15 @@ directory so that the repository root is not on sys.path.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pkgutil
 import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,15 @@ def test_bad_launcher_values_do_not_fail_the_import(runs):
     result = report(runs, "bad-world-size")  # exit code 0: the import succeeded
     assert result["heavy"] == []
     assert result["status"]["accelerate-state"][0] == "pending"
+
+
+def test_no_module_of_the_package_is_shadowed():
+    # `accel_patch.x` must be the module accel_patch/x.py wherever both exist, so that
+    # mock.patch("accel_patch.x.name") patches that module and never a function's attribute.
+    for info in pkgutil.iter_modules(accel_patch.__path__):
+        module = importlib.import_module(f"accel_patch.{info.name}")
+        attribute = getattr(accel_patch, info.name)
+        assert attribute is module, (
+            f"accel_patch.{info.name} is {attribute!r}, which hides the module accel_patch/{info.name}")
+    assert isinstance(accel_patch.topology, types.FunctionType)  # the public function
+    assert accel_patch.topology is accel_patch.topology_resolver.topology

@@ -5,7 +5,6 @@ so these tests run the same on a CPU box and a GPU box.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -13,8 +12,7 @@ import pytest
 from accel_patch import Topology, TopologyError, topology
 from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
 
-# `accel_patch.topology` is the function; the module is only reachable through importlib.
-topology_module = importlib.import_module("accel_patch.topology")
+from accel_patch import topology_resolver
 
 
 @pytest.fixture(autouse=True)
@@ -260,7 +258,7 @@ def test_explicit_environ_mapping_is_read_instead_of_os_environ(monkeypatch, dev
 
 def test_scrub_blank_env_removes_only_blank_launcher_variables():
     env = {"WORLD_SIZE": "", "LOCAL_RANK": "  ", "RANK": "0", "HOME": "", "PMI_SIZE": "\t"}
-    removed = topology_module.scrub_blank_env(env)
+    removed = topology_resolver.scrub_blank_env(env)
     assert sorted(removed) == ["LOCAL_RANK", "PMI_SIZE", "WORLD_SIZE"]
     assert env == {"RANK": "0", "HOME": ""}
 

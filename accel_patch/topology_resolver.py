@@ -1,5 +1,8 @@
 """Resolve the run's topology: how many processes, which one this is, and what devices it sees.
 
+The module is `topology_resolver` and the function `accel_patch.topology()`, so that a dotted
+path means one thing (`mock.patch("accel_patch.topology_resolver.x")` patches this module).
+
 One resolver, read when a decision is made (never cached at import: launchers such as
 notebook_launcher set the environment after the user's imports). Importing this module is cheap;
 torch is imported only when the accelerator count is needed.
