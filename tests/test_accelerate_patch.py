@@ -2,7 +2,9 @@
 
 The decision table of DESIGN.md through `decide()` (device counts faked in-process), then the
 real `PartialState` built in this process wherever that cannot hang on a CPU box: one process,
-or a 1-rank gloo group. Multi-process runs are in integration_tests/.
+or a 1-rank gloo group.
+Multi-process runs are in integration_tests/. tests/conftest.py removes the host's launcher
+variables around every test and restores os.environ after it.
 """
 from __future__ import annotations
 
@@ -27,9 +29,6 @@ from accel_patch import TopologyError, accelerate_state, patching, topology
 from accel_patch.accelerate_state import (
     ACCELERATE, CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, SINGLE_DEVICE, UNTOUCHED, decide,
 )
-from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
-
-from accel_patch import topology_resolver
 
 PATCHES = set(p.name for p in accel_patch.status())  # the package's own, before tests add fakes
 
@@ -42,14 +41,10 @@ def reset_accelerate() -> None:
 
 
 @pytest.fixture(autouse=True)
-def isolated(monkeypatch):
-    """Clean launcher environment, no accelerate state, no process group, a freshly bound patch;
-    and all of it (plus the registry) as it was afterwards."""
-    saved_env = dict(os.environ)
+def isolated():
+    """No accelerate state, no process group, a freshly bound patch; and all of it (plus the
+    registry and torch's thread count) as it was afterwards."""
     saved_threads = torch.get_num_threads()
-    for name in list(os.environ):
-        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
     reset_accelerate()
     accel_patch.disable()
     accel_patch.enable()
@@ -61,8 +56,6 @@ def isolated(monkeypatch):
         patching._logged.discard(name)
     accel_patch.disable()
     accel_patch.enable()
-    os.environ.clear()
-    os.environ.update(saved_env)
     torch.set_num_threads(saved_threads)
 
 
@@ -156,9 +149,9 @@ DECISIONS = {
 
 
 @pytest.mark.parametrize("case", list(DECISIONS))
-def test_decision_table(devices, case):
+def test_decision_table(fake_accelerators, case):
     env, count, cpu, expected = DECISIONS[case]
-    devices(count)
+    fake_accelerators(count)
     decision = decide(topology(env), cpu=cpu, environ=env)
     assert decision.action == expected, decision.reason
     assert decision.reason
@@ -167,16 +160,16 @@ def test_decision_table(devices, case):
 @pytest.mark.parametrize("flag, word", [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")])
 @pytest.mark.parametrize("case", ["plain-python-cpu", "torchrun-nproc1-one-gpu", "torchrun-nproc2-no-gpu",
                                   "openmpi-gpus"])
-def test_deepspeed_or_fsdp_requested_is_untouched_whatever_the_topology(devices, case, flag, word):
+def test_deepspeed_or_fsdp_requested_is_untouched_whatever_the_topology(fake_accelerators, case, flag, word):
     env, count, cpu, _ = DECISIONS[case]
-    devices(count)
+    fake_accelerators(count)
     env = dict(env, **{flag: "true"})
     decision = decide(topology(env), cpu=cpu, environ=env)
     assert decision.action == UNTOUCHED and word in decision.reason
 
 
-def test_deepspeed_flag_false_is_not_a_request(devices):
-    devices(0)
+def test_deepspeed_flag_false_is_not_a_request(fake_accelerators):
+    fake_accelerators(0)
     env = dict(torchrun_vars(2, 1, 1, 2), ACCELERATE_USE_DEEPSPEED="false", ACCELERATE_USE_FSDP="")
     assert decide(topology(env), environ=env).action == CPU_DISTRIBUTED
 
@@ -184,9 +177,9 @@ def test_deepspeed_flag_false_is_not_a_request(devices):
 # --- the real PartialState ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("cpu", [False, True])
-def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, devices, cpu):
+def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, fake_accelerators, cpu):
     torchrun_env(monkeypatch, nproc=1)  # LOCAL_RANK=0 WORLD_SIZE=1, as torchrun sets them
-    devices(1)  # one GPU (or, on a CPU box, what accelerate treats as none)
+    fake_accelerators(1)  # one GPU (or, on a CPU box, what accelerate treats as none)
 
     state = PartialState(cpu=cpu)
 
@@ -198,11 +191,11 @@ def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, device
     assert "single-device" in record().reason
 
 
-def test_torchrun_nproc1_model_is_not_wrapped_in_ddp(monkeypatch, devices):
+def test_torchrun_nproc1_model_is_not_wrapped_in_ddp(monkeypatch, fake_accelerators):
     from accelerate import Accelerator
 
     torchrun_env(monkeypatch, nproc=1)
-    devices(1)
+    fake_accelerators(1)
     model = Accelerator().prepare(torch.nn.Linear(2, 2))
     assert type(model) is torch.nn.Linear
     assert not dist.is_initialized()
@@ -224,10 +217,10 @@ def test_blank_launcher_values_give_one_plain_process(monkeypatch, blank, cpu):
     assert not any(name in os.environ for name in blank)
 
 
-def test_prepare_backend_called_on_its_own_follows_the_same_decision(monkeypatch, devices):
+def test_prepare_backend_called_on_its_own_follows_the_same_decision(monkeypatch, fake_accelerators):
     # accelerate calls it only from __init__; a subclass or a later release may call it directly.
     torchrun_env(monkeypatch, nproc=1)
-    devices(1)
+    fake_accelerators(1)
     instance = object.__new__(PartialState)
     assert PartialState._prepare_backend(instance, cpu=True) == (None, DistributedType.NO)
     assert not dist.is_initialized()

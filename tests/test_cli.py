@@ -1,76 +1,55 @@
 """`accel-patch env` and `accel-patch demo`.
 
-The installed console script runs in fresh processes (started together) for a full report and
-for the error path; the other settings call `main()` in-process, which is the same code.
+The installed console script runs in fresh processes for a full report and for the error path,
+started by the fixture that needs them; the other settings call `main()` in-process, which is
+the same code.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import types
 from pathlib import Path
 
 import pytest
 
 from accel_patch import cli
-from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
-
-from accel_patch import topology_resolver
+from _env import run_together
 
 SCRIPT = Path(sys.executable).with_name("accel-patch")
 
 
-def clean(environ) -> dict[str, str]:
-    return {k: v for k, v in environ.items()
-            if k not in LAUNCHER_NAMES and not k.startswith(LAUNCHER_PREFIXES) and k != "PYTHONPATH"}
-
-
-# The console script in fresh processes: one full report, and the error path (which needs no torch).
-LAUNCHES = {
-    "torchrun-rank1-of-2": (["env", "--json"], {
-        "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
-        "TORCHELASTIC_RUN_ID": "none"}),
-    "bad-world-size": (["env", "--json"], {"WORLD_SIZE": "two"}),
-}
-
-
-def start() -> tuple[str, dict[str, subprocess.Popen]]:
-    cwd = tempfile.mkdtemp(prefix="accel-patch-cli-")
-    return cwd, {
-        name: subprocess.Popen([str(SCRIPT), *argv], cwd=cwd, env={**clean(os.environ), **env},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name, (argv, env) in LAUNCHES.items()
-    }
-
-
-# Started at collection, so that they run beside the in-process tests (CI boxes have 2 cores).
-_STARTED = start() if SCRIPT.exists() else None
+def console_script(*argv: str) -> list[str]:
+    assert SCRIPT.exists(), f"console script not installed next to {sys.executable}"
+    return [str(SCRIPT), *argv]
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, subprocess.CompletedProcess]:
-    assert _STARTED, f"console script not installed next to {sys.executable}"
-    cwd, started = _STARTED
-    done = {}
-    for name, proc in started.items():
-        out, err = proc.communicate(timeout=180)
-        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    shutil.rmtree(cwd, ignore_errors=True)
-    return done
+def torchrun_rank1_report(tmp_path_factory):
+    """`accel-patch env --json` as rank 1 of 2 under torchrun (seconds: it imports torch)."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "none"}
+    return run_together({"env": (console_script("env", "--json"), env)},
+                        cwd=tmp_path_factory.mktemp("cli"), timeout=180)["env"]
 
 
-def json_report(runs, name: str) -> dict:
-    run = runs[name]
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """Console-script runs that stop before torch is imported."""
+    return run_together({
+        "bad-world-size": (console_script("env", "--json"), {"WORLD_SIZE": "two"}),
+    }, cwd=tmp_path_factory.mktemp("cli"), timeout=60)
+
+
+def json_report(run) -> dict:
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)  # exactly one JSON object, nothing else on stdout
 
 
-def test_env_json_under_torchrun(runs):
-    report = json_report(runs, "torchrun-rank1-of-2")
+@pytest.mark.slow
+def test_env_json_under_torchrun(torchrun_rank1_report):
+    report = json_report(torchrun_rank1_report)
     topo = report["topology"]
     assert (topo["world_size"], topo["rank"], topo["local_rank"], topo["launcher"]) == (2, 1, 1, "torchrun")
     assert topo["sources"]["world_size"] == "WORLD_SIZE" and topo["sources"]["local_rank"] == "LOCAL_RANK"
@@ -85,8 +64,8 @@ def test_env_json_under_torchrun(runs):
         assert report["device_map"] == {"": f"{topo['device_type']}:{1 if topo['device_count'] > 1 else 0}"}
 
 
-def test_env_bad_world_size_is_a_one_line_error_with_exit_code_2(runs):
-    run = runs["bad-world-size"]
+def test_env_bad_world_size_is_a_one_line_error_with_exit_code_2(quick_runs):
+    run = quick_runs["bad-world-size"]
     assert run.returncode == 2
     assert run.stdout == ""
     lines = run.stderr.strip().splitlines()
@@ -97,11 +76,8 @@ def test_env_bad_world_size_is_a_one_line_error_with_exit_code_2(runs):
 # --- in-process ---------------------------------------------------------------------------------
 
 @pytest.fixture
-def env(monkeypatch):
-    for name in list(os.environ):
-        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr(topology_resolver, "local_accelerators", lambda: ("cpu", 0))
+def env(monkeypatch, fake_accelerators):
+    """A CPU-only box with no launcher: the tests set what they need on top."""
     return monkeypatch
 
 
@@ -162,8 +138,8 @@ def test_env_reports_deepspeed_as_untouched(env, capsys):
     assert state["action"] == "untouched" and "DeepSpeed" in state["reason"]
 
 
-def test_env_local_rank_without_device_is_exit_2(env, capsys):
-    env.setattr(topology_resolver, "local_accelerators", lambda: ("cuda", 2))
+def test_env_local_rank_without_device_is_exit_2(env, fake_accelerators, capsys):
+    fake_accelerators(2)
     for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3"}.items():
         env.setenv(name, value)
     assert cli.main(["env"]) == 2

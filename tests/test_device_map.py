@@ -1,8 +1,8 @@
 """Per-rank device maps and the `from_pretrained` hook (DESIGN.md, "Per-rank device map").
 
-Device counts are faked in-process (the `devices` fixture fakes a CPU-only box until told
-otherwise); the real `from_pretrained` loads a tiny Llama checkpoint on CPU, distributed through
-the environment only (loading needs no process group).
+Device counts are faked in-process (`fake_accelerators`: a CPU-only box until told otherwise);
+the real `from_pretrained` loads a tiny Llama checkpoint on CPU, distributed through the
+environment only (loading needs no process group).
 """
 from __future__ import annotations
 
@@ -16,23 +16,13 @@ from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 import accel_patch
 from accel_patch import TopologyError, prepare_device_map
 from accel_patch.model_loading import STRATEGIES, ModelLoadingPatch, _is_quantized, choose_device_map
-from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
-
-from accel_patch import topology_resolver
 
 
 @pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    saved_env = dict(os.environ)
-    for name in list(os.environ):
-        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
+def hook_bound(monkeypatch):
     monkeypatch.setattr(ModelLoadingPatch, "last_load", None)
     accel_patch.enable()  # idempotent; binds the hook if an earlier test left it off
     assert next(s for s in accel_patch.status() if s.name == "device-map").state == "active"
-    yield
-    os.environ.clear()
-    os.environ.update(saved_env)
 
 
 def set_env(monkeypatch, **env: str) -> None:
@@ -72,19 +62,21 @@ MAPS = {
 
 
 @pytest.mark.parametrize("case", list(MAPS))
-def test_prepare_device_map(monkeypatch, devices, case):
+def test_prepare_device_map(monkeypatch, fake_accelerators, case):
     env, count, kind, expected = MAPS[case]
     set_env(monkeypatch, **env)
-    devices(count, kind)
+    fake_accelerators(count, kind)
     assert prepare_device_map() == expected
 
 
 @pytest.mark.parametrize("visible", [None, "0,1"])
-def test_local_rank_without_a_device_is_a_clear_error(monkeypatch, devices, visible):
+def test_local_rank_without_a_device_is_a_clear_error(monkeypatch, fake_accelerators, visible):
     set_env(monkeypatch, **torchrun(4, 3, 3, 4))
-    if visible is not None:
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    devices(2)
+    fake_accelerators(2)
     with pytest.raises(TopologyError) as info:
         prepare_device_map()
     message = str(info.value)
@@ -93,7 +85,7 @@ def test_local_rank_without_a_device_is_a_clear_error(monkeypatch, devices, visi
     assert f"CUDA_VISIBLE_DEVICES={visible!r}" in message
 
 
-def test_invalid_local_rank_is_reported_when_the_map_is_needed(monkeypatch, devices):
+def test_invalid_local_rank_is_reported_when_the_map_is_needed(monkeypatch, fake_accelerators):
     set_env(monkeypatch, WORLD_SIZE="2", LOCAL_RANK="-3")  # set after import: the import did not fail
     with pytest.raises(TopologyError, match="LOCAL_RANK='-3'"):
         prepare_device_map()
@@ -105,43 +97,43 @@ EXPLICIT = [{"": "cpu"}, {"model": 0, "lm_head": "cpu"}, "cpu", "cuda", "cuda:1"
 
 
 @pytest.mark.parametrize("requested", [None, *STRATEGIES])
-def test_single_process_unquantized_load_is_left_alone(devices, requested):
-    devices(1)
+def test_single_process_unquantized_load_is_left_alone(fake_accelerators, requested):
+    fake_accelerators(1)
     decision = choose_device_map(requested, quantized=False)
     assert decision.used is requested
 
 
 @pytest.mark.parametrize("requested", [None, *STRATEGIES])
-def test_distributed_load_goes_to_this_ranks_device(monkeypatch, devices, requested):
+def test_distributed_load_goes_to_this_ranks_device(monkeypatch, fake_accelerators, requested):
     set_env(monkeypatch, **torchrun(8, 5, 1, 2, nodes=4))
-    devices(2)
+    fake_accelerators(2)
     assert choose_device_map(requested, quantized=False).used == {"": "cuda:1"}
 
 
 @pytest.mark.parametrize("count, expected", [(0, {"": "cpu"}), (1, {"": "cuda:0"})])
 @pytest.mark.parametrize("requested", [None, *STRATEGIES])
-def test_quantized_load_in_one_process_goes_to_its_device(devices, requested, count, expected):
-    devices(count)
+def test_quantized_load_in_one_process_goes_to_its_device(fake_accelerators, requested, count, expected):
+    fake_accelerators(count)
     assert choose_device_map(requested, quantized=True).used == expected
 
 
-def test_one_process_over_several_devices_keeps_its_strategy(devices):
-    devices(2)
+def test_one_process_over_several_devices_keeps_its_strategy(fake_accelerators):
+    fake_accelerators(2)
     assert choose_device_map("auto", quantized=True).used == "auto"  # spreading is what it asked for
     assert choose_device_map(None, quantized=True).used == {"": "cuda:0"}
 
 
 @pytest.mark.parametrize("requested", EXPLICIT, ids=repr)
 @pytest.mark.parametrize("quantized", [False, True])
-def test_explicit_device_map_is_never_overridden(monkeypatch, devices, requested, quantized):
+def test_explicit_device_map_is_never_overridden(monkeypatch, fake_accelerators, requested, quantized):
     set_env(monkeypatch, **torchrun(2, 1, 1, 2))
-    devices(2)
+    fake_accelerators(2)
     assert choose_device_map(requested, quantized=quantized).used is requested
 
 
-def test_distributed_strategy_with_no_device_for_the_local_rank_is_a_clear_error(monkeypatch, devices):
+def test_distributed_strategy_with_no_device_for_the_local_rank_is_a_clear_error(monkeypatch, fake_accelerators):
     set_env(monkeypatch, **torchrun(4, 3, 3, 4))
-    devices(2)
+    fake_accelerators(2)
     with pytest.raises(TopologyError, match="LOCAL_RANK=3"):
         choose_device_map("auto", quantized=True)
 
@@ -241,7 +233,7 @@ def load(checkpoint, received):
 
 
 @pytest.mark.parametrize("requested", [None, "auto", "balanced"])
-def test_distributed_cpu_load_replaces_strategy_with_this_ranks_device(monkeypatch, devices, load, requested):
+def test_distributed_cpu_load_replaces_strategy_with_this_ranks_device(monkeypatch, fake_accelerators, load, requested):
     set_env(monkeypatch, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")
     model, device_map, decision = load(device_map=requested)
     assert device_map == {"": "cpu"}
@@ -249,7 +241,7 @@ def test_distributed_cpu_load_replaces_strategy_with_this_ranks_device(monkeypat
     assert {p.device.type for p in model.parameters()} == {"cpu"}
 
 
-def test_explicit_map_reaches_transformers_unchanged(monkeypatch, devices, load):
+def test_explicit_map_reaches_transformers_unchanged(monkeypatch, fake_accelerators, load):
     set_env(monkeypatch, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")
     explicit = {"": "cpu"}
     model, device_map, _ = load(device_map=explicit)
@@ -257,12 +249,12 @@ def test_explicit_map_reaches_transformers_unchanged(monkeypatch, devices, load)
     assert {p.device.type for p in model.parameters()} == {"cpu"}
 
 
-def test_single_process_load_keeps_auto_and_none(devices, load):
+def test_single_process_load_keeps_auto_and_none(fake_accelerators, load):
     assert load(device_map="auto")[1] == "auto"
     assert load()[1] is None
 
 
-def test_empty_world_size_loads_as_one_process(monkeypatch, devices, load):
+def test_empty_world_size_loads_as_one_process(monkeypatch, fake_accelerators, load):
     # A template wrote WORLD_SIZE="": stock transformers crashes in int("") for device_map="auto".
     monkeypatch.setenv("WORLD_SIZE", "")
     model, device_map, _ = load(device_map="auto")
@@ -271,16 +263,16 @@ def test_empty_world_size_loads_as_one_process(monkeypatch, devices, load):
     assert "WORLD_SIZE" not in os.environ
 
 
-def test_invalid_world_size_fails_the_load_with_a_clear_message(monkeypatch, devices, checkpoint):
+def test_invalid_world_size_fails_the_load_with_a_clear_message(monkeypatch, fake_accelerators, checkpoint):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(TopologyError, match=r"WORLD_SIZE='two'.*whole number"):
         LlamaForCausalLM.from_pretrained(checkpoint, device_map="auto")
 
 
-def test_distributed_load_of_a_pre_quantized_checkpoint_is_detected(monkeypatch, tmp_path, devices):
+def test_distributed_load_of_a_pre_quantized_checkpoint_is_detected(monkeypatch, tmp_path, fake_accelerators):
     # The hook reads the checkpoint's own config.json; the map it would pass for rank 1 of 2 GPUs.
     quantized = write_config(tmp_path / "q", quantization_config=QUANT)
-    devices(2)
+    fake_accelerators(2)
     set_env(monkeypatch, **torchrun(2, 1, 1, 2))
     assert choose_device_map("auto", _is_quantized(quantized, {})).used == {"": "cuda:1"}
     monkeypatch.delenv("WORLD_SIZE")

@@ -1,26 +1,14 @@
 """The topology resolver: every launcher's variables, blank and bad values, read at call time.
 
-The local accelerator count is faked in-process (`local_accelerators` is what the resolver asks),
-so these tests run the same on a CPU box and a GPU box.
+The local accelerator count is faked in-process (`fake_accelerators`: `local_accelerators` is what
+the resolver asks), so these tests run the same on a CPU box and a GPU box. tests/conftest.py
+removes the host's launcher variables around every test.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from accel_patch import Topology, TopologyError, topology
-from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
-
-from accel_patch import topology_resolver
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """No launcher variable of the host leaks into a test."""
-    for name in list(os.environ):
-        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
+from accel_patch import Topology, TopologyError, topology, topology_resolver
 
 
 def set_env(monkeypatch, env: dict[str, str]) -> None:
@@ -113,10 +101,10 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("count", [0, 1, 2, 8])
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_each_launcher_resolves_world_ranks_nodes_and_devices(monkeypatch, devices, launch, count):
+def test_each_launcher_resolves_world_ranks_nodes_and_devices(monkeypatch, fake_accelerators, launch, count):
     env, (world, rank, local_rank, local_world, nodes, launcher) = LAUNCHES[launch]
     set_env(monkeypatch, env)
-    devices(count)
+    fake_accelerators(count)
 
     topo = topology()
 
@@ -127,7 +115,7 @@ def test_each_launcher_resolves_world_ranks_nodes_and_devices(monkeypatch, devic
     assert topo.is_distributed == (world > 1)
 
 
-def test_sources_name_the_variables_that_gave_each_value(monkeypatch, devices):
+def test_sources_name_the_variables_that_gave_each_value(monkeypatch, fake_accelerators):
     set_env(monkeypatch, LAUNCHES["openmpi-rank3"][0])
     assert topology().sources == {
         "world_size": "OMPI_COMM_WORLD_SIZE",
@@ -143,7 +131,7 @@ def test_sources_name_the_variables_that_gave_each_value(monkeypatch, devices):
     }
 
 
-def test_sources_never_name_a_variable_that_is_not_set(monkeypatch, devices):
+def test_sources_never_name_a_variable_that_is_not_set(monkeypatch, fake_accelerators):
     # torchrun-like: only LOCAL_RANK set; world size and rank are defaults, not from WORLD_SIZE/RANK.
     monkeypatch.setenv("LOCAL_RANK", "0")
     topo = topology()
@@ -152,8 +140,8 @@ def test_sources_never_name_a_variable_that_is_not_set(monkeypatch, devices):
 
 
 @pytest.mark.parametrize("count, single", [(0, True), (1, True), (2, False), (8, False)])
-def test_single_device_means_one_process_and_at_most_one_accelerator(devices, count, single):
-    devices(count)
+def test_single_device_means_one_process_and_at_most_one_accelerator(fake_accelerators, count, single):
+    fake_accelerators(count)
     assert topology().single_device is single
 
 
@@ -185,17 +173,17 @@ BLANK_CASES = [
 
 @pytest.mark.parametrize("blank", ["", " ", "\t \n"])
 @pytest.mark.parametrize("launch, variable", BLANK_CASES)
-def test_blank_value_behaves_as_unset(monkeypatch, devices, launch, variable, blank):
+def test_blank_value_behaves_as_unset(monkeypatch, fake_accelerators, launch, variable, blank):
     env = {k: v for k, v in LAUNCHES[launch][0].items() if k != variable}
     set_env(monkeypatch, env)
-    devices(2)
+    fake_accelerators(2)
     without = topology()
 
     monkeypatch.setenv(variable, blank)
     assert topology() == without
 
 
-def test_empty_world_size_from_a_config_template_is_one_plain_process(monkeypatch, devices):
+def test_empty_world_size_from_a_config_template_is_one_plain_process(monkeypatch, fake_accelerators):
     monkeypatch.setenv("WORLD_SIZE", "")
     monkeypatch.setenv("RANK", " ")
     monkeypatch.setenv("LOCAL_RANK", "")
@@ -213,7 +201,7 @@ BAD_VALUES = ["two", "1.5", "-3", " 2x", "0x2", "²"]
     ["WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
      "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"],
 )
-def test_invalid_value_raises_topology_error_naming_variable_and_value(monkeypatch, devices, variable, value):
+def test_invalid_value_raises_topology_error_naming_variable_and_value(monkeypatch, fake_accelerators, variable, value):
     monkeypatch.setenv(variable, value)
     with pytest.raises(TopologyError) as info:
         topology()
@@ -223,7 +211,7 @@ def test_invalid_value_raises_topology_error_naming_variable_and_value(monkeypat
     assert isinstance(info.value, ValueError)
 
 
-def test_invalid_value_is_reported_even_when_another_launcher_wins(monkeypatch, devices):
+def test_invalid_value_is_reported_even_when_another_launcher_wins(monkeypatch, fake_accelerators):
     # Silently ignoring a bad value would hide a broken launch script.
     set_env(monkeypatch, LAUNCHES["torchrun-nproc2-rank1"][0])
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "two")
@@ -231,10 +219,10 @@ def test_invalid_value_is_reported_even_when_another_launcher_wins(monkeypatch, 
         topology()
 
 
-def test_topology_reads_the_environment_at_call_time(monkeypatch, devices):
+def test_topology_reads_the_environment_at_call_time(monkeypatch, fake_accelerators):
     # accel_patch is imported at the top of this file; the launcher sets variables afterwards
     # (notebook_launcher does exactly this).
-    devices(2)
+    fake_accelerators(2)
     assert topology().world_size == 1
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -246,11 +234,11 @@ def test_topology_reads_the_environment_at_call_time(monkeypatch, devices):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert topology().world_size == 4
 
-    devices(1)
+    fake_accelerators(1)
     assert topology().device_count == 1
 
 
-def test_explicit_environ_mapping_is_read_instead_of_os_environ(monkeypatch, devices):
+def test_explicit_environ_mapping_is_read_instead_of_os_environ(monkeypatch, fake_accelerators):
     monkeypatch.setenv("WORLD_SIZE", "two")  # would raise if os.environ were read
     topo = topology({"WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "0"})
     assert (topo.world_size, topo.rank) == (3, 2)
