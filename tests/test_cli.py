@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import accel_patch
 from accel_patch import cli
 from _env import run_together
 
@@ -56,6 +57,9 @@ def test_env_json_under_torchrun(torchrun_rank1_report):
     assert report["is_distributed"] is True
     assert report["versions"]["accel-patch"] == cli.__version__
     assert {s["name"]: s["state"] for s in report["status"]} == {"accelerate-state": "active", "device-map": "pending"}
+    # env imports accelerate but not transformers' models: say why the device map is pending.
+    (device_map,) = [s for s in report["status"] if s["name"] == "device-map"]
+    assert "binds when `transformers.modeling_utils` is imported" in device_map["reason"]
     if topo["device_count"] == 0:
         assert report["accelerate_state"]["action"] == "cpu-distributed"
         assert report["device_map"] == {"": "cpu"}
@@ -86,11 +90,15 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def run_table(capsys) -> str:
+    assert cli.main(["env"]) == 0
+    return capsys.readouterr().out
+
+
 def test_env_json_one_plain_process(env, capsys):
     report = run_json(capsys)
     topo = report["topology"]
     assert (topo["world_size"], topo["rank"], topo["launcher"], topo["single_device"]) == (1, 0, "none", True)
-    assert topo["sources"]["world_size"] == "default"
     assert report["accelerate_state"]["action"] == "single-device" and report["accelerate_state"]["reason"]
     assert (report["device_map"], report["is_distributed"]) == ({"": "cpu"}, False)
     assert set(report["versions"]) == {"python", "torch", "transformers", "accelerate", "peft",
@@ -99,28 +107,57 @@ def test_env_json_one_plain_process(env, capsys):
     assert {s["name"] for s in report["status"]} == {"accelerate-state", "device-map"}
 
 
-def test_env_table_for_humans_with_blank_values(env, capsys):
+ENVIRONMENTS = {
+    "plain-python": {},
+    "blank-values": {"WORLD_SIZE": "", "LOCAL_RANK": " "},
+    "openmpi": {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+    "torchrun-2-nodes": {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1",
+                         "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+}
+
+
+@pytest.mark.parametrize("case", list(ENVIRONMENTS))
+def test_env_prints_exactly_the_topologys_sources(env, capsys, case):
+    for name, value in ENVIRONMENTS[case].items():
+        env.setenv(name, value)
+    sources = dict(accel_patch.topology().sources)
+    assert set(sources) == set(accel_patch.Topology._fields) - {"sources"}  # every field has one
+
+    assert run_json(capsys)["topology"]["sources"] == sources
+
+    lines = run_table(capsys).splitlines()
+    for field in cli.FIELDS:
+        (line,) = [line for line in lines if line.split()[:1] == [field]]
+        assert line.endswith(f" from {sources[field]}"), line
+    assert any(line.startswith("topology (launcher: ") and line.endswith(f"from {sources['launcher']})")
+               for line in lines)
+
+
+def test_env_table_says_which_variables_were_set_but_blank(env, capsys):
     env.setenv("WORLD_SIZE", "")
     env.setenv("LOCAL_RANK", " ")
-    assert cli.main(["env"]) == 0
-    out = capsys.readouterr().out
-    for heading in ("versions", "topology (launcher: none)", "accelerate state: single-device",
+    out = run_table(capsys)
+    for heading in ("versions", "topology (launcher: none, from default)", "accelerate state: single-device",
                     'device map: {"": "cpu"} (one process)', "patches"):
         assert heading in out
-    assert "from default" in out
-    assert "accelerate-state" in out and "device-map" in out
+    lines = {line.split()[0]: " ".join(line.split()) for line in out.splitlines() if line.startswith("  ")}
+    assert lines["world_size"] == "world_size 1 from default (WORLD_SIZE set but blank: read as unset)"
+    assert lines["local_rank"] == "local_rank 0 from default (LOCAL_RANK set but blank: read as unset)"
+    assert lines["rank"] == "rank 0 from default"
 
 
 def test_env_names_the_launcher_and_the_variables(env, capsys):
-    for name, value in {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
-                        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}.items():
+    for name, value in ENVIRONMENTS["openmpi"].items():
         env.setenv(name, value)
     topo = run_json(capsys)["topology"]
     assert topo["launcher"] == "openmpi"
-    assert topo["sources"] == {
+    sources = dict(topo["sources"])
+    assert sources.pop("device_type").startswith("torch") and sources.pop("device_count").startswith("torch")
+    assert sources == {
         "world_size": "OMPI_COMM_WORLD_SIZE", "rank": "OMPI_COMM_WORLD_RANK",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK", "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
-        "num_nodes": "derived", "device_count": "torch",
+        "num_nodes": "derived", "launcher": "OMPI_COMM_WORLD_SIZE",
     }
     assert (topo["world_size"], topo["num_nodes"]) == (4, 2)
 
@@ -179,3 +216,4 @@ def test_unknown_command_or_argument_is_a_usage_error(capsys):
         with pytest.raises(SystemExit) as info:
             cli.main(argv)
         assert info.value.code == 2
+

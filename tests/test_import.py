@@ -72,6 +72,13 @@ def test_import_pulls_in_neither_torch_transformers_nor_accelerate(imports):
     }
 
 
+def test_pending_patches_say_when_they_bind(imports):
+    reasons = {name: reason for name, (_, reason) in report(imports["plain"])["status"].items()}
+    assert reasons["device-map"] == (
+        "binds when `transformers.modeling_utils` is imported; the demo and any training script import it")
+    assert reasons["accelerate-state"].startswith("binds when `accelerate.state` is imported")
+
+
 @pytest.mark.slow
 def test_accel_patch_disable_leaves_accelerate_unpatched_and_says_so(disabled_then_accelerate):
     result = report(disabled_then_accelerate)

@@ -1,4 +1,4 @@
-"""The topology resolver: every launcher's variables, blank and bad values, read at call time.
+"""The topology resolver: every launcher's variables, blank and bad values, sources, read at call time.
 
 The local accelerator count is faked in-process (`fake_accelerators`: `local_accelerators` is what
 the resolver asks), so these tests run the same on a CPU box and a GPU box. tests/conftest.py
@@ -6,7 +6,10 @@ removes the host's launcher variables around every test.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch.distributed as dist
 
 from accel_patch import Topology, TopologyError, topology, topology_resolver
 
@@ -121,22 +124,96 @@ def test_sources_name_the_variables_that_gave_each_value(monkeypatch, fake_accel
         "world_size": "OMPI_COMM_WORLD_SIZE",
         "rank": "OMPI_COMM_WORLD_RANK",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
-        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",  # num_nodes is derived: not named
+        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "num_nodes": "derived",  # 4 processes, 2 per node
+        "device_type": "torch",
+        "device_count": "torch",
+        "launcher": "OMPI_COMM_WORLD_SIZE",
     }
     set_env(monkeypatch, LAUNCHES["torchrun-2nodes-1proc-node1"][0])
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     assert topology().sources == {
         "world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK",
         "local_world_size": "LOCAL_WORLD_SIZE", "num_nodes": "GROUP_WORLD_SIZE",
+        "device_type": "torch", "device_count": "torch", "launcher": "TORCHELASTIC_RUN_ID",
     }
+
+
+def test_plain_python_sources_are_defaults(fake_accelerators):
+    fake_accelerators(1)
+    assert topology().sources == {
+        "world_size": "default", "rank": "default", "local_rank": "default", "local_world_size": "default",
+        "num_nodes": "default", "device_type": "torch", "device_count": "torch", "launcher": "default",
+    }
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_every_field_has_a_source(monkeypatch, fake_accelerators, launch):
+    set_env(monkeypatch, LAUNCHES[launch][0])
+    sources = topology().sources
+    assert list(sources) == [f for f in Topology._fields if f != "sources"]
+    kinds = {"default", "derived", "torch.distributed", "torch"} | set(topology_resolver.LAUNCHER_VARIABLES)
+    for field, source in sources.items():
+        # A variable's name must be one that is set; "TORCHELASTIC_RUN_ID" and the like name a launcher.
+        assert source in kinds or (field == "launcher" and source in LAUNCHES[launch][0]), (field, source)
+        if source in topology_resolver.LAUNCHER_VARIABLES:
+            assert source in LAUNCHES[launch][0], f"{field} names {source}, which is not set"
 
 
 def test_sources_never_name_a_variable_that_is_not_set(monkeypatch, fake_accelerators):
     # torchrun-like: only LOCAL_RANK set; world size and rank are defaults, not from WORLD_SIZE/RANK.
     monkeypatch.setenv("LOCAL_RANK", "0")
     topo = topology()
-    assert (topo.world_size, topo.rank, topo.local_rank) == (1, 0, 0)
-    assert topo.sources == {"local_rank": "LOCAL_RANK"}
+    assert (topo.world_size, topo.rank, topo.local_rank, topo.launcher) == (1, 0, 0, "env")
+    assert topo.sources == {
+        "world_size": "default", "rank": "default", "local_rank": "LOCAL_RANK",
+        "local_world_size": "default", "num_nodes": "default",
+        "device_type": "torch", "device_count": "torch", "launcher": "LOCAL_RANK",
+    }
+
+
+def test_derived_values_are_marked_derived(monkeypatch, fake_accelerators):
+    # The node count and processes per node each follow from the other and the world size.
+    set_env(monkeypatch, LAUNCHES["torchrun-vars-without-local-world-size"][0])
+    sources = topology().sources
+    assert (sources["num_nodes"], sources["local_world_size"]) == ("GROUP_WORLD_SIZE", "derived")
+    # One process that knows only its rank: its local rank is that rank.
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("GROUP_WORLD_SIZE")
+    assert topology().sources["local_rank"] == "derived"
+
+
+@pytest.mark.parametrize("blank", ["", " "])
+def test_sources_name_a_variable_set_but_blank(monkeypatch, fake_accelerators, blank):
+    monkeypatch.setenv("WORLD_SIZE", blank)
+    monkeypatch.setenv("LOCAL_RANK", blank)
+    set_env(monkeypatch, LAUNCHES["openmpi-rank3"][0])
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", blank)
+    sources = topology().sources
+    assert sources["world_size"] == "OMPI_COMM_WORLD_SIZE (WORLD_SIZE set but blank: read as unset)"
+    assert sources["local_rank"] == "OMPI_COMM_WORLD_LOCAL_RANK (LOCAL_RANK set but blank: read as unset)"
+    assert sources["local_world_size"] == "derived (OMPI_COMM_WORLD_LOCAL_SIZE set but blank: read as unset)"
+    assert sources["rank"] == "OMPI_COMM_WORLD_RANK"
+
+
+def test_visible_devices_are_named_beside_the_device_count(monkeypatch, fake_accelerators):
+    fake_accelerators(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    sources = topology().sources
+    assert sources["device_count"] == sources["device_type"] == "torch (CUDA_VISIBLE_DEVICES='3')"
+
+
+def test_an_initialized_process_group_is_the_source_of_world_size_and_rank(monkeypatch, fake_accelerators, tmp_path):
+    set_env(monkeypatch, {"WORLD_SIZE": "4", "RANK": "3"})  # the group wins over the variables
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        topo = topology()
+    finally:
+        dist.destroy_process_group()
+    assert (topo.world_size, topo.rank) == (1, 0)
+    assert topo.sources["world_size"] == topo.sources["rank"] == "torch.distributed"
+    assert topology().sources["world_size"] == "WORLD_SIZE"  # the group is gone
 
 
 @pytest.mark.parametrize("count, single", [(0, True), (1, True), (2, False), (8, False)])
@@ -180,7 +257,12 @@ def test_blank_value_behaves_as_unset(monkeypatch, fake_accelerators, launch, va
     without = topology()
 
     monkeypatch.setenv(variable, blank)
-    assert topology() == without
+    with_blank = topology()
+    assert with_blank._replace(sources={}) == without._replace(sources={})
+    # The same sources, with the blank variable named beside the fields it could have given.
+    note = re.compile(r" \([A-Z0-9_, ]+ set but blank: read as unset\)$")
+    assert {field: note.sub("", source) for field, source in with_blank.sources.items()} == without.sources
+    assert any(f"{variable} set but blank" in source for source in with_blank.sources.values())
 
 
 def test_empty_world_size_from_a_config_template_is_one_plain_process(monkeypatch, fake_accelerators):
