@@ -17,6 +17,7 @@ from importlib import metadata
 from . import __version__, status
 from .topology_resolver import TopologyError
 
+DESCRIPTION = "What accel-patch sees and will do on this machine (env), and a demo fine-tune (demo)."
 DISTRIBUTIONS = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "triton", "accel-patch")
 FIELDS = ("world_size", "rank", "local_rank", "local_world_size", "num_nodes")
 
@@ -85,7 +86,8 @@ def _print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="accel-patch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="accel-patch", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"accel-patch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     env = commands.add_parser("env", help="versions, topology, decisions and patch status")
     env.add_argument("--json", action="store_true", help="one JSON object, for machines")

@@ -65,15 +65,44 @@ def status_table(records):
     return "\n".join(f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
 
 
-def main(argv=None):
+def whole_number_at_least_1(text):
+    """argparse type of --steps: argparse prefixes the option's name to the message."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (for example 20), got {text!r}")
+    return value
+
+
+def directory_path(text):
+    """argparse type of --output-dir: a directory, or a path where one can be made."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a directory path, got {text!r}")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return text
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="accel-patch demo", description=(
         "LoRA fine-tuning of a small random Llama on a toy language with transformers.Trainer; "
         "prints what accel-patch decided and the loss before and after."))
-    p.add_argument("--steps", type=int, default=80, help="training steps (default: 80)")
-    p.add_argument("--output-dir", help="Trainer output directory (default: a temporary "
-                   "directory, removed at the end; nothing is saved in it either way)")
-    args = p.parse_args(argv)
+    p.add_argument("--steps", type=whole_number_at_least_1, default=80, metavar="N",
+                   help="training steps, a whole number >= 1 (default: 80)")
+    p.add_argument("--output-dir", type=directory_path, metavar="DIR",
+                   help="Trainer output directory (default: a temporary directory, removed at the "
+                   "end; nothing is saved in it either way)")
+    return p.parse_args(argv)
 
+
+def main(argv=None):
+    return run(parse_args(argv))
+
+
+def run(args):
+    """The fine-tune, with checked arguments; prints on the main process only."""
     try:
         topo = accel_patch.topology()
     except accel_patch.TopologyError as e:

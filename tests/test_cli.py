@@ -1,4 +1,4 @@
-"""`accel-patch env` and `accel-patch demo`.
+"""`accel-patch env`, `--version`, `--help`, and `accel-patch demo`'s arguments.
 
 The installed console script runs in fresh processes for a full report and for the error path,
 started by the fixture that needs them; the other settings call `main()` in-process, which is
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import accel_patch
-from accel_patch import cli
+from accel_patch import cli, demo, topology_resolver
 from _env import run_together
 
 SCRIPT = Path(sys.executable).with_name("accel-patch")
@@ -40,6 +40,7 @@ def quick_runs(tmp_path_factory):
     """Console-script runs that stop before torch is imported."""
     return run_together({
         "bad-world-size": (console_script("env", "--json"), {"WORLD_SIZE": "two"}),
+        "version": (console_script("--version"), {}),
     }, cwd=tmp_path_factory.mktemp("cli"), timeout=60)
 
 
@@ -75,6 +76,12 @@ def test_env_bad_world_size_is_a_one_line_error_with_exit_code_2(quick_runs):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in run.stderr
     assert "WORLD_SIZE='two'" in lines[0] and "whole number" in lines[0]
+
+
+def test_version_prints_the_package_version(quick_runs):
+    run = quick_runs["version"]
+    assert (run.returncode, run.stdout, run.stderr) == (0, f"accel-patch {accel_patch.__version__}\n", "")
+    assert accel_patch.__version__ == cli.versions()["accel-patch"]  # the installed metadata agrees
 
 
 # --- in-process ---------------------------------------------------------------------------------
@@ -184,6 +191,15 @@ def test_env_local_rank_without_device_is_exit_2(env, fake_accelerators, capsys)
     assert err.count("\n") == 1 and "LOCAL_RANK=3" in err and "CUDA_VISIBLE_DEVICES" in err
 
 
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "`" not in out
+    assert " ".join(cli.DESCRIPTION.split()) in " ".join(out.split())
+
+
 def test_missing_package_is_shown_as_not_installed(monkeypatch):
     stock = cli.metadata.version
 
@@ -217,3 +233,44 @@ def test_unknown_command_or_argument_is_a_usage_error(capsys):
             cli.main(argv)
         assert info.value.code == 2
 
+
+# --- demo arguments -----------------------------------------------------------------------------
+
+@pytest.fixture
+def demo_never_runs(monkeypatch):
+    """The demo's arguments are checked before anything is imported or trained."""
+    monkeypatch.setattr(demo, "run", lambda args: pytest.fail(f"the demo ran with {args}"))
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--steps", "0"], "argument --steps: must be a whole number >= 1 (for example 20), got '0'"),
+    (["--steps", "-3"], "argument --steps: must be a whole number >= 1 (for example 20), got '-3'"),
+    (["--steps", "two"], "argument --steps: must be a whole number >= 1 (for example 20), got 'two'"),
+    (["--steps", "1.5"], "argument --steps: must be a whole number >= 1 (for example 20), got '1.5'"),
+    (["--output-dir", ""], "argument --output-dir: must be a directory path, got ''"),
+    (["--output-dir", " "], "argument --output-dir: must be a directory path, got ' '"),
+], ids=["steps-0", "steps-negative", "steps-word", "steps-fraction", "output-dir-empty", "output-dir-blank"])
+def test_demo_bad_argument_is_one_error_line_naming_it(capsys, demo_never_runs, argv, error):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", *argv])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    usage, message = captured.err.strip().splitlines()  # argparse: the usage, then one error line
+    assert usage.startswith("usage: accel-patch demo")
+    assert message == f"accel-patch demo: error: {error}"
+
+
+def test_demo_output_dir_that_is_a_file_is_refused(capsys, demo_never_runs, tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("")
+    with pytest.raises(SystemExit):
+        demo.main(["--output-dir", str(path)])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"accel-patch demo: error: argument --output-dir: {str(path)!r} exists and is not a directory")
+
+
+def test_demo_valid_arguments(tmp_path):
+    assert demo.parse_args([]).steps == 80
+    args = demo.parse_args(["--steps", "1", "--output-dir", str(tmp_path / "new")])
+    assert (args.steps, args.output_dir) == (1, str(tmp_path / "new"))
