@@ -15,7 +15,7 @@ from . import accelerate_state, model_loading, auto_swap, trainer_hook  # noqa: 
 from .device_map import prepare_device_map
 from .patching import DISABLED, PatchStatus, disable, enable, status
 from .swaps import SwapReport, restore_kernels, swap_kernels
-from .topology import Topology, TopologyError, topology
+from .topology_resolver import Topology, TopologyError, topology
 
 __version__ = "0.1.0"
 

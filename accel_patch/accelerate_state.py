@@ -25,7 +25,7 @@ from _thread import _local
 from collections import namedtuple
 
 from . import patching
-from .topology import Topology, scrub_blank_env, topology
+from .topology_resolver import Topology, TopologyError, scrub_blank_env, topology
 
 SINGLE_DEVICE = "single-device"
 CPU_DISTRIBUTED = "cpu-distributed"
@@ -83,7 +83,7 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
             f"world size {topo.world_size} with no accelerator: accelerate's CPU distributed path "
             f"(stock accelerate would let every rank train alone)",
         )
-    if topo.device_count > 0 and not cpu and env.get("LOCAL_RANK") is None:
+    if topo.device_count > 0 and not cpu and not env.get("LOCAL_RANK", "").strip():  # blank is unset
         return Decision(
             EXPORT_LAUNCHER_ENV,
             f"world size {topo.world_size} from {topo.launcher}, which does not set LOCAL_RANK: "
@@ -115,8 +115,6 @@ class _Hidden:
 def _export_launcher_env(topo: Topology) -> None:
     missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n, "").strip()]
     if missing:
-        from .topology import TopologyError
-
         raise TopologyError(
             f"{topo.launcher} started {topo.world_size} processes but {' and '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not set: export the address and a free port of "

@@ -159,7 +159,7 @@ def _swap_prepared(model, ops):
 
 def _topology_line() -> str:
     from .accelerate_state import AccelerateStatePatch
-    from .topology import topology
+    from .topology_resolver import topology
 
     try:
         line = topology().describe()

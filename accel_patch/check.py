@@ -186,7 +186,7 @@ def check_models(device) -> list[Row]:
 def check_launch() -> list[Row]:
     from .accelerate_state import decide
     from .device_map import prepare_device_map
-    from .topology import TopologyError, scrub_blank_env, topology
+    from .topology_resolver import TopologyError, scrub_blank_env, topology
 
     import os
 

@@ -1,8 +1,8 @@
 """`accel-patch`: what accel-patch sees and will do (`env`), and the demo fine-tune (`demo`).
 
-`env` prints the versions, the topology with the variable behind each value, the decision for
-accelerate's state and the device map, and `status()`. `--json` prints the same as one JSON
-object. A bad launcher variable is a one-line error and exit code 2, never a traceback.
+`env` prints the versions, the topology with `topology().sources` (where each value came from),
+the decision for accelerate's state and the device map, and `status()`. `--json` prints the same
+as one JSON object. A bad launcher variable is a one-line error and exit code 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import sys
 from importlib import metadata
 
 from . import __version__, status
-from .topology import TopologyError
+from .topology_resolver import TopologyError
 
+DESCRIPTION = "What accel-patch sees and will do on this machine (env), and a demo fine-tune (demo)."
 DISTRIBUTIONS = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "triton", "accel-patch")
 FIELDS = ("world_size", "rank", "local_rank", "local_world_size", "num_nodes")
-DERIVED = ("local_world_size", "num_nodes")
 
 
 def versions() -> dict[str, str]:
@@ -37,14 +37,13 @@ def env_report() -> dict:
     """Everything `accel-patch env` shows. Raises TopologyError for a bad launcher variable."""
     from .accelerate_state import decide
     from .device_map import prepare_device_map
-    from .topology import scrub_blank_env, topology
+    from .topology_resolver import scrub_blank_env, topology
 
     environ = dict(os.environ)
+    topo = topology(environ)  # before scrubbing: its sources name the variables set but blank
     scrub_blank_env(environ)  # blank means unset, as at decision time
-    topo = topology(environ)
     decision = decide(topo, environ=environ)
     device_map, distributed = prepare_device_map(topo)
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
     return {
         "versions": versions(),
         "topology": {
@@ -53,11 +52,7 @@ def env_report() -> dict:
             "device_type": topo.device_type,
             "device_count": topo.device_count,
             "single_device": topo.single_device,
-            "sources": {
-                # Not named: a single-process default, or derived from the other values.
-                **{name: topo.sources.get(name, "derived" if name in DERIVED else "default") for name in FIELDS},
-                "device_count": "torch" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""),
-            },
+            "sources": dict(topo.sources),
         },
         "accelerate_state": {"action": decision.action, "reason": decision.reason},
         "device_map": device_map,
@@ -75,10 +70,11 @@ def _print_report(report: dict) -> None:
     for name, version in report["versions"].items():
         print(f"  {name:<14} {version}")
     topo = report["topology"]
-    print(f"\ntopology (launcher: {topo['launcher']})")
+    sources = topo["sources"]
+    print(f"\ntopology (launcher: {topo['launcher']}, from {sources['launcher']})")
     for name in FIELDS:
-        print(f"  {name:<17} {topo[name]:<6} from {topo['sources'][name]}")
-    print(f"  {'devices':<17} {topo['device_count']:<6} {topo['device_type']}, from {topo['sources']['device_count']}")
+        print(f"  {name:<17} {topo[name]:<6} from {sources[name]}")
+    print(f"  {'devices':<17} {topo['device_count']:<6} {topo['device_type']}, from {sources['device_count']}")
     print(f"  {'single_device':<17} {topo['single_device']}")
     state = report["accelerate_state"]
     print(f"\naccelerate state: {state['action']}\n  {state['reason']}")
@@ -90,7 +86,8 @@ def _print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="accel-patch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="accel-patch", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"accel-patch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     env = commands.add_parser("env", help="versions, topology, decisions and patch status")
     env.add_argument("--json", action="store_true", help="one JSON object, for machines")

@@ -15,11 +15,14 @@ patch decided.
 import accel_patch  # before torch/transformers/accelerate, as in any user script
 
 import argparse
+import contextlib
+import logging
 import math
 import os
 import sys
 import tempfile
 import time
+import warnings
 
 VOCAB, SEQ_LEN, N_WORDS, FOLLOW_P = 128, 32, 16, 0.9
 
@@ -65,15 +68,90 @@ def status_table(records):
     return "\n".join(f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
 
 
-def main(argv=None):
+def whole_number_at_least_1(text):
+    """argparse type of --steps: argparse prefixes the option's name to the message."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (for example 20), got {text!r}")
+    return value
+
+
+def directory_path(text):
+    """argparse type of --output-dir: a directory, or a path where one can be made."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a directory path, got {text!r}")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return text
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="accel-patch demo", description=(
         "LoRA fine-tuning of a small random Llama on a toy language with transformers.Trainer; "
         "prints what accel-patch decided and the loss before and after."))
-    p.add_argument("--steps", type=int, default=80, help="training steps (default: 80)")
-    p.add_argument("--output-dir", help="Trainer output directory (default: a temporary "
-                   "directory, removed at the end; nothing is saved in it either way)")
-    args = p.parse_args(argv)
+    p.add_argument("--steps", type=whole_number_at_least_1, default=80, metavar="N",
+                   help="training steps, a whole number >= 1 (default: 80)")
+    p.add_argument("--output-dir", type=directory_path, metavar="DIR",
+                   help="Trainer output directory (default: a temporary directory, removed at the "
+                   "end; nothing is saved in it either way)")
+    return p.parse_args(argv)
 
+
+@contextlib.contextmanager
+def quiet_demo_noise():
+    """Silence, while the demo runs, what its own set-up makes other libraries print and the
+    user cannot act on; each by category or logger, module and message, nothing else."""
+
+    def drop_bitsandbytes_probe(record):
+        # Printed when transformers' Trainer imports peft, which imports bitsandbytes: the demo
+        # never runs a 4-bit layer, so a missing optional CPU kernel for one does not concern it.
+        return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
+
+    bitsandbytes_log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with warnings.catch_warnings():
+        # peft's get_peft_model reads the model's `is_gradient_checkpointing`, deprecated in
+        # transformers 5: peft's business, not the demo user's.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning, module=r"transformers\.modeling_utils")
+        bitsandbytes_log.addFilter(drop_bitsandbytes_probe)
+        try:
+            yield
+        finally:
+            bitsandbytes_log.removeFilter(drop_bitsandbytes_probe)
+
+
+def labelled_progress():
+    """Trainer's progress bars with a label: "train", and `eval_label` for evaluations."""
+    from transformers import ProgressCallback
+
+    class LabelledProgress(ProgressCallback):
+        eval_label = "eval"
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            super().on_train_begin(args, state, control, **kwargs)
+            if self.training_bar is not None:  # None on every rank but the main one
+                self.training_bar.set_description("train")
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            new = self.prediction_bar is None
+            super().on_prediction_step(args, state, control, **kwargs)
+            if new and self.prediction_bar is not None:
+                self.prediction_bar.set_description(self.eval_label)
+
+    return LabelledProgress()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with quiet_demo_noise():
+        return run(args)
+
+
+def run(args):
+    """The fine-tune, with checked arguments; prints on the main process only."""
     try:
         topo = accel_patch.topology()
     except accel_patch.TopologyError as e:
@@ -90,7 +168,7 @@ def main(argv=None):
 
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import LlamaConfig, LlamaForCausalLM, ProgressCallback, Trainer, TrainingArguments
 
     if not topo.device_count and "OMP_NUM_THREADS" not in os.environ:
         # A model this small gains nothing from intra-op threads, and on a busy CPU they spin:
@@ -111,9 +189,15 @@ def main(argv=None):
             per_device_train_batch_size=16, per_device_eval_batch_size=32,
             learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=args.steps // 10,
             logging_steps=max(1, args.steps // 5), save_strategy="no", report_to="none",
-            dataloader_num_workers=0, ddp_find_unused_parameters=False, seed=0)
+            dataloader_num_workers=0, ddp_find_unused_parameters=False, seed=0,
+            # Pinning needs an accelerator; without one torch warns at every DataLoader.
+            dataloader_pin_memory=topo.device_count > 0)
         trainer = Trainer(model=model, args=targs, train_dataset=toy_language(4096, seed=1),
                           eval_dataset=toy_language(64, seed=2))
+        progress = None
+        if trainer.pop_callback(ProgressCallback) is not None:  # None when tqdm is turned off
+            progress = labelled_progress()
+            trainer.add_callback(progress)
         state = trainer.accelerator.state
         say("accelerate state after Trainer set-up:",
             f"  {state.distributed_type.value}, {state.num_processes} process(es), "
@@ -122,10 +206,14 @@ def main(argv=None):
             f"Model: Llama, 2 layers, hidden 128, vocab {VOCAB}; LoRA r=16 on all linear layers: "
             f"{trainable:,} of {total:,} parameters train.", "")
 
+        if progress is not None:
+            progress.eval_label = "eval before training"
         before = trainer.evaluate()["eval_loss"]
         t0 = time.time()
         trainer.train()
         seconds = time.time() - t0
+        if progress is not None:
+            progress.eval_label = "eval after training"
         after = trainer.evaluate()["eval_loss"]
 
     say("", f"Held-out loss: {before:.3f} before -> {after:.3f} after {args.steps} steps "

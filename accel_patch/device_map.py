@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .topology import Topology, TopologyError, topology
+from .topology_resolver import Topology, TopologyError, topology
 
 
 def prepare_device_map(topo: Topology | None = None) -> tuple[dict[str, str], bool]:

@@ -14,7 +14,7 @@ from collections import namedtuple
 
 from . import patching
 from .device_map import prepare_device_map
-from .topology import scrub_blank_env, topology
+from .topology_resolver import scrub_blank_env, topology
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 

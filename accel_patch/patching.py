@@ -143,12 +143,17 @@ class _PostImportFinder:
 _finder = _PostImportFinder()
 
 
+def _pending_reason(patch: Patch) -> str:
+    # `accel-patch env` imports little, so a user sees "pending" there and "active" in training.
+    return f"binds when `{patch.module}` is imported; the demo and any training script import it"
+
+
 def register(patch: Patch) -> None:
     """Add a patch to the registry (pending until enabled and its module is imported)."""
     global _watching
     with _lock:
         _patches[patch.name] = patch
-        _states.setdefault(patch.name, (PENDING, f"waiting for `import {patch.module}`"))
+        _states.setdefault(patch.name, (PENDING, _pending_reason(patch)))
         if _enabled:
             _watching = _watching | {patch.module}
 
@@ -204,7 +209,7 @@ def enable() -> None:
         for patch in _patches.values():
             if patch.installed:
                 continue
-            _states[patch.name] = (PENDING, f"waiting for `import {patch.module}`")
+            _states[patch.name] = (PENDING, _pending_reason(patch))
             if patch.module in sys.modules:
                 _bind(patch, sys.modules[patch.module])
 

@@ -19,16 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from _env import child_env  # tests/_env.py: the one list of variables a child must not inherit
+
 WORKER = Path(__file__).with_name("train_worker.py")
 LAUNCH_TIMEOUT_S = 240  # one launch; a 2-process Trainer run takes ~15-35 s on a 2-core box
-
-# Variables a launcher sets; inherited copies would leak the test runner's own topology.
-_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_", "MV2_", "SLURM_",
-                      "MPI_LOCAL", "ROLE_", "GROUP_")
-_LAUNCHER_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
-                   "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
-
 
 def free_port():
     with socket.socket() as s:
@@ -37,16 +31,12 @@ def free_port():
 
 
 def worker_env(home, **overrides):
-    """A clean environment for a launch: no inherited launcher variables, one thread per process,
-    offline, accelerators hidden (these tests exercise the CPU/gloo path), HF_HOME private so no
-    user accelerate config is read."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_HOME=str(home), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
-    env.update(overrides)
-    return env
+    """A clean environment for a launch (`child_env`: no inherited launcher variables, no
+    TRITON_INTERPRET), one thread per process, offline, accelerators hidden (these tests exercise
+    the CPU/gloo path), HF_HOME private so no user accelerate config is read."""
+    return child_env(**{**dict(
+        OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(home),
+        CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"), **overrides})
 
 
 def torchrun_cmd(worker_args, nproc, port, nnodes=1, node_rank=0, target=(str(WORKER),)):
@@ -157,7 +147,10 @@ def summary(results):
 
 
 def assert_trained(res):
-    """Training ran to the end: finite losses and weights that moved."""
+    """Training ran to the end, as a user's run would (not under the Triton interpreter that the
+    unit tests use): finite losses and weights that moved."""
+    assert res["triton_interpret"] is None, (
+        f"rank {res['env_rank']} ran with TRITON_INTERPRET={res['triton_interpret']!r} from the test runner")
     assert res["losses"] and all(math.isfinite(x) for x in res["losses"]), res["losses"]
     w = res["weights"]
     moved = float((w["final"] - w["initial"]).abs().max())

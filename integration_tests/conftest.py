@@ -1,6 +1,17 @@
+from pathlib import Path
+
 import pytest
 
 from _launch import python_cmd, require_success, run, worker_env
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every test here is slow
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HERE in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

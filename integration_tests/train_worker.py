@@ -140,6 +140,7 @@ def train(args):
     topo = accel_patch.topology()
     result = {
         "env_rank": rank,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "distributed_type": str(state.distributed_type).split(".")[-1],
         "num_processes": state.num_processes,
         "process_index": state.process_index,

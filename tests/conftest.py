@@ -1,16 +1,58 @@
-import importlib
+"""Fixtures and markers shared by every test under tests/.
 
-import pytest
+- Triton runs under its interpreter in this process (kernel tests here and model-level tests
+  that swap kernels run on CPU tensors); it must be chosen before triton is imported. Processes
+  that tests start do not inherit it (tests/_env.py, `child_env`). On a GPU machine run with
+  TRITON_INTERPRET=0.
+- `launcher_free_env` (autouse): no test inherits the host's launcher variables, and each leaves
+  os.environ as it found it.
+- `fake_accelerators`: the local accelerator count accel-patch sees, faked.
+- `gpu` tests are skipped, with the reason, where torch sees no CUDA device.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from _env import is_launcher_variable  # noqa: E402
+from accel_patch import topology_resolver  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def launcher_free_env():
+    """Every test starts without the host's launcher variables (they would change the topology it
+    tests) and leaves os.environ exactly as it was, whatever the code under test wrote there
+    (accel-patch removes blank variables and exports RANK/WORLD_SIZE by design)."""
+    saved = dict(os.environ)
+    for name in [n for n in os.environ if is_launcher_variable(n)]:
+        del os.environ[name]
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture
-def devices(monkeypatch):
-    """devices(count, kind="cuda"): this process sees `count` local accelerators (0 until called),
-    so a test runs the same on a CPU box and a GPU box."""
-    topology_module = importlib.import_module("accel_patch.topology")
+def fake_accelerators(monkeypatch):
+    """fake_accelerators(count, kind="cuda"): accel-patch's topology sees `count` local
+    accelerators of `kind` (none until called), so a test runs the same on a CPU box and a GPU
+    box. Only what accel-patch asks is faked: torch itself still sees the real devices."""
 
     def fake(count: int, kind: str = "cuda") -> None:
-        monkeypatch.setattr(topology_module, "local_accelerators", lambda: (kind if count else "cpu", count))
+        monkeypatch.setattr(topology_resolver, "local_accelerators", lambda: (kind if count else "cpu", count))
 
     fake(0)
     return fake
+
+
+def pytest_collection_modifyitems(config, items):
+    needs_gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not needs_gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False here")
+    for item in needs_gpu:
+        item.add_marker(skip)

@@ -1,8 +1,10 @@
 """The distributed-aware patch of accelerate's PartialState, and the patch registry under it.
 
 The decision table of DESIGN.md through `decide()` (device counts faked in-process), then the
-real `PartialState` built in this process wherever that cannot hang on a CPU box: one process,
-or a 1-rank gloo group. Multi-process runs are in integration_tests/.
+real `PartialState()` built in this process wherever that cannot hang on a CPU box: one process,
+a 1-rank gloo group, or a group request that is recorded and refused (mpirun/srun with GPUs).
+Multi-process runs are in integration_tests/. tests/conftest.py removes the host's launcher
+variables around every test and restores os.environ after it.
 """
 from __future__ import annotations
 
@@ -27,9 +29,6 @@ from accel_patch import TopologyError, accelerate_state, patching, topology
 from accel_patch.accelerate_state import (
     ACCELERATE, CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, SINGLE_DEVICE, UNTOUCHED, decide,
 )
-from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
-
-topology_module = importlib.import_module("accel_patch.topology")
 
 PATCHES = set(p.name for p in accel_patch.status())  # the package's own, before tests add fakes
 
@@ -42,14 +41,10 @@ def reset_accelerate() -> None:
 
 
 @pytest.fixture(autouse=True)
-def isolated(monkeypatch):
-    """Clean launcher environment, no accelerate state, no process group, a freshly bound patch;
-    and all of it (plus the registry) as it was afterwards."""
-    saved_env = dict(os.environ)
+def isolated():
+    """No accelerate state, no process group, a freshly bound patch; and all of it (plus the
+    registry and torch's thread count) as it was afterwards."""
     saved_threads = torch.get_num_threads()
-    for name in list(os.environ):
-        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
     reset_accelerate()
     accel_patch.disable()
     accel_patch.enable()
@@ -61,8 +56,6 @@ def isolated(monkeypatch):
         patching._logged.discard(name)
     accel_patch.disable()
     accel_patch.enable()
-    os.environ.clear()
-    os.environ.update(saved_env)
     torch.set_num_threads(saved_threads)
 
 
@@ -142,6 +135,7 @@ DECISIONS = {
     "accelerate-multi-gpu-on-cpu": (ACCELERATE_MULTI_GPU, 0, False, CPU_DISTRIBUTED),
     "deepspeed-launcher-gpus": (DEEPSPEED_4, 2, False, ACCELERATE),
     "openmpi-gpus": (OMPI_4, 2, False, EXPORT_LAUNCHER_ENV),
+    "openmpi-gpus-blank-local-rank": (dict(OMPI_4, LOCAL_RANK=" "), 2, False, EXPORT_LAUNCHER_ENV),
     "openmpi-cpu": (OMPI_4, 0, False, CPU_DISTRIBUTED),
     "openmpi-cpu-flag": (OMPI_4, 0, True, ACCELERATE),
     "intel-mpi-gpus": (PMI_4, 8, False, EXPORT_LAUNCHER_ENV),
@@ -156,9 +150,9 @@ DECISIONS = {
 
 
 @pytest.mark.parametrize("case", list(DECISIONS))
-def test_decision_table(devices, case):
+def test_decision_table(fake_accelerators, case):
     env, count, cpu, expected = DECISIONS[case]
-    devices(count)
+    fake_accelerators(count)
     decision = decide(topology(env), cpu=cpu, environ=env)
     assert decision.action == expected, decision.reason
     assert decision.reason
@@ -167,26 +161,121 @@ def test_decision_table(devices, case):
 @pytest.mark.parametrize("flag, word", [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")])
 @pytest.mark.parametrize("case", ["plain-python-cpu", "torchrun-nproc1-one-gpu", "torchrun-nproc2-no-gpu",
                                   "openmpi-gpus"])
-def test_deepspeed_or_fsdp_requested_is_untouched_whatever_the_topology(devices, case, flag, word):
+def test_deepspeed_or_fsdp_requested_is_untouched_whatever_the_topology(fake_accelerators, case, flag, word):
     env, count, cpu, _ = DECISIONS[case]
-    devices(count)
+    fake_accelerators(count)
     env = dict(env, **{flag: "true"})
     decision = decide(topology(env), cpu=cpu, environ=env)
     assert decision.action == UNTOUCHED and word in decision.reason
 
 
-def test_deepspeed_flag_false_is_not_a_request(devices):
-    devices(0)
+def test_deepspeed_flag_false_is_not_a_request(fake_accelerators):
+    fake_accelerators(0)
     env = dict(torchrun_vars(2, 1, 1, 2), ACCELERATE_USE_DEEPSPEED="false", ACCELERATE_USE_FSDP="")
     assert decide(topology(env), environ=env).action == CPU_DISTRIBUTED
+
+
+# --- mpirun / srun with accelerators: the launcher's variables exported for accelerate -----------
+
+class GroupRequested(Exception):
+    """Raised by the fake `init_process_group`: accelerate asked torch for a process group."""
+
+
+EXPORTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def group_requests(monkeypatch):
+    """Every `torch.distributed.init_process_group` call accelerate makes, with the variables it
+    could see then, recorded and refused: an NCCL group of several ranks cannot form here."""
+    seen = []
+
+    def init_process_group(*args, **kwargs):
+        seen.append({name: os.environ.get(name) for name in EXPORTED})
+        raise GroupRequested(kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    return seen
+
+
+MASTER = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+
+# id: (launcher's variables, local accelerators, what accelerate must see when it asks for its group)
+WITHOUT_LOCAL_RANK = {
+    "openmpi": (OMPI_4, 2, {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}),
+    "intel-mpi": (PMI_4, 8, {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}),
+    "mvapich-1gpu-per-node": (MV2_2, 1, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}),
+    "slurm-step": (SLURM_STEP_4, 2, {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}),
+}
+
+
+@pytest.mark.parametrize("launch", list(WITHOUT_LOCAL_RANK))
+def test_mpirun_or_srun_with_accelerators_reaches_accelerates_distributed_path(
+        monkeypatch, fake_accelerators, group_requests, launch):
+    # Stock accelerate never sees such a run (it reads LOCAL_RANK): state NO, every rank alone.
+    env, count, expected = WITHOUT_LOCAL_RANK[launch]
+    for name, value in {**env, **MASTER}.items():
+        monkeypatch.setenv(name, value)
+    fake_accelerators(count)
+
+    with pytest.raises(GroupRequested):
+        PartialState()
+
+    assert group_requests == [{**expected, **MASTER}]
+    assert record().state == "active" and "export-launcher-env" in record().reason
+
+
+def test_exported_variables_never_overwrite_what_the_launcher_set(monkeypatch, fake_accelerators, group_requests):
+    for name, value in {**OMPI_4, **MASTER, "LOCAL_WORLD_SIZE": "7"}.items():
+        monkeypatch.setenv(name, value)
+    fake_accelerators(2)
+    with pytest.raises(GroupRequested):
+        PartialState()
+    assert group_requests[0]["LOCAL_WORLD_SIZE"] == "7" and group_requests[0]["RANK"] == "3"
+
+
+@pytest.mark.parametrize("missing", [("MASTER_ADDR", "MASTER_PORT"), ("MASTER_ADDR",), ("MASTER_PORT",)],
+                         ids="-".join)
+@pytest.mark.parametrize("launch", ["openmpi", "slurm-step"])
+def test_mpirun_or_srun_without_master_address_stops_naming_what_to_export(
+        monkeypatch, fake_accelerators, group_requests, launch, missing):
+    env, count, _ = WITHOUT_LOCAL_RANK[launch]
+    for name, value in {**env, **MASTER}.items():
+        monkeypatch.setenv(name, value)
+    for name in missing:
+        monkeypatch.setenv(name, " ")  # blank is as good as missing
+    fake_accelerators(count)
+
+    with pytest.raises(TopologyError) as info:
+        PartialState()
+
+    message = str(info.value)
+    assert message.startswith(f"{launch.split('-')[0]} started 4 processes but {' and '.join(missing)} ")
+    assert "MASTER_ADDR=node0 MASTER_PORT=29500" in message  # what to export
+    assert group_requests == []
+    assert PartialState._shared_state == {}  # no half-built state left behind
+    assert "LOCAL_RANK" not in os.environ  # nothing exported for a run that cannot start
+
+
+def test_two_ranks_without_accelerator_ask_accelerate_for_a_gloo_group(monkeypatch, fake_accelerators, group_requests):
+    # torchrun --nproc_per_node=2 on a CPU box, rank 1. Stock accelerate asks for a group with no
+    # backend and sets state NO beside it: each rank trains alone (integration_tests show the drift).
+    torchrun_env(monkeypatch, nproc=2, rank=1, OMP_NUM_THREADS="1")
+
+    with pytest.raises(GroupRequested) as info:
+        PartialState()
+
+    assert info.value.args[0] == {"backend": "gloo", "rank": 1, "world_size": 2}
+    assert PartialState._shared_state["distributed_type"] == DistributedType.MULTI_CPU
+    assert "cpu-distributed" in record().reason
 
 
 # --- the real PartialState ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("cpu", [False, True])
-def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, devices, cpu):
+def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, fake_accelerators, cpu):
     torchrun_env(monkeypatch, nproc=1)  # LOCAL_RANK=0 WORLD_SIZE=1, as torchrun sets them
-    devices(1)  # one GPU (or, on a CPU box, what accelerate treats as none)
+    fake_accelerators(1)  # one GPU (or, on a CPU box, what accelerate treats as none)
 
     state = PartialState(cpu=cpu)
 
@@ -198,11 +287,11 @@ def test_torchrun_nproc1_gives_state_no_and_no_process_group(monkeypatch, device
     assert "single-device" in record().reason
 
 
-def test_torchrun_nproc1_model_is_not_wrapped_in_ddp(monkeypatch, devices):
+def test_torchrun_nproc1_model_is_not_wrapped_in_ddp(monkeypatch, fake_accelerators):
     from accelerate import Accelerator
 
     torchrun_env(monkeypatch, nproc=1)
-    devices(1)
+    fake_accelerators(1)
     model = Accelerator().prepare(torch.nn.Linear(2, 2))
     assert type(model) is torch.nn.Linear
     assert not dist.is_initialized()
@@ -224,10 +313,10 @@ def test_blank_launcher_values_give_one_plain_process(monkeypatch, blank, cpu):
     assert not any(name in os.environ for name in blank)
 
 
-def test_prepare_backend_called_on_its_own_follows_the_same_decision(monkeypatch, devices):
+def test_prepare_backend_called_on_its_own_follows_the_same_decision(monkeypatch, fake_accelerators):
     # accelerate calls it only from __init__; a subclass or a later release may call it directly.
     torchrun_env(monkeypatch, nproc=1)
-    devices(1)
+    fake_accelerators(1)
     instance = object.__new__(PartialState)
     assert PartialState._prepare_backend(instance, cpu=True) == (None, DistributedType.NO)
     assert not dist.is_initialized()

@@ -1,28 +1,17 @@
-"""The topology resolver: every launcher's variables, blank and bad values, read at call time.
+"""The topology resolver: every launcher's variables, blank and bad values, sources, read at call time.
 
-The local accelerator count is faked in-process (`local_accelerators` is what the resolver asks),
-so these tests run the same on a CPU box and a GPU box.
+The local accelerator count is faked in-process (`fake_accelerators`: `local_accelerators` is what
+the resolver asks), so these tests run the same on a CPU box and a GPU box. tests/conftest.py
+removes the host's launcher variables around every test.
 """
 from __future__ import annotations
 
-import importlib
-import os
+import re
 
 import pytest
+import torch.distributed as dist
 
-from accel_patch import Topology, TopologyError, topology
-from _env import LAUNCHER_NAMES, LAUNCHER_PREFIXES
-
-# `accel_patch.topology` is the function; the module is only reachable through importlib.
-topology_module = importlib.import_module("accel_patch.topology")
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """No launcher variable of the host leaks into a test."""
-    for name in list(os.environ):
-        if name in LAUNCHER_NAMES or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
+from accel_patch import Topology, TopologyError, topology, topology_resolver
 
 
 def set_env(monkeypatch, env: dict[str, str]) -> None:
@@ -115,10 +104,10 @@ LAUNCHES = {
 
 @pytest.mark.parametrize("count", [0, 1, 2, 8])
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_each_launcher_resolves_world_ranks_nodes_and_devices(monkeypatch, devices, launch, count):
+def test_each_launcher_resolves_world_ranks_nodes_and_devices(monkeypatch, fake_accelerators, launch, count):
     env, (world, rank, local_rank, local_world, nodes, launcher) = LAUNCHES[launch]
     set_env(monkeypatch, env)
-    devices(count)
+    fake_accelerators(count)
 
     topo = topology()
 
@@ -129,33 +118,107 @@ def test_each_launcher_resolves_world_ranks_nodes_and_devices(monkeypatch, devic
     assert topo.is_distributed == (world > 1)
 
 
-def test_sources_name_the_variables_that_gave_each_value(monkeypatch, devices):
+def test_sources_name_the_variables_that_gave_each_value(monkeypatch, fake_accelerators):
     set_env(monkeypatch, LAUNCHES["openmpi-rank3"][0])
     assert topology().sources == {
         "world_size": "OMPI_COMM_WORLD_SIZE",
         "rank": "OMPI_COMM_WORLD_RANK",
         "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
-        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",  # num_nodes is derived: not named
+        "local_world_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "num_nodes": "derived",  # 4 processes, 2 per node
+        "device_type": "torch",
+        "device_count": "torch",
+        "launcher": "OMPI_COMM_WORLD_SIZE",
     }
     set_env(monkeypatch, LAUNCHES["torchrun-2nodes-1proc-node1"][0])
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     assert topology().sources == {
         "world_size": "WORLD_SIZE", "rank": "RANK", "local_rank": "LOCAL_RANK",
         "local_world_size": "LOCAL_WORLD_SIZE", "num_nodes": "GROUP_WORLD_SIZE",
+        "device_type": "torch", "device_count": "torch", "launcher": "TORCHELASTIC_RUN_ID",
     }
 
 
-def test_sources_never_name_a_variable_that_is_not_set(monkeypatch, devices):
+def test_plain_python_sources_are_defaults(fake_accelerators):
+    fake_accelerators(1)
+    assert topology().sources == {
+        "world_size": "default", "rank": "default", "local_rank": "default", "local_world_size": "default",
+        "num_nodes": "default", "device_type": "torch", "device_count": "torch", "launcher": "default",
+    }
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_every_field_has_a_source(monkeypatch, fake_accelerators, launch):
+    set_env(monkeypatch, LAUNCHES[launch][0])
+    sources = topology().sources
+    assert list(sources) == [f for f in Topology._fields if f != "sources"]
+    kinds = {"default", "derived", "torch.distributed", "torch"} | set(topology_resolver.LAUNCHER_VARIABLES)
+    for field, source in sources.items():
+        # A variable's name must be one that is set; "TORCHELASTIC_RUN_ID" and the like name a launcher.
+        assert source in kinds or (field == "launcher" and source in LAUNCHES[launch][0]), (field, source)
+        if source in topology_resolver.LAUNCHER_VARIABLES:
+            assert source in LAUNCHES[launch][0], f"{field} names {source}, which is not set"
+
+
+def test_sources_never_name_a_variable_that_is_not_set(monkeypatch, fake_accelerators):
     # torchrun-like: only LOCAL_RANK set; world size and rank are defaults, not from WORLD_SIZE/RANK.
     monkeypatch.setenv("LOCAL_RANK", "0")
     topo = topology()
-    assert (topo.world_size, topo.rank, topo.local_rank) == (1, 0, 0)
-    assert topo.sources == {"local_rank": "LOCAL_RANK"}
+    assert (topo.world_size, topo.rank, topo.local_rank, topo.launcher) == (1, 0, 0, "env")
+    assert topo.sources == {
+        "world_size": "default", "rank": "default", "local_rank": "LOCAL_RANK",
+        "local_world_size": "default", "num_nodes": "default",
+        "device_type": "torch", "device_count": "torch", "launcher": "LOCAL_RANK",
+    }
+
+
+def test_derived_values_are_marked_derived(monkeypatch, fake_accelerators):
+    # The node count and processes per node each follow from the other and the world size.
+    set_env(monkeypatch, LAUNCHES["torchrun-vars-without-local-world-size"][0])
+    sources = topology().sources
+    assert (sources["num_nodes"], sources["local_world_size"]) == ("GROUP_WORLD_SIZE", "derived")
+    # One process that knows only its rank: its local rank is that rank.
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("GROUP_WORLD_SIZE")
+    assert topology().sources["local_rank"] == "derived"
+
+
+@pytest.mark.parametrize("blank", ["", " "])
+def test_sources_name_a_variable_set_but_blank(monkeypatch, fake_accelerators, blank):
+    monkeypatch.setenv("WORLD_SIZE", blank)
+    monkeypatch.setenv("LOCAL_RANK", blank)
+    set_env(monkeypatch, LAUNCHES["openmpi-rank3"][0])
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", blank)
+    sources = topology().sources
+    assert sources["world_size"] == "OMPI_COMM_WORLD_SIZE (WORLD_SIZE set but blank: read as unset)"
+    assert sources["local_rank"] == "OMPI_COMM_WORLD_LOCAL_RANK (LOCAL_RANK set but blank: read as unset)"
+    assert sources["local_world_size"] == "derived (OMPI_COMM_WORLD_LOCAL_SIZE set but blank: read as unset)"
+    assert sources["rank"] == "OMPI_COMM_WORLD_RANK"
+
+
+def test_visible_devices_are_named_beside_the_device_count(monkeypatch, fake_accelerators):
+    fake_accelerators(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    sources = topology().sources
+    assert sources["device_count"] == sources["device_type"] == "torch (CUDA_VISIBLE_DEVICES='3')"
+
+
+def test_an_initialized_process_group_is_the_source_of_world_size_and_rank(monkeypatch, fake_accelerators, tmp_path):
+    set_env(monkeypatch, {"WORLD_SIZE": "4", "RANK": "3"})  # the group wins over the variables
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        topo = topology()
+    finally:
+        dist.destroy_process_group()
+    assert (topo.world_size, topo.rank) == (1, 0)
+    assert topo.sources["world_size"] == topo.sources["rank"] == "torch.distributed"
+    assert topology().sources["world_size"] == "WORLD_SIZE"  # the group is gone
 
 
 @pytest.mark.parametrize("count, single", [(0, True), (1, True), (2, False), (8, False)])
-def test_single_device_means_one_process_and_at_most_one_accelerator(devices, count, single):
-    devices(count)
+def test_single_device_means_one_process_and_at_most_one_accelerator(fake_accelerators, count, single):
+    fake_accelerators(count)
     assert topology().single_device is single
 
 
@@ -187,17 +250,22 @@ BLANK_CASES = [
 
 @pytest.mark.parametrize("blank", ["", " ", "\t \n"])
 @pytest.mark.parametrize("launch, variable", BLANK_CASES)
-def test_blank_value_behaves_as_unset(monkeypatch, devices, launch, variable, blank):
+def test_blank_value_behaves_as_unset(monkeypatch, fake_accelerators, launch, variable, blank):
     env = {k: v for k, v in LAUNCHES[launch][0].items() if k != variable}
     set_env(monkeypatch, env)
-    devices(2)
+    fake_accelerators(2)
     without = topology()
 
     monkeypatch.setenv(variable, blank)
-    assert topology() == without
+    with_blank = topology()
+    assert with_blank._replace(sources={}) == without._replace(sources={})
+    # The same sources, with the blank variable named beside the fields it could have given.
+    note = re.compile(r" \([A-Z0-9_, ]+ set but blank: read as unset\)$")
+    assert {field: note.sub("", source) for field, source in with_blank.sources.items()} == without.sources
+    assert any(f"{variable} set but blank" in source for source in with_blank.sources.values())
 
 
-def test_empty_world_size_from_a_config_template_is_one_plain_process(monkeypatch, devices):
+def test_empty_world_size_from_a_config_template_is_one_plain_process(monkeypatch, fake_accelerators):
     monkeypatch.setenv("WORLD_SIZE", "")
     monkeypatch.setenv("RANK", " ")
     monkeypatch.setenv("LOCAL_RANK", "")
@@ -215,7 +283,7 @@ BAD_VALUES = ["two", "1.5", "-3", " 2x", "0x2", "²"]
     ["WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
      "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"],
 )
-def test_invalid_value_raises_topology_error_naming_variable_and_value(monkeypatch, devices, variable, value):
+def test_invalid_value_raises_topology_error_naming_variable_and_value(monkeypatch, fake_accelerators, variable, value):
     monkeypatch.setenv(variable, value)
     with pytest.raises(TopologyError) as info:
         topology()
@@ -225,7 +293,7 @@ def test_invalid_value_raises_topology_error_naming_variable_and_value(monkeypat
     assert isinstance(info.value, ValueError)
 
 
-def test_invalid_value_is_reported_even_when_another_launcher_wins(monkeypatch, devices):
+def test_invalid_value_is_reported_even_when_another_launcher_wins(monkeypatch, fake_accelerators):
     # Silently ignoring a bad value would hide a broken launch script.
     set_env(monkeypatch, LAUNCHES["torchrun-nproc2-rank1"][0])
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "two")
@@ -233,10 +301,10 @@ def test_invalid_value_is_reported_even_when_another_launcher_wins(monkeypatch, 
         topology()
 
 
-def test_topology_reads_the_environment_at_call_time(monkeypatch, devices):
+def test_topology_reads_the_environment_at_call_time(monkeypatch, fake_accelerators):
     # accel_patch is imported at the top of this file; the launcher sets variables afterwards
     # (notebook_launcher does exactly this).
-    devices(2)
+    fake_accelerators(2)
     assert topology().world_size == 1
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -248,11 +316,11 @@ def test_topology_reads_the_environment_at_call_time(monkeypatch, devices):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert topology().world_size == 4
 
-    devices(1)
+    fake_accelerators(1)
     assert topology().device_count == 1
 
 
-def test_explicit_environ_mapping_is_read_instead_of_os_environ(monkeypatch, devices):
+def test_explicit_environ_mapping_is_read_instead_of_os_environ(monkeypatch, fake_accelerators):
     monkeypatch.setenv("WORLD_SIZE", "two")  # would raise if os.environ were read
     topo = topology({"WORLD_SIZE": "3", "RANK": "2", "LOCAL_RANK": "0"})
     assert (topo.world_size, topo.rank) == (3, 2)
@@ -260,7 +328,7 @@ def test_explicit_environ_mapping_is_read_instead_of_os_environ(monkeypatch, dev
 
 def test_scrub_blank_env_removes_only_blank_launcher_variables():
     env = {"WORLD_SIZE": "", "LOCAL_RANK": "  ", "RANK": "0", "HOME": "", "PMI_SIZE": "\t"}
-    removed = topology_module.scrub_blank_env(env)
+    removed = topology_resolver.scrub_blank_env(env)
     assert sorted(removed) == ["LOCAL_RANK", "PMI_SIZE", "WORLD_SIZE"]
     assert env == {"RANK": "0", "HOME": ""}
 

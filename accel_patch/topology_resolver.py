@@ -1,5 +1,8 @@
 """Resolve the run's topology: how many processes, which one this is, and what devices it sees.
 
+The module is `topology_resolver` and the function `accel_patch.topology()`, so that a dotted
+path means one thing (`mock.patch("accel_patch.topology_resolver.x")` patches this module).
+
 One resolver, read when a decision is made (never cached at import: launchers such as
 notebook_launcher set the environment after the user's imports). Importing this module is cheap;
 torch is imported only when the accelerator count is needed.
@@ -11,6 +14,10 @@ Rules (see docs/decisions.md):
   sbatch exports it to the one-process batch script; only a step (srun) sets SLURM_STEP_NUM_TASKS.
 - An empty or blank value means unset. Any other value must be a whole number >= 0, else
   TopologyError names the variable, its value and what is valid.
+- `Topology.sources` says where every field came from: the variable's name, "default" (nothing
+  set), "derived" (computed from other fields), "torch.distributed" (an initialized group) or
+  "torch" (the device query). A variable that could have given the field but was set blank is
+  named after it: "default (WORLD_SIZE set but blank: read as unset)".
 """
 from __future__ import annotations
 
@@ -20,7 +27,11 @@ from collections import namedtuple
 from types import MappingProxyType
 
 __all__ = [
+    "DEFAULT",
+    "DERIVED",
     "LAUNCHER_VARIABLES",
+    "PROCESS_GROUP",
+    "TORCH",
     "Topology",
     "TopologyError",
     "local_accelerators",
@@ -30,7 +41,8 @@ __all__ = [
 
 
 class TopologyError(ValueError):
-    """A launcher variable holds a value that is not a whole number >= 0."""
+    """The launcher's variables do not describe a run that can start: a value that is not a whole
+    number >= 0, a local rank with no device, or MASTER_ADDR/MASTER_PORT missing where needed."""
 
 
 # (launcher, variable that identifies it, world size, rank, local rank, local world size)
@@ -44,6 +56,7 @@ _LAUNCHERS: tuple[tuple[str, str, str, str, str, str | None], ...] = (
 )
 _TORCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
 _OTHER_VARIABLES = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES", "SLURM_NTASKS")
+_NODE_VARIABLES = ("GROUP_WORLD_SIZE", "CROSS_SIZE", "SLURM_STEP_NUM_NODES")  # first set one wins
 
 #: Every variable the resolver reads as a number; blank values of these count as unset.
 LAUNCHER_VARIABLES: tuple[str, ...] = tuple(
@@ -54,19 +67,41 @@ LAUNCHER_VARIABLES: tuple[str, ...] = tuple(
     )
 )
 
+#: What `Topology.sources` says for a field that no variable gave.
+DEFAULT = "default"  # nothing set: the single-process value
+DERIVED = "derived"  # computed from other fields (e.g. nodes = world size / processes per node)
+PROCESS_GROUP = "torch.distributed"  # an initialized default process group
+TORCH = "torch"  # torch's device query (device_type, device_count)
+
+# field -> every variable that can give it, for naming the ones that were set but blank
+_FIELD_VARIABLES = {
+    "world_size": ("WORLD_SIZE", *(spec[2] for spec in _LAUNCHERS)),
+    "rank": ("RANK", *(spec[3] for spec in _LAUNCHERS)),
+    "local_rank": ("LOCAL_RANK", *(spec[4] for spec in _LAUNCHERS)),
+    "local_world_size": ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", *(spec[5] for spec in _LAUNCHERS if spec[5])),
+    "num_nodes": _NODE_VARIABLES,
+    # the markers that name a launcher (WORLD_SIZE, RANK, LOCAL_RANK are noted on their own fields)
+    "launcher": ("CROSS_RANK", "CROSS_SIZE", "GROUP_RANK", *(spec[1] for spec in _LAUNCHERS)),
+}
+
 
 _TOPOLOGY_FIELDS = (
     "world_size rank local_rank local_world_size num_nodes "
     "device_type "  # "cuda", "xpu", "npu", "mps" or "cpu"
     "device_count "  # accelerators this process can see; 0 when device_type is "cpu"
     "launcher "  # torchrun, accelerate, deepspeed, openmpi, mvapich, intel-mpi, slurm, env, torch.distributed, none
-    "sources"  # field -> the variable it came from (read-only mapping)
+    "sources"  # field -> where its value came from (read-only mapping; see the module docstring)
 )
 
 
 # A frozen record; a namedtuple rather than a dataclass because `import accel_patch` must stay cheap.
 class Topology(namedtuple("Topology", _TOPOLOGY_FIELDS, defaults=(MappingProxyType({}),))):
-    """Where this process sits in the run. `device_count` is the accelerators it can see."""
+    """Where this process sits in the run. `device_count` is the accelerators it can see.
+
+    `sources[field]` is the variable that gave the field, or DEFAULT, DERIVED, PROCESS_GROUP or
+    TORCH; a note in parentheses follows when a variable for it was set but blank. A record built
+    by hand has no sources.
+    """
 
     __slots__ = ()
 
@@ -151,68 +186,97 @@ def _initialized_group() -> tuple[int, int] | None:
     return dist.get_world_size(), dist.get_rank()
 
 
-def _detect_torch_launcher(env: dict) -> str:
-    if not _blank(env.get("CROSS_RANK")) or not _blank(env.get("CROSS_SIZE")):
-        return "deepspeed"
-    if any(k.startswith("ACCELERATE_") and k != "ACCELERATE_CONFIG_FILE" for k in env):
-        return "accelerate"
-    if any(k.startswith("TORCHELASTIC_") for k in env) or not _blank(env.get("GROUP_RANK")):
-        return "torchrun"
-    return "env"
+def _detect_torch_launcher(env: dict) -> tuple[str, str]:
+    """(launcher, the variable that identified it) for a run that set the torch variables."""
+    for name in ("CROSS_RANK", "CROSS_SIZE"):
+        if not _blank(env.get(name)):
+            return "deepspeed", name
+    for name in sorted(env):
+        if name.startswith("ACCELERATE_") and name != "ACCELERATE_CONFIG_FILE":
+            return "accelerate", name
+    for name in sorted(env):
+        if name.startswith("TORCHELASTIC_"):
+            return "torchrun", name
+    if not _blank(env.get("GROUP_RANK")):
+        return "torchrun", "GROUP_RANK"
+    # Set by hand (or by a launcher we do not know): name the variable that was read first.
+    return "env", next(n for n in ("WORLD_SIZE", "LOCAL_RANK", "RANK") if not _blank(env.get(n)))
 
 
 def topology(environ: dict | None = None) -> Topology:
     """Resolve the topology now, from an initialized process group or the launcher's variables.
 
-    Raises TopologyError when a launcher variable holds something other than a whole number >= 0.
+    Every field's source is recorded in `sources` (see `Topology`). Raises TopologyError when a
+    launcher variable holds something other than a whole number >= 0.
     """
     env = os.environ if environ is None else environ
-    sources: dict[str, str] = {}
-    launcher = "none"
-    world = rank = local_rank = local_world = None
-
     # Validate every variable we might read, so a bad value is never silently ignored.
     values = {name: _read_int(env, name) for name in LAUNCHER_VARIABLES}
 
-    torch_world = values["WORLD_SIZE"]
-    if torch_world is not None or values["LOCAL_RANK"] is not None or values["RANK"] is not None:
-        launcher = _detect_torch_launcher(env)
-        world, rank, local_rank = torch_world, values["RANK"], values["LOCAL_RANK"]
-        local_world_var = "LOCAL_WORLD_SIZE" if values["LOCAL_WORLD_SIZE"] is not None else "LOCAL_SIZE"
-        local_world = values[local_world_var]
-        sources.update(world_size="WORLD_SIZE", rank="RANK", local_rank="LOCAL_RANK", local_world_size=local_world_var)
+    # field -> the variable the chosen launcher gives it (None: that launcher has none)
+    read: dict[str, str | None] = {}
+    launcher, launcher_source = "none", DEFAULT
+    if any(values[name] is not None for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK")):
+        launcher, launcher_source = _detect_torch_launcher(env)
+        read = dict(world_size="WORLD_SIZE", rank="RANK", local_rank="LOCAL_RANK",
+                    local_world_size="LOCAL_WORLD_SIZE" if values["LOCAL_WORLD_SIZE"] is not None else "LOCAL_SIZE")
     else:
         for name, marker, v_world, v_rank, v_local, v_local_world in _LAUNCHERS:
-            if values[marker] is None:
-                continue
-            launcher = name
-            world, rank, local_rank = values[v_world], values[v_rank], values[v_local]
-            local_world = values[v_local_world] if v_local_world else None
-            sources.update(world_size=v_world, rank=v_rank, local_rank=v_local, local_world_size=v_local_world)
-            break
-
-    # Name only the variables that were set; the other fields are defaults.
-    sources = {field: var for field, var in sources.items() if var and values[var] is not None}
+            if values[marker] is not None:
+                launcher, launcher_source = name, marker
+                read = dict(world_size=v_world, rank=v_rank, local_rank=v_local, local_world_size=v_local_world)
+                break
+    sources = {field: var for field, var in read.items() if var and values[var] is not None}
+    found = {field: values[var] for field, var in sources.items()}
 
     group = _initialized_group()
     if group is not None:
-        world, rank = group
-        sources.update(world_size="torch.distributed", rank="torch.distributed")
+        found["world_size"], found["rank"] = group
+        sources.update(world_size=PROCESS_GROUP, rank=PROCESS_GROUP)
         if launcher == "none":
-            launcher = "torch.distributed"
+            launcher, launcher_source = PROCESS_GROUP, PROCESS_GROUP
 
-    world = world if world is not None else 1
-    rank = rank if rank is not None else 0
-    local_rank = local_rank if local_rank is not None else (rank if world <= 1 else 0)
+    def derived(*fields: str) -> str:
+        """DERIVED, or DEFAULT when every field it is computed from is itself a default."""
+        return DERIVED if any(sources[f] != DEFAULT for f in fields) else DEFAULT
+
+    world = found.get("world_size", 1)
+    sources.setdefault("world_size", DEFAULT)
+    rank = found.get("rank", 0)
+    sources.setdefault("rank", DEFAULT)
+    if "local_rank" in found:
+        local_rank = found["local_rank"]
+    elif world <= 1:  # one process: its local rank is its rank
+        local_rank, sources["local_rank"] = rank, derived("rank")
+    else:
+        local_rank, sources["local_rank"] = 0, DEFAULT
+    local_world = found.get("local_world_size")
+    if local_world is None and launcher in ("none", PROCESS_GROUP):  # every process on this node
+        local_world, sources["local_world_size"] = world, derived("world_size")
+
+    for name in _NODE_VARIABLES:
+        if values[name]:
+            num_nodes, sources["num_nodes"] = values[name], name
+            break
+    else:
+        if local_world:
+            num_nodes, sources["num_nodes"] = max(1, -(-world // local_world)), derived("world_size", "local_world_size")
+        else:
+            num_nodes, sources["num_nodes"] = 1, DEFAULT
     if local_world is None:
-        local_world = world if launcher in ("none", "torch.distributed") else None
-    num_nodes, nodes_var = _num_nodes(values, world, local_world)
-    if nodes_var:
-        sources["num_nodes"] = nodes_var
-    if local_world is None:
-        local_world = max(1, world // num_nodes)
+        local_world, sources["local_world_size"] = max(1, world // num_nodes), derived("world_size", "num_nodes")
 
     device_type, device_count = local_accelerators()
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    device_source = TORCH if visible is None else f"{TORCH} (CUDA_VISIBLE_DEVICES={visible!r})"
+    sources.update(launcher=launcher_source, device_type=device_source, device_count=device_source)
+
+    blank = {name for name in LAUNCHER_VARIABLES if name in env and _blank(env[name])}
+    for field, names in _FIELD_VARIABLES.items():
+        unset = [name for name in names if name in blank]
+        if unset:
+            sources[field] += f" ({', '.join(unset)} set but blank: read as unset)"
+
     return Topology(
         world_size=world,
         rank=rank,
@@ -222,15 +286,5 @@ def topology(environ: dict | None = None) -> Topology:
         device_type=device_type,
         device_count=device_count,
         launcher=launcher,
-        sources=MappingProxyType(sources),
+        sources=MappingProxyType({field: sources[field] for field in Topology._fields if field != "sources"}),
     )
-
-
-def _num_nodes(values: dict, world: int, local_world: int | None) -> tuple[int, str | None]:
-    """The node count, and the variable it came from (None when derived)."""
-    for name in ("GROUP_WORLD_SIZE", "CROSS_SIZE", "SLURM_STEP_NUM_NODES"):
-        if values.get(name):
-            return values[name], name
-    if local_world:
-        return max(1, -(-world // local_world)), None
-    return 1, None
