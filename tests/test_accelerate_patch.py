@@ -442,8 +442,8 @@ def test_disable_restores_from_pretrained_classmethod_object():
     assert isinstance(original, classmethod)
 
     accel_patch.enable()
-    assert record("device-map").state == "active"
-    assert wrappers_on(PreTrainedModel, "from_pretrained") == 1
+    assert record("device-map").state == "active" and record("kernels").state == "active"
+    assert wrappers_on(PreTrainedModel, "from_pretrained") == 2  # the device map's and the kernel swap's
 
     accel_patch.disable()
     assert PreTrainedModel.__dict__["from_pretrained"] is original
