@@ -142,7 +142,7 @@ def check_kernels(devices) -> list[Row]:
     return rows
 
 
-def check_models(device) -> list[Row]:
+def check_models(device, families=None) -> list[Row]:
     import copy
 
     import torch
@@ -151,7 +151,7 @@ def check_models(device) -> list[Row]:
 
     rows = []
     batch = padded_batch(device)
-    for name in FAMILIES:
+    for name in families or FAMILIES:
         where = str(device)
         try:
             stock = build_family(name)

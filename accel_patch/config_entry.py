@@ -177,8 +177,11 @@ QUESTIONS = (
 )
 
 
-def ask(input_fn=input, print_fn=print) -> dict:
+def ask(input_fn=None, print_fn=print) -> dict:
     """The settings, asked one question at a time as `accelerate config` does (EOFError if stdin ends)."""
+    import builtins
+
+    input_fn = input_fn or builtins.input
     settings = {}
     for key, question, parse, valid in QUESTIONS:
         while True:

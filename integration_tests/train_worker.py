@@ -8,15 +8,19 @@ It never passes `use_cpu`: routing a CPU multi-process run to gloo is the patch'
 
 `--save-checkpoint DIR` instead writes a tiny Llama checkpoint to DIR (for the from_pretrained
 tests) and exits.
-"""
 
-import accel_patch  # first, before torch / transformers / accelerate, as a user would
+`--without-import` makes it a plain Trainer script that never imports accel_patch itself: accel-patch
+then runs only if the start-up hook of `accel-patch config` loads it.
+"""
+import sys
+
+if "--without-import" not in sys.argv:
+    import accel_patch  # first, before torch / transformers / accelerate, as a user would
 
 import argparse
 import hashlib
 import json
 import os
-import sys
 import time
 
 VOCAB = 128
@@ -136,9 +140,14 @@ def train(args):
     final = flat_trainable(trainer.model)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = trainer.model_wrapped
-    device_map, is_distributed = accel_patch.prepare_device_map()
-    topo = accel_patch.topology()
+    accel = sys.modules.get("accel_patch")  # imported above, or by the start-up hook, or absent
+    device_map, is_distributed = accel.prepare_device_map() if accel else (None, None)
+    topo = accel.topology() if accel else None
     result = {
+        "accel_patch_loaded": accel is not None,
+        "startup": getattr(sys, "accel_patch_startup", None),
+        # what AccelPatchCallback swapped, from the first training log
+        "swap": next((h["accel_patch_swap"] for h in trainer.state.log_history if "accel_patch_swap" in h), None),
         "env_rank": rank,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "distributed_type": str(state.distributed_type).split(".")[-1],
@@ -164,7 +173,7 @@ def train(args):
             "world_size", "rank", "local_rank", "local_world_size", "num_nodes", "device_type",
             "device_count", "launcher", "single_device")},
         "status": [{"name": r.name, "state": r.state, "reason": r.reason}
-                   for r in accel_patch.status()],
+                   for r in (accel.status() if accel else [])],
     }
     torch.save({"initial": initial, "final": final}, os.path.join(args.out, f"rank{rank}.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
@@ -191,6 +200,7 @@ def main(argv=None):
     p.add_argument("--device-map", default="auto", help="device_map passed to from_pretrained")
     p.add_argument("--qlora", action="store_true", help="4-bit load + LoRA (needs --checkpoint)")
     p.add_argument("--save-checkpoint", metavar="DIR")
+    p.add_argument("--without-import", action="store_true", help="never import accel_patch in this script")
     args = p.parse_args(argv)
     if args.save_checkpoint:
         save_checkpoint(args.save_checkpoint)

@@ -1,0 +1,75 @@
+"""`accel-patch check`: passes on this machine (Triton under the interpreter), and fails, saying
+which and why, when a kernel is broken."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from accel_patch import check
+
+CPU = [torch.device("cpu")]
+
+
+def rows_by(rows):
+    return {(r.name, r.where): r for r in rows}
+
+
+def test_kernels_pass_on_both_cpu_paths():
+    rows = rows_by(check.check_kernels(CPU))
+    for op in ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy"):
+        for path in ("cpu triton (interpreter)", "cpu torch twin"):
+            assert rows[(op, path)].ok, rows[(op, path)]
+
+
+def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
+    from accel_kernels.ops import rms_norm
+
+    real = rms_norm._forward_triton
+    monkeypatch.setattr(rms_norm, "_forward_triton", lambda *a, **k: tuple(
+        t * 1.001 if i == 0 else t for i, t in enumerate(real(*a, **k))))
+    rows = rows_by(check.check_kernels(CPU))
+    broken = rows[("rms_norm", "cpu triton (interpreter)")]
+    assert not broken.ok and "exceeds 1e-05 against float64" in broken.detail and broken.figure.startswith("rel err")
+    assert rows[("rms_norm", "cpu torch twin")].ok  # the twin is right: the row says which path is wrong
+    assert check.main(parts=("kernels",)) == 1
+
+
+def test_a_kernel_with_a_wrong_gradient_fails_the_model_rows(monkeypatch):
+    from accel_kernels.ops import _glu
+
+    real = _glu._backward_triton
+    monkeypatch.setattr(_glu, "_backward_triton", lambda *a, **k: tuple(2 * g for g in real(*a, **k)))
+    rows = check.check_models(CPU[0], families=["llama", "gpt_neox"])
+    llama, neox = rows
+    assert not llama.ok and "grads" in llama.detail  # the probe compares outputs; training finds the gradient
+    assert neox.ok  # no gated MLP in GPT-NeoX: nothing of the broken kernel runs
+
+
+def test_launch_rows_name_the_decision():
+    rows = check.check_launch()
+    assert [r.name for r in rows] == ["topology", "accelerate state", "device map"]
+    assert all(r.ok for r in rows) and rows[1].figure == "single-device"
+
+
+def test_a_bad_launcher_variable_fails_the_launch_row(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    (row,) = check.check_launch()
+    assert not row.ok and "WORLD_SIZE='two'" in row.detail
+
+
+@pytest.mark.slow
+def test_accel_patch_check_passes_here():
+    from _env import child_env
+
+    proc = subprocess.run([sys.executable, "-m", "accel_patch.cli", "check", "--json"], env=child_env(),
+                          capture_output=True, text=True, timeout=600)
+    report = json.loads(proc.stdout)
+    failed = [r for r in report["rows"] if not r["ok"]]
+    assert proc.returncode == 0 and report["passed"] and not failed, failed
+    wheres = {r["where"] for r in report["rows"] if r["part"] == "kernels"}
+    assert "cpu triton (interpreter)" in wheres  # no GPU here: the Triton code itself was checked
+    assert {r["name"] for r in report["rows"] if r["part"] == "models"} == set(check.FAMILIES)
