@@ -143,7 +143,7 @@ class AccelPatchCallback(TrainerCallback):
             added["tokens_per_second"] = (tokens - seen) / (now - then)
         if self._first_log:
             self._first_log = False
-            added["accel_patch_swap"] = self.report.summary() if self.report is not None else "no kernels swapped"
+            added["accel_patch_swap"] = self.report.short() if self.report is not None else "no kernels swapped"
             added["accel_patch_topology"] = _topology_line()
         logs.update(added)
         last = state.log_history[-1] if state.log_history else None
@@ -158,12 +158,16 @@ def _swap_prepared(model, ops):
 
 
 def _topology_line() -> str:
+    """The run in a few words (a logged value: under 100 characters), e.g.
+    "2 processes on 1 node(s), cpu, torchrun; accelerate: cpu-distributed"."""
     from .accelerate_state import AccelerateStatePatch
     from .topology_resolver import topology
 
     try:
-        line = topology().describe()
+        topo = topology()
+        devices = f"{topo.device_count} x {topo.device_type}" if topo.device_count else "cpu"
+        line = f"{topo.world_size} process(es) on {topo.num_nodes} node(s), {devices}, {topo.launcher}"
     except Exception as exc:  # a bad variable was reported where it mattered; do not fail the log
-        line = f"unresolved ({exc})"
+        line = f"unresolved: {type(exc).__name__}"
     decision = AccelerateStatePatch.last_decision
-    return f"{line}; accelerate state: {decision.action}: {decision.reason}" if decision else line
+    return f"{line}; accelerate: {decision.action}" if decision else line

@@ -198,8 +198,12 @@ def run(args):
         if trainer.pop_callback(ProgressCallback) is not None:  # None when tqdm is turned off
             progress = labelled_progress()
             trainer.add_callback(progress)
+        # The Trainer's AccelPatchCallback swapped the kernels into the model when the Trainer was
+        # built; asking again swaps nothing twice and says what was done.
+        report = accel_patch.swap_kernels(model)
         state = trainer.accelerator.state
-        say("accelerate state after Trainer set-up:",
+        say(str(report), "",
+            "accelerate state after Trainer set-up:",
             f"  {state.distributed_type.value}, {state.num_processes} process(es), "
             f"device {state.device}", "",
             "Patch status (accel_patch.status()):", status_table(accel_patch.status()), "",

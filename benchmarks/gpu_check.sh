@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# One prepared call on a lent GPU machine (its image has torch, triton, transformers, accelerate,
-# peft and wrapt, no bitsandbytes, and no network): versions, the kernel tests on CUDA, the quick
-# kernel benchmark, the unit tests, then the demo on one GPU. Logs and the benchmark JSON go to
-# $OUT (or ./out). Each step has its own time limit so one hang cannot eat the lease.
+# The prepared calls on a lent GPU machine (its image has torch, triton, transformers, accelerate,
+# peft and wrapt, no bitsandbytes, and no network). Logs and JSON figures go to $OUT (or ./out).
+# Each step has its own time limit so one hang cannot eat the lease. A lease gives 10 minutes a
+# call and 15 in all: run it as two calls, the figures first.
 #
-#   bash benchmarks/gpu_check.sh            # everything
-#   STEPS="bench" bash benchmarks/gpu_check.sh
+#   STEPS="versions e2e bench" bash benchmarks/gpu_check.sh            # ~7 min: the GPU figures
+#   STEPS="kernel-tests check unit-tests demo" bash benchmarks/gpu_check.sh   # ~5 min: correctness
+#
+# e2e: one training step of stock vs swapped at a Llama-3.2-1B shape, bf16, full and LoRA r=16
+# (benchmarks/e2e.py); bench: python -m accel_kernels.bench --quick; check: accel-patch check.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-"versions kernel-tests bench unit-tests demo"}
+STEPS=${STEPS:-"versions e2e bench kernel-tests check unit-tests demo"}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # Import the checkout without installing it: accel_patch from the root, accel_kernels from kernels/.
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,9 +38,11 @@ if step versions; then
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python3 -c "import sys, torch, triton, transformers, accelerate, peft, wrapt; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'wrapt', wrapt.__version__)"
 fi
+step e2e && run e2e 200 python3 benchmarks/e2e.py --device cuda --json "$OUT/e2e.json"
 step kernel-tests && run kernel-tests 150 env TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/bench.json"
-step unit-tests && run unit-tests 75 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/kernels
+step check && run check 120 python3 -m accel_patch.cli check --json
+step unit-tests && run unit-tests 100 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests --ignore=tests/kernels
 step demo && run demo 45 python3 -m accel_patch.demo --steps 40
 exit 0

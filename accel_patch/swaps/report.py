@@ -46,6 +46,11 @@ class SwapReport:
             line += "; refused " + "; ".join(f"{op} x{len(sites)} ({reason})" for (op, reason), sites in groups)
         return line
 
+    def short(self) -> str:
+        """Sites per op and how many were refused, short enough for a logged value (< 100 chars)."""
+        done = ", ".join(f"{op} {n}" for op, n in sorted(self.swapped.items(), key=_op_order)) or "nothing swapped"
+        return done + (f"; {len(self.refused)} refused" if self.refused else "")
+
     def _grouped(self) -> list[tuple[tuple[str, str], list[str]]]:
         groups: dict[tuple[str, str], list[str]] = {}
         for r in self.refused:

@@ -42,7 +42,7 @@ def test_a_model_not_swapped_computes_bit_identically_after_another_one_is():
     assert not any(sites.is_swapped(m) for m in bystander.modules())
 
 
-def test_restore_puts_back_the_same_classes_attributes_objects_and_outputs():
+def test_restore_puts_back_the_same_classes_attributes_objects_and_outputs(released):
     model = build("llama")
     batch = padded_batch()
     before = run(model, batch)
@@ -59,7 +59,7 @@ def test_restore_puts_back_the_same_classes_attributes_objects_and_outputs():
     assert restore_kernels(model) is False  # nothing left to restore
 
 
-def test_the_rope_global_goes_back_with_the_last_swapped_model():
+def test_the_rope_global_goes_back_with_the_last_swapped_model(released):
     first, second = build("llama"), build("llama")
     swap_kernels(first)
     swap_kernels(second)

@@ -140,6 +140,7 @@ def test_report_reads_as_a_table_and_one_line():
     line = report.summary()
     assert line.startswith("CohereForCausalLM: swapped glu 2, fused_linear_cross_entropy 1; refused rms_norm x")
     assert report.to_dict()["swapped"] == {"glu": 2, "fused_linear_cross_entropy": 1}
+    assert report.short() == f"glu 2, fused_linear_cross_entropy 1; {len(report.refused)} refused"
 
 
 def test_status_has_a_kernels_record_that_counts_swapped_models():
