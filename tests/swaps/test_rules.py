@@ -149,3 +149,13 @@ def test_status_has_a_kernels_record_that_counts_swapped_models():
     record = next(s for s in accel_patch.status() if s.name == "kernels")
     assert "LlamaForCausalLM: swapped rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1" in record.reason
     assert "live model(s)" in record.reason
+
+
+def test_one_log_line_per_swapped_model(caplog):
+    with caplog.at_level("INFO", logger="accel_patch"):
+        swap_kernels(build("mixtral"))
+        swap_kernels(build("mixtral"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "accel_patch"]
+    assert len(lines) == 2
+    assert lines[0].startswith("accel_patch: MixtralForCausalLM: swapped rms_norm 5, rope 2, fused_linear_cross_entropy 1; "
+                               "refused glu x2 (MoE experts stored as 3-D parameters: no kernel)")

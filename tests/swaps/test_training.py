@@ -61,3 +61,36 @@ def test_trainer_with_gradient_accumulation_logs_and_learns_as_stock(tmp_path):
     assert max(rel(weights1[n], w) for n, w in weights0.items()) <= 1e-4
     # every micro-batch took the fused loss, normalised by the step's token count
     assert twin.__dict__[sites.STATE_ATTR].loss_calls == {"fused": 4}
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # a Trainer of another test fixed mixed precision "no"
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_a_model_prepared_for_bf16_autocast_keeps_autocast_and_stock_accuracy(fresh_accelerate_state):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    reference, _ = pair("llama")
+    stock, twin = pair("llama")
+    stock, twin = accelerator.prepare(stock), accelerator.prepare(twin)
+    autocast_forward = twin.__dict__["forward"]  # accelerate's autocast wrapper
+    swap_kernels(twin)  # wraps it, keeps it
+    assert twin.__dict__[sites.INNER_ATTR] is autocast_forward
+    batch = padded_batch()
+    loss_ref, grads_ref, _ = training_step(reference, batch)  # float32, no autocast
+    loss0, grads0, out0 = training_step(stock, batch)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert twin.__dict__[sites.STATE_ATTR].loss_calls == {"fused": 1}
+    # autocast ran: stock's bf16 error against float32 is far above float32 rounding
+    assert max(rel(grads0[n], g) for n, g in grads_ref.items()) > 1e-3
+    assert rel(loss1, loss_ref) <= 1.5 * rel(loss0, loss_ref) + 1e-5
+    for name, ref in grads_ref.items():
+        assert rel(grads1[name], ref) <= 1.5 * rel(grads0[name], ref) + 2e-3, name
