@@ -134,7 +134,7 @@ def test_a_model_init_trainer_gets_module_kernels_at_train_begin(tmp_path, caplo
 
 @pytest.mark.slow
 def test_trl_sft_trainer_gets_the_callback_and_the_kernels(tmp_path):
-    trl = pytest.importorskip("trl")
+    trl = pytest.importorskip("trl")  # in the test extras; absent on the GPU image
     datasets = pytest.importorskip("datasets")
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -29,17 +29,18 @@ def _eps_attr(module) -> str | None:
     return None
 
 
-def _is_layer_norm(module) -> bool:
+def _named_layer_norm(module) -> bool:
     name = type(module).__name__.lower()
-    named = any(m in name for m in families.LAYER_NORM_MARKERS) and "rms" not in name
-    return named or isinstance(module, torch.nn.LayerNorm)
+    return any(m in name for m in families.LAYER_NORM_MARKERS) and "rms" not in name
 
 
 def candidate(module) -> str | None:
-    """The norm's epsilon attribute when `module` is an RMSNorm candidate, else None."""
+    """The norm's epsilon attribute when `module` has an RMSNorm's structure (one 1-D `weight`,
+    no children, an epsilon attribute, one input), else None. Its name does not matter: T5's
+    "LayerNorm" is an RMSNorm, Cohere's is not, and the probe tells them apart."""
     params = dict(module.named_parameters(recurse=False))
     weight = params.get("weight")
-    if _is_layer_norm(module) or set(params) != {"weight"} or weight.dim() != 1:
+    if isinstance(module, torch.nn.LayerNorm) or set(params) != {"weight"} or weight.dim() != 1:
         return None
     if next(module.children(), None) is not None or sites.single_input(type(module)) is None:
         return None
@@ -48,9 +49,10 @@ def candidate(module) -> str | None:
 
 def refusal(module) -> str | None:
     """Why a module that looks like a norm (by its class name) is not a candidate; None otherwise."""
-    if _is_layer_norm(module):
-        return "LayerNorm (mean-centred): no kernel"
-    if "norm" not in type(module).__name__.lower() or not any(True for _ in module.parameters(recurse=False)):
+    params = set(dict(module.named_parameters(recurse=False)))
+    if isinstance(module, torch.nn.LayerNorm) or (_named_layer_norm(module) and "bias" in params):
+        return "LayerNorm (mean-centred, with a bias): no kernel"
+    if "norm" not in type(module).__name__.lower() or not params:
         return None
     return (f"not an RMSNorm shape (one 1-D weight, an epsilon attribute "
             f"{'/'.join(families.NORM_EPS_ATTRIBUTES)}, one input)")
@@ -88,6 +90,8 @@ def probe_verdict(module, act_dtype: torch.dtype, eps_attr: str):
                 else:
                     errors[variant] = max(errors[variant], err)
             if not errors:
+                if _named_layer_norm(module):
+                    return f"LayerNorm (mean-centred): no kernel; its output differs from every RMSNorm variant in {dtype}"
                 return f"output differs from every RMSNorm variant in {dtype} (not an RMSNorm?)"
     casting, offset = min(errors, key=errors.get)
     return NormVariant(casting, offset, eps_attr)

@@ -159,3 +159,27 @@ def test_one_log_line_per_swapped_model(caplog):
     assert len(lines) == 2
     assert lines[0].startswith("accel_patch: MixtralForCausalLM: swapped rms_norm 5, rope 2, fused_linear_cross_entropy 1; "
                                "refused glu x2 (MoE experts stored as 3-D parameters: no kernel)")
+
+
+def test_a_family_nobody_listed_is_swapped_where_it_matches_t5():
+    """T5 calls its RMSNorm "T5LayerNorm", has no rotate-half RoPE, a gated MLP named wi_0/wi_1/wo,
+    and computes its loss with nn.CrossEntropyLoss: the norms and the loss are swapped, and one
+    training step equals stock."""
+    import copy
+
+    import transformers as T
+
+    torch.manual_seed(0)
+    stock = T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                    num_heads=4, decoder_start_token_id=0, dropout_rate=0.0,
+                                                    feed_forward_proj="gated-gelu"))
+    twin = copy.deepcopy(stock)
+    report = swap_kernels(twin)
+    assert report.swapped == {"rms_norm": 12, "fused_linear_cross_entropy": 1}, report
+    ids, labels = torch.randint(1, 64, (2, 7)), torch.randint(1, 64, (2, 5))
+    labels[0, 3:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, out = training_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+    assert out.logits is None
