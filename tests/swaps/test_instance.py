@@ -119,3 +119,34 @@ def test_a_module_copied_after_the_swap_is_restored_too():
     assert sites.is_swapped(model.model.extra_norm)
     restore_kernels(model)
     assert "forward" not in model.model.extra_norm.__dict__
+
+
+def test_modules_under_accelerate_hooks_are_swapped_inside_the_hooks_and_restored():
+    """A model dispatched over devices (device_map) has accelerate hooks owning each module's
+    forward: the swap goes where the hook calls, and the hook still runs."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    stock, twin = pair("llama")
+    for module in (twin.model.norm, twin.model.layers[0].mlp, twin.lm_head, twin):
+        add_hook_to_module(module, Counting())
+    hooked = {n: m.__dict__["forward"] for n, m in twin.named_modules() if "_hf_hook" in m.__dict__}
+    original_old = twin.model.norm.__dict__["_old_forward"]
+    report = swap_kernels(twin)
+    assert report.swapped["rms_norm"] == 5 and report.swapped["glu"] == 2
+    assert {n: m.__dict__["forward"] for n, m in twin.named_modules() if n in hooked} == hooked
+    assert sites.is_swapped(twin.model.norm) and sites.is_swapped(twin)
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, out = training_step(twin, batch)
+    assert Counting.calls == 4 and out.logits is None  # every hook ran once, the loss was fused
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+    restore_kernels(twin)
+    assert twin.model.norm.__dict__["_old_forward"] is original_old and not sites.is_swapped(twin.model.norm)
+    assert {n: m.__dict__["forward"] for n, m in twin.named_modules() if n in hooked} == hooked

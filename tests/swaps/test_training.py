@@ -12,11 +12,12 @@ from accel_patch.swaps import sites
 from _models import padded_batch, pair, rel, training_step
 
 
-def test_gradient_checkpointing_gives_the_stock_gradients():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_stock_gradients(reentrant):
     stock, twin = pair("llama")
     swap_kernels(twin)
     for m in (stock, twin):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     batch = padded_batch()
     loss0, grads0, _ = training_step(stock, batch)
     loss1, grads1, _ = training_step(twin, batch)
