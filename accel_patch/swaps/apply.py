@@ -106,12 +106,18 @@ class _Walk:
         self.state.counts[op] = self.state.counts.get(op, 0) + 1
         self.new += 1
 
-    def device_type(self, where: str, op: str, module) -> str | None:
+    def probe_and_swap(self, where: str, op: str, module, structure: tuple, run, forward) -> None:
+        """Swap `forward(verdict)` into `module` if the probe `run` (cached per op, class,
+        activation dtype, device type and `structure`) gives a verdict; else refuse with its reason."""
         device = probe.module_device(module)
         if device is None or device.type == "meta":
             self.refuse(where, op, "no materialized weights (meta device): nothing to probe")
-            return None
-        return device.type
+            return
+        verdict = _verdict((op, type(module), self.dtype, device.type, structure), run)
+        if isinstance(verdict, str):
+            self.refuse(where, op, verdict)
+        else:
+            self.swapped(op, module, forward(verdict))
 
     def run(self) -> None:
         for where, module in self.model.named_modules():
@@ -133,54 +139,36 @@ class _Walk:
             if reason:
                 self.refuse(where, norms.OP, reason)
             return
-        device_type = self.device_type(where, norms.OP, module)
-        if device_type is None:
-            return
-        key = (norms.OP, type(module), self.dtype, device_type, eps_attr)
-        verdict = _verdict(key, lambda: norms.probe_verdict(module, self.dtype, eps_attr))
-        if isinstance(verdict, str):
-            self.refuse(where, norms.OP, verdict)
-        else:
-            self.swapped(norms.OP, module, norms.forward_for(verdict))
+        self.probe_and_swap(where, norms.OP, module, (eps_attr,),
+                            lambda: norms.probe_verdict(module, self.dtype, eps_attr), norms.forward_for)
 
     def glu(self, where, module) -> None:
         found = mlp.candidate(module)
-        if found is None:
-            return
         if isinstance(found, str):
             self.refuse(where, mlp.OP, found)
+        if found is None or isinstance(found, str):
             return
         names, act = found
-        device_type = self.device_type(where, mlp.OP, module)
-        if device_type is None:
-            return
-        act_fn = getattr(module, next(a for a in families.ACTIVATION_ATTRIBUTES if callable(getattr(module, a, None))))
-        key = (mlp.OP, type(module), self.dtype, device_type, names, type(act_fn), getattr(act_fn, "approximate", None))
-        verdict = _verdict(key, lambda: mlp.probe_verdict(module, self.dtype, names, act))
-        if isinstance(verdict, str):
-            self.refuse(where, mlp.OP, verdict)
-        else:
-            self.swapped(mlp.OP, module, mlp.forward_for(verdict))
+        act_fn = mlp.activation(module)
+        self.probe_and_swap(where, mlp.OP, module, (names, type(act_fn), getattr(act_fn, "approximate", None)),
+                            lambda: mlp.probe_verdict(module, self.dtype, names, act), mlp.forward_for)
 
     def rope(self, where, module) -> None:
         fn = rope.rope_function(module)
         if fn is None:
             return
-        device_type = self.device_type(where, rope.OP, module)
-        if device_type is None:
-            return
-        shape = rope._head_shape(module, self.config)
-        key = (rope.OP, fn, type(module), self.dtype, device_type, shape[:3], tuple(shape[3]))
-        verdict = _verdict(key, lambda: rope.probe_verdict(fn, module, self.config, self.dtype))
-        if verdict is not True:
-            self.refuse(where, rope.OP, verdict)
-            return
+        shape = rope.head_shape(module, self.config)
+        self.probe_and_swap(where, rope.OP, module, (fn, shape),
+                            lambda: rope.probe_verdict(fn, module, self.config, self.dtype), self.rope_forward)
+
+    def rope_forward(self, fn):
+        """Hold the module global `fn` for this model (once), then the attention forward for it."""
         if fn not in self.rope_held:
             release = rope.interceptions.acquire(fn)
             self.state.releases.append(release)
             weakref.finalize(self.model, release)  # a swapped model dropped without restore lets go too
             self.rope_held.add(fn)
-        self.swapped(rope.OP, module, rope.forward_for(fn))
+        return rope.forward_for(fn)
 
     def loss(self) -> None:
         model = self.model

@@ -26,12 +26,13 @@ class GluPlan(namedtuple("GluPlan", "names act order")):
     __slots__ = ()
 
 
-def _activation(module):
+def activation(module):
+    """The module's activation (its first callable attribute of families.ACTIVATION_ATTRIBUTES), or None."""
     for name in families.ACTIVATION_ATTRIBUTES:
         act = getattr(module, name, None)
         if act is not None and callable(act):
-            return name, act
-    return None, None
+            return act
+    return None
 
 
 def declared_activation(act) -> tuple[str, str | None]:
@@ -64,7 +65,7 @@ def candidate(module) -> tuple[tuple[str, ...], str] | str | None:
     names = _names(module)
     if names is None:
         return None
-    attr, act = _activation(module)
+    act = activation(module)
     if act is None:
         return "gated projections but no activation attribute (" + "/".join(families.ACTIVATION_ATTRIBUTES) + ")"
     if sites.single_input(type(module)) is None:
@@ -102,7 +103,7 @@ def _in_features(module, name: str) -> int | None:
 def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: str):
     """The GluPlan that reproduces this module, or a refusal reason."""
     device = probe.module_device(module)
-    _, act_fn = _activation(module)
+    act_fn = activation(module)
     own_name, _ = declared_activation(act_fn)
     hidden = _in_features(module, names[0])
     if hidden is None:

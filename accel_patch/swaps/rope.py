@@ -135,7 +135,7 @@ def _kernel(q, k, cos, sin):
     return rope(q, k, cos, sin, unsqueeze_dim=1)
 
 
-def _head_shape(module, config) -> tuple[int, int, int, list[int]]:
+def head_shape(module, config) -> tuple[int, int, int, tuple[int, ...]]:
     """(query heads, key/value heads, head dim, rotary dims to probe) of an attention module."""
     heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -151,12 +151,13 @@ def _head_shape(module, config) -> tuple[int, int, int, list[int]]:
         value = getattr(config, attr, None)
         if isinstance(value, (int, float)) and 0 < value < 1:
             rotary.append(int(head_dim * value))
-    return heads, kv_heads, head_dim, sorted({r - r % 2 for r in rotary if r and r >= 2}, reverse=True)
+    return heads, kv_heads, head_dim, tuple(sorted({r - r % 2 for r in rotary if r and r >= 2}, reverse=True))
 
 
 def probe_verdict(key, module, config, act_dtype: torch.dtype):
-    """True when the kernel reproduces the RoPE function at this attention's shapes, else why not."""
-    heads, kv_heads, head_dim, rotary_dims = _head_shape(module, config)
+    """`key` (the function to intercept) when the kernel reproduces it at this attention's
+    shapes, else a refusal reason."""
+    heads, kv_heads, head_dim, rotary_dims = head_shape(module, config)
     if not (heads and kv_heads and head_dim):
         return "cannot tell the attention's head counts and head dim"
     original = interceptions.original(key)
@@ -185,7 +186,7 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
                 if err > limit:
                     return (f"{key[0]}.{key[1]} differs from rotate-half RoPE in {dtype} (relative error "
                             f"{err:.2e} > {limit:.1e}; interleaved or another convention)")
-    return True if ran else f"{key[1]} could not be called with rotate-half shapes"
+    return key if ran else f"{key[1]} could not be called with rotate-half shapes"
 
 
 _forwards: dict[tuple, object] = {}
