@@ -19,6 +19,7 @@ weight. Evaluation, calls without labels, and `generate` run the stock forward.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import types
 
@@ -49,21 +50,13 @@ class _Head:
     def real(self) -> torch.Tensor:
         if self._real is None:
             device_type, enabled, dtype = self.autocast
-            with torch.autocast(device_type, dtype=dtype, enabled=enabled) if enabled else _null():
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled) if enabled else contextlib.nullcontext():
                 self._real = F.linear(self.hidden, self.weight, self.bias)
         return self._real
 
     def out_dtype(self) -> torch.dtype:
         _, enabled, dtype = self.autocast
         return dtype if enabled else self.weight.dtype
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class DeferredLogits(torch.Tensor):
@@ -321,7 +314,7 @@ def fused_loss(me: DeferredLogits, target, ignore_index: int, reduction: str):
     if factor != 1.0:
         h = h * factor
         b = b * factor if b is not None else None
-    with torch.autocast(device_type, enabled=False) if enabled else _null():
+    with torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext():
         per_token = fused_linear_cross_entropy(h, w, target, bias=b, ignore_index=ignore_index,
                                                softcap=softcap, reduction="none" if reduction == "none" else "sum")
     if reduction == "mean":
