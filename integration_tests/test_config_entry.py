@@ -74,3 +74,27 @@ def test_configured_entry_loads_accel_patch_in_an_unmodified_script_and_remove_u
     for res in results:
         assert not res["accel_patch_loaded"] and res["startup"] is None, summary(results)
         assert res["swap"] is None
+
+
+def test_pip_uninstall_leaves_nothing_that_runs_at_start_up(tmp_path):
+    """In a throwaway environment with accel-patch installed as a wheel (no dependencies: the
+    config entry needs none): configure, uninstall, and no Python start runs anything of it."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python, pip = venv / "bin" / "python", [str(venv / "bin" / "python"), "-m", "pip", "-q"]
+    subprocess.run([*pip, "install", "--no-deps", str(repo)], check=True, timeout=300, capture_output=True)
+    env = worker_env(tmp_path / "hf")
+    probe = [str(python), "-c", "import sys; print(getattr(sys, 'accel_patch_startup', None))"]
+    subprocess.run([str(venv / "bin" / "accel-patch"), "config", "--yes"], env=env, check=True, timeout=120,
+                   capture_output=True)
+    said = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120).stdout.strip()
+    assert said.startswith("on: accel_patch loaded at start-up"), said
+    subprocess.run([*pip, "uninstall", "-y", "accel-patch"], check=True, timeout=120, capture_output=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    assert not list(site.glob("accel_patch*")), list(site.glob("accel_patch*"))
+    assert (tmp_path / "hf" / "accelerate" / "accel_patch_config.yaml").exists()  # the settings stay, inert
+    said = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120).stdout.strip()
+    assert said == "None"
