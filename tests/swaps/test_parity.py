@@ -15,7 +15,12 @@ from accel_patch.swaps import sites
 from _models import FAMILIES, padded_batch, pair, rel, training_step
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# The quick loop (-m "not slow") keeps one family of each kind of difference; the rest are slow.
+QUICK = {"llama", "gemma2", "phi3", "cohere", "mixtral"}
+
+
+@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(FAMILIES)])
 def test_training_step_equals_stock_in_float32(family):
     stock, twin = pair(family)
     report = swap_kernels(twin)
@@ -38,7 +43,7 @@ def test_training_step_equals_stock_in_float32(family):
 BF16_FLOOR = 2e-3
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("gemma", "qwen3", "phi3")])
 def test_training_step_in_bfloat16_is_as_close_to_float64_as_stock(family):
     reference, _ = pair(family, torch.float64)
     stock, twin = pair(family, torch.bfloat16)

@@ -38,7 +38,7 @@ def loss_calls(model):
     return model.get_base_model().__dict__[sites.STATE_ATTR].loss_calls
 
 
-@pytest.mark.parametrize("order", ["swap-then-peft", "peft-then-swap"])
+@pytest.mark.parametrize("order", ["swap-then-peft", pytest.param("peft-then-swap", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("config, outcome", [
     (LORA_ON_HEAD, "stood aside: a LoRA adapter on the LM head (stock head, so the adapter trains)"),
     (HEAD_COPY, "fused"),
