@@ -7,6 +7,8 @@ import inspect
 import torch
 import transformers.models.llama.modeling_llama as modeling_llama
 
+from accel_kernels import _launch
+
 from accel_patch import restore_kernels, swap_kernels
 from accel_patch.swaps import rope, sites
 
@@ -35,7 +37,9 @@ def test_a_model_not_swapped_computes_bit_identically_after_another_one_is():
     swapped = build("llama")
     swap_kernels(swapped)
     run(swapped, batch)  # the swapped model's kernels run in between
-    after = run(bystander, batch)
+    with _launch.recording() as launched:
+        after = run(bystander, batch)
+    assert launched == []  # no kernel of accel-patch ran for it (the RoPE global passed the calls through)
     assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
     assert before[1].keys() == after[1].keys()
     assert all(torch.equal(before[1][n], after[1][n]) for n in before[1])
@@ -77,7 +81,10 @@ def test_the_interception_passes_every_call_through_outside_a_swapped_attention(
     dispatcher = modeling_llama.apply_rotary_pos_emb
     q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
     cos, sin = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
-    for a, b in zip(dispatcher(q, k, cos, sin), STOCK_ROPE(q, k, cos, sin)):
+    with _launch.recording() as launched:
+        out = dispatcher(q, k, cos, sin)
+    assert launched == []
+    for a, b in zip(out, STOCK_ROPE(q, k, cos, sin)):
         assert torch.equal(a, b)
     assert inspect.signature(dispatcher) == inspect.signature(STOCK_ROPE)
     restore_kernels(model)
