@@ -184,23 +184,21 @@ def check_models(device, families=None) -> list[Row]:
 
 
 def check_launch() -> list[Row]:
-    from .accelerate_state import decide
-    from .device_map import prepare_device_map
-    from .topology_resolver import TopologyError, scrub_blank_env, topology
+    """The decisions this process would get: what `accel-patch env` reports."""
+    from .cli import env_report
+    from .topology_resolver import TopologyError
 
-    import os
-
-    environ = dict(os.environ)
-    scrub_blank_env(environ)
     try:
-        topo = topology(environ)
-        decision = decide(topo, environ=environ)
-        device_map, _ = prepare_device_map(topo)
+        report = env_report()
     except TopologyError as exc:
         return [Row("launch", "topology", "-", False, "-", str(exc))]
-    return [Row("launch", "topology", "-", True, topo.launcher, topo.describe()),
-            Row("launch", "accelerate state", "-", True, decision.action, decision.reason),
-            Row("launch", "device map", "-", True, str(device_map), "")]
+    topo, state = report["topology"], report["accelerate_state"]
+    where = f"{topo['device_count']} x {topo['device_type']}" if topo["device_count"] else "cpu"
+    described = " ".join(f"{k}={topo[k]}" for k in ("world_size", "rank", "local_rank", "local_world_size",
+                                                     "num_nodes")) + f" devices={where}"
+    return [Row("launch", "topology", "-", True, topo["launcher"], described),
+            Row("launch", "accelerate state", "-", True, state["action"], state["reason"]),
+            Row("launch", "device map", "-", True, str(report["device_map"]), "")]
 
 
 def local_devices():

@@ -30,11 +30,9 @@ KERNEL_OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
 
 def accelerate_config_dir(config_file: str | None = None, environ=None) -> Path:
     """Where accelerate keeps its config: beside `config_file`, else under HF_HOME as accelerate does."""
-    env = os.environ if environ is None else environ
     if config_file:
         return Path(config_file).expanduser().resolve().parent
-    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(os.path.expanduser(hf_home)) / "accelerate"
+    return Path(startup_gate.accelerate_dir(os.environ if environ is None else environ))
 
 
 def config_path(config_file: str | None = None, environ=None) -> Path:

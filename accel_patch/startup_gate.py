@@ -15,13 +15,17 @@ import sys
 CONFIG_NAME = "accel_patch_config.yaml"
 
 _GATE = '''
-def config_file(environ, extra):
-    """The accel-patch config file this process would use: accelerate's rule for where its
-    default_config.yaml lives (HF_HOME, else XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface,
-    then accelerate/), ours beside it; or ACCEL_PATCH_CONFIG_FILE, or a --config_file location."""
+def accelerate_dir(environ):
+    """accelerate's rule for where its default_config.yaml lives: HF_HOME, else
+    XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface, then accelerate/."""
     home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    for path in [environ.get("ACCEL_PATCH_CONFIG_FILE"), *extra,
-                 os.path.join(os.path.expanduser(home), "accelerate", "%s")]:
+    return os.path.join(os.path.expanduser(home), "accelerate")
+
+
+def config_file(environ, extra):
+    """The accel-patch config file this process would use: ACCEL_PATCH_CONFIG_FILE, a --config_file
+    location, or the one beside accelerate's default config."""
+    for path in [environ.get("ACCEL_PATCH_CONFIG_FILE"), *extra, os.path.join(accelerate_dir(environ), "%s")]:
         if path and os.path.isfile(path):
             return path
     return None
@@ -66,7 +70,7 @@ if getattr(sys, "accel_patch_startup", None) is None:
         sys.accel_patch_startup = "failed: %s: %s" % (type(exc).__name__, exc)
 '''
 
-exec(_GATE)  # config_file, read_settings, start: the hook's own definitions, for env and tests
+exec(_GATE)  # accelerate_dir, config_file, read_settings, start: the hook's own definitions, for env and tests
 
 
 def hook_source(extra_config_files) -> str:
