@@ -5,17 +5,30 @@ maps for quantized models, and verified Triton kernels, with no change to the tr
 transformers nor accelerate. Each patch binds when its target module is imported (at once if it
 already is). `ACCEL_PATCH_DISABLE=1` turns everything off; `ACCEL_PATCH_ACCELERATE=0` and
 `ACCEL_PATCH_DEVICE_MAP=0` turn off one patch each.
+
+The package is laid out in rooms by role; imports run one way, downward:
+
+    cli/            the face: the `accel-patch` command (env, check, config, demo)
+    integrations/   ways in: the Trainer callback and its registration, the config entry, start-up
+    patches/        one module per wrapped library target
+    swaps/          kernels into model instances
+    core/           decides and wraps nothing: topology, the patch registry, decisions, device maps
+
+cli/ may import every room below it; integrations/ and patches/ import swaps/ and core/ (never
+each other); swaps/ imports core/ at most; core/ imports no room. accel_kernels (the kernel
+library) imports nothing of accel_patch. tests/test_layout.py checks these rules on the source.
 """
 from __future__ import annotations
 
 import os
 
 # Each registers its patch; status() lists them in this order.
-from . import accelerate_state, model_loading, auto_swap, trainer_hook  # noqa: F401, I001
-from .device_map import prepare_device_map
-from .patching import DISABLED, PatchStatus, disable, enable, status
+from .patches import accelerate_state, model_loading, kernels_at_load  # noqa: F401, I001
+from .integrations import trainer_callbacks  # noqa: F401, I001
+from .core.device_map import prepare_device_map
+from .core.registry import DISABLED, PatchStatus, disable, enable, status
+from .core.topology_resolver import Topology, TopologyError, topology
 from .swaps import SwapReport, restore_kernels, swap_kernels
-from .topology_resolver import Topology, TopologyError, topology
 
 __version__ = "0.1.0"
 
@@ -39,7 +52,7 @@ def __getattr__(name: str):
     # AccelPatchCallback subclasses transformers' TrainerCallback: imported on first use only, so
     # that `import accel_patch` stays free of transformers.
     if name == "AccelPatchCallback":
-        from .callback import AccelPatchCallback
+        from .integrations.callback import AccelPatchCallback
 
         return AccelPatchCallback
     raise AttributeError(f"module 'accel_patch' has no attribute {name!r}")
@@ -47,10 +60,10 @@ def __getattr__(name: str):
 
 def _activate() -> None:
     if os.environ.get("ACCEL_PATCH_DISABLE", "").strip().lower() in ("1", "true", "yes"):
-        from . import patching
+        from .core import registry
 
-        for record in patching.status():
-            patching._set(record.name, DISABLED, "turned off by ACCEL_PATCH_DISABLE=1")
+        for record in registry.status():
+            registry.set_state(record.name, DISABLED, "turned off by ACCEL_PATCH_DISABLE=1")
         return
     enable()
 

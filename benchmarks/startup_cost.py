@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
-    from accel_patch import config_entry
+    from accel_patch.integrations import config_entry
 
     hook = config_entry.hook_path()
     if hook.exists():

@@ -21,7 +21,7 @@ ARGS = ["--seed-per-rank", "--without-import"]
 
 @pytest.fixture
 def entry(tmp_path, home):
-    from accel_patch import config_entry
+    from accel_patch.integrations import config_entry
 
     if config_entry.hook_path().exists():
         pytest.skip(f"{config_entry.hook_path()} exists: accel-patch is configured in this environment")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from accel_patch.topology_resolver import LAUNCHER_VARIABLES
+from accel_patch.core.topology_resolver import LAUNCHER_VARIABLES
 
 # Set by launchers (torchrun, accelerate, MPI, SLURM, DeepSpeed) or read by accelerate and
 # accel-patch: an inherited copy would give a test the runner's own topology or switches.

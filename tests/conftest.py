@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 from _env import is_launcher_variable  # noqa: E402
-from accel_patch import topology_resolver  # noqa: E402
+from accel_patch.core import topology_resolver  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -25,10 +25,12 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedType
 
 import accel_patch
-from accel_patch import TopologyError, accelerate_state, patching, topology
-from accel_patch.accelerate_state import (
+from accel_patch import TopologyError, topology
+from accel_patch.core import registry
+from accel_patch.core.accelerate_decision import (
     ACCELERATE, CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, SINGLE_DEVICE, UNTOUCHED, decide,
 )
+from accel_patch.patches import accelerate_state
 
 PATCHES = set(p.name for p in accel_patch.status())  # the package's own, before tests add fakes
 
@@ -50,10 +52,10 @@ def isolated():
     accel_patch.enable()
     yield
     reset_accelerate()
-    for name in set(patching._patches) - PATCHES:  # fakes registered by a test
-        patching._patches.pop(name)
-        patching._states.pop(name, None)
-        patching._logged.discard(name)
+    for name in set(registry._patches) - PATCHES:  # fakes registered by a test
+        registry._patches.pop(name)
+        registry._states.pop(name, None)
+        registry._logged.discard(name)
     accel_patch.disable()
     accel_patch.enable()
     torch.set_num_threads(saved_threads)
@@ -77,7 +79,7 @@ def torchrun_env(monkeypatch, nproc: int = 1, rank: int = 0, **extra: str) -> No
         monkeypatch.setenv(name, value)
 
 
-def record(name: str = "accelerate-state") -> patching.PatchStatus:
+def record(name: str = "accelerate-state") -> registry.PatchStatus:
     return next(s for s in accel_patch.status() if s.name == name)
 
 
@@ -514,7 +516,7 @@ def test_moved_target_is_skipped_with_a_reason_and_left_untouched(monkeypatch, m
     fake = fake_accelerate_state(module_name, **members)
     before = dict(fake.PartialState.__dict__)
     monkeypatch.setitem(sys.modules, module_name, fake)
-    patching.register(PatchOnFake())
+    registry.register(PatchOnFake())
 
     accel_patch.enable()
 
@@ -536,7 +538,7 @@ def test_fake_shaped_like_accelerate_is_patched(monkeypatch):
     fake = fake_accelerate_state(module_name)
     monkeypatch.setitem(sys.modules, module_name, fake)
     patch = PatchOnFake()
-    patching.register(patch)
+    registry.register(patch)
     accel_patch.enable()
     assert record("test-moved-target").state == "active"
     assert wrappers_on(fake.PartialState, "_prepare_backend") == 1
@@ -569,7 +571,7 @@ class Target:
         return "original"
 
 
-class ExplodingPatch(patching.Patch):
+class ExplodingPatch(registry.Patch):
     name = "test-exploding"
     target = "Target.method"
     verified = "nothing"
@@ -589,7 +591,7 @@ def test_patch_whose_install_raises_is_failed_logged_once_and_leaves_target_unto
     fake.Target = Target
     original = Target.__dict__["method"]
     monkeypatch.setitem(sys.modules, module_name, fake)
-    patching.register(type("Exploding", (ExplodingPatch,), {"module": module_name})())
+    registry.register(type("Exploding", (ExplodingPatch,), {"module": module_name})())
 
     with caplog.at_level(logging.WARNING, logger="accel_patch"):
         accel_patch.enable()
@@ -608,7 +610,7 @@ def test_failing_hook_does_not_break_the_users_import(monkeypatch, tmp_path):
         "class Target:\n    def method(self):\n        return 'original'\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    patching.register(type("Exploding", (ExplodingPatch,), {"module": module_name})())
+    registry.register(type("Exploding", (ExplodingPatch,), {"module": module_name})())
     accel_patch.enable()
     assert record("test-exploding").state == "pending"
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from accel_patch import check
+from accel_patch.cli import check
 
 CPU = [torch.device("cpu")]
 

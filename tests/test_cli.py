@@ -7,16 +7,17 @@ the same code.
 from __future__ import annotations
 
 import json
+import subprocess
 import os
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 import accel_patch
-from accel_patch import cli, demo, topology_resolver
-from _env import run_together
+from accel_patch import cli
+from accel_patch.cli import demo, report
+from _env import child_env, run_together
 
 SCRIPT = Path(sys.executable).with_name("accel-patch")
 
@@ -82,7 +83,7 @@ def test_env_bad_world_size_is_a_one_line_error_with_exit_code_2(quick_runs):
 def test_version_prints_the_package_version(quick_runs):
     run = quick_runs["version"]
     assert (run.returncode, run.stdout, run.stderr) == (0, f"accel-patch {accel_patch.__version__}\n", "")
-    assert accel_patch.__version__ == cli.versions()["accel-patch"]  # the installed metadata agrees
+    assert accel_patch.__version__ == report.versions()["accel-patch"]  # the installed metadata agrees
 
 
 # --- in-process ---------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def test_env_json_one_plain_process(env, capsys):
     assert report["accelerate_state"]["action"] == "single-device" and report["accelerate_state"]["reason"]
     assert (report["device_map"], report["is_distributed"]) == ({"": "cpu"}, False)
     assert set(report["versions"]) == {"python", "torch", "transformers", "accelerate", "peft",
-                                       "bitsandbytes", "triton", "accel-patch"}
+                                       "bitsandbytes", "triton", "trl", "accel-patch"}
     assert report["versions"]["accel-patch"] == cli.__version__
     assert {s["name"] for s in report["status"]} == {
         "accelerate-state", "device-map", "kernels", "trainer-callback"}
@@ -136,7 +137,7 @@ def test_env_prints_exactly_the_topologys_sources(env, capsys, case):
     assert run_json(capsys)["topology"]["sources"] == sources
 
     lines = run_table(capsys).splitlines()
-    for field in cli.FIELDS:
+    for field in report.FIELDS:
         (line,) = [line for line in lines if line.split()[:1] == [field]]
         assert line.endswith(f" from {sources[field]}"), line
     assert any(line.startswith("topology (launcher: ") and line.endswith(f"from {sources['launcher']})")
@@ -203,29 +204,27 @@ def test_help_is_plain_text(capsys):
 
 
 def test_missing_package_is_shown_as_not_installed(monkeypatch):
-    stock = cli.metadata.version
+    stock = report.metadata.version
 
     def version(name):
         if name == "bitsandbytes":
-            raise cli.metadata.PackageNotFoundError(name)
+            raise report.metadata.PackageNotFoundError(name)
         return stock(name)
 
-    monkeypatch.setattr(cli.metadata, "version", version)
-    found = cli.versions()
+    monkeypatch.setattr(report.metadata, "version", version)
+    found = report.versions()
     assert found["bitsandbytes"] == "not installed"
     assert found["torch"] != "not installed"
 
 
 def test_demo_gets_the_remaining_arguments(monkeypatch):
     seen = []
-    fake = types.ModuleType("accel_patch.demo")
-    fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "accel_patch.demo", fake)
+    monkeypatch.setattr(demo, "main", lambda argv: seen.append(argv) or 3)
 
     assert cli.main(["demo", "--steps", "2", "--help", "extra"]) == 3
     assert seen == [["--steps", "2", "--help", "extra"]]
 
-    fake.main = lambda argv: None
+    monkeypatch.setattr(demo, "main", lambda argv: None)
     assert cli.main(["demo"]) == 0
 
 
@@ -241,7 +240,7 @@ def test_unknown_command_or_argument_is_a_usage_error(capsys):
 @pytest.fixture
 def demo_never_runs(monkeypatch):
     """The demo's arguments are checked before anything is imported or trained."""
-    monkeypatch.setattr(demo, "run", lambda args: pytest.fail(f"the demo ran with {args}"))
+    monkeypatch.setattr(demo, "fine_tune", lambda args: pytest.fail(f"the demo ran with {args}"))
 
 
 @pytest.mark.parametrize("argv, error", [
@@ -276,3 +275,26 @@ def test_demo_valid_arguments(tmp_path):
     assert demo.parse_args([]).steps == 80
     args = demo.parse_args(["--steps", "1", "--output-dir", str(tmp_path / "new")])
     assert (args.steps, args.output_dir) == (1, str(tmp_path / "new"))
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    # `accel-patch env | head -1`: the reader is gone before the report is written.
+    proc = subprocess.Popen([sys.executable, "-m", "accel_patch.cli", "env"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=child_env())
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    code = proc.wait(timeout=60)
+    assert err == "", err
+    assert code == 141  # stopped by the closed pipe, as `yes | head -1` reports for yes
+
+
+@pytest.mark.slow
+def test_demo_runs_without_peft_as_a_full_fine_tune(tmp_path):
+    # The core install has no peft: the main job must still run, and say what it did.
+    script = "import sys; sys.modules['peft'] = None\nfrom accel_patch.cli import demo\nsys.exit(demo.main(['--steps', '3']))"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(),
+                          cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full fine-tuning" in proc.stdout and "pip install 'accel-patch[lora]'" in proc.stdout
+    assert "full fine-tune:" in proc.stdout and "Held-out loss" in proc.stdout
+

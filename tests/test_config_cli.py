@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from accel_patch import cli, config_entry
+from accel_patch import cli
+from accel_patch.integrations import config_entry
 
 
 @pytest.fixture
@@ -97,3 +98,18 @@ def test_only_one_of_yes_show_remove(site):
     with pytest.raises(SystemExit) as info:
         cli.main(["config", "--yes", "--remove"])
     assert info.value.code == 2
+
+
+def test_settings_left_without_this_environments_hook_are_reported_plainly(site, capsys):
+    # pip uninstall (or a second environment) removes the hook but not the user-wide settings.
+    root, _, accelerate = site
+    cli.main(["config", "--yes"])
+    (root / config_entry.HOOK_NAME).unlink()
+    capsys.readouterr()
+    assert cli.main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "config entry (accel-patch config): configured" not in text
+    assert "settings found, but this environment has no start-up hook" in text
+    assert "accel-patch config --yes" in text and "accel-patch config --remove" in text
+    shown = config_entry.describe()
+    assert not shown["configured"] and shown["settings"] and not shown["hook_installed"]

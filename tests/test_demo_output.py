@@ -8,7 +8,7 @@ import logging
 import types
 import warnings
 
-from accel_patch import demo
+from accel_patch.cli import demo
 
 PEFT_ASKS = "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing` instead."
 BNB_PROBE = "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'."

@@ -19,12 +19,13 @@ from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 import accel_patch
 from accel_patch import TopologyError, prepare_device_map
-from accel_patch.model_loading import STRATEGIES, ModelLoadingPatch
+from accel_patch.core import registry
+from accel_patch.core.device_map import PATCH_NAME, STRATEGIES
 
 
 @pytest.fixture(autouse=True)
 def hook_bound(monkeypatch):
-    monkeypatch.setattr(ModelLoadingPatch, "last_load", None)
+    monkeypatch.setitem(registry._decisions, PATCH_NAME, None)
     accel_patch.enable()  # idempotent; binds the hook if an earlier test left it off
     assert next(s for s in accel_patch.status() if s.name == "device-map").state == "active"
 
@@ -167,7 +168,7 @@ def test_the_recorder_sits_under_the_hook(transformers_side, checkpoint, monkeyp
     # Control for every test below: what the recorder sees is what the hook passed on.
     set_env(monkeypatch, **torchrun(2, 1, 1, 2))
     assert received(transformers_side, checkpoint, device_map="auto") == {"": "cpu"}
-    assert "distributed load" in ModelLoadingPatch.last_load.reason
+    assert "distributed load" in registry.last_decision(PATCH_NAME).reason
 
 
 EXPLICIT = [{"": "cpu"}, {"model": 0, "lm_head": "cpu"}, "cpu", "cuda", "cuda:1", torch.device("cuda", 1), 0]
@@ -237,7 +238,7 @@ def test_distributed_strategy_with_no_device_for_the_local_rank_is_a_clear_error
 )
 def test_quantized_load_detected_from_the_arguments(transformers_side, checkpoint, fake_accelerators, kwargs):
     assert received(transformers_side, checkpoint, device_map="auto", **kwargs) == {"": "cpu"}
-    assert "quantized load" in ModelLoadingPatch.last_load.reason
+    assert "quantized load" in registry.last_decision(PATCH_NAME).reason
 
 
 @pytest.mark.parametrize("requested", [None, "auto"])
@@ -257,7 +258,7 @@ def test_pre_quantized_local_checkpoint_loads_on_this_process_device(
 
         LlamaForCausalLM.from_pretrained(Path(pre_quantized), device_map=requested)
     assert transformers_side.device_maps == [expected]
-    assert "quantized load" in ModelLoadingPatch.last_load.reason
+    assert "quantized load" in registry.last_decision(PATCH_NAME).reason
 
 
 def test_unquantized_local_checkpoint_keeps_its_device_map(transformers_side, checkpoint, fake_accelerators):
@@ -301,7 +302,7 @@ def load(checkpoint, transformers_side):
 
     def run(**kwargs):
         model = LlamaForCausalLM.from_pretrained(checkpoint, **kwargs)
-        return model, transformers_side.device_maps[-1], ModelLoadingPatch.last_load
+        return model, transformers_side.device_maps[-1], registry.last_decision(PATCH_NAME)
 
     return run
 

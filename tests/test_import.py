@@ -102,4 +102,4 @@ def test_no_module_of_the_package_is_shadowed():
         assert attribute is module, (
             f"accel_patch.{info.name} is {attribute!r}, which hides the module accel_patch/{info.name}")
     assert isinstance(accel_patch.topology, types.FunctionType)  # the public function
-    assert accel_patch.topology is accel_patch.topology_resolver.topology
+    assert accel_patch.topology is accel_patch.core.topology_resolver.topology

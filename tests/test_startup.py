@@ -6,20 +6,21 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from accel_patch import config_entry
+from accel_patch.integrations import config_entry
 
 REPORT = ("import json, sys; print(json.dumps([getattr(sys, 'accel_patch_startup', None), "
           "[m for m in ('accel_patch', 'torch', 'transformers') if m in sys.modules], "
           "{k: v for k, v in __import__('os').environ.items() if k.startswith('ACCEL_PATCH_')}]))")
 
 
-def run_hook(tmp_path, env_extra=None, extra_files=(), between=None, pythonpath=None):
-    """Run the hook line in a fresh interpreter as site does (twice, with `between` run in between,
-    when given), then report."""
-    line = config_entry._hook_line(list(extra_files))
+def run_hook(tmp_path, env_extra=None, extra_files=(), between=None, pythonpath=None, line=None):
+    """Run the hook line (this version's, unless `line` is given) in a fresh interpreter as site
+    does (twice, with `between` run in between, when given), then report."""
+    line = config_entry._hook_line(list(extra_files)) if line is None else line
     code = line + (between + "\n" + line if between else "") + REPORT
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_PATCH_", "HF_HOME", "XDG_CACHE"))}
     env.update(HF_HOME=str(tmp_path / "hf"), **(env_extra or {}))
@@ -48,6 +49,16 @@ def test_configured_the_hook_loads_accel_patch_without_torch(tmp_path):
     said, modules, env = run_hook(tmp_path)
     assert said == f"on: accel_patch loaded at start-up ({path})"
     assert modules == ["accel_patch"]
+
+
+def test_a_hook_line_written_by_an_earlier_release_still_loads_accel_patch(tmp_path):
+    # The .pth `accel-patch config` wrote with 0.1.0 (before the package moved into rooms) stays in
+    # site-packages across an upgrade: it must go on working unchanged.
+    old = (Path(__file__).parent / "data" / "startup_hook_0.1.0.pth").read_text(encoding="utf-8")
+    path = configure(tmp_path)
+    said, modules, _ = run_hook(tmp_path, line=old)
+    assert said == f"on: accel_patch loaded at start-up ({path})" and modules == ["accel_patch"]
+    assert run_hook(tmp_path, line=old, env_extra={"ACCEL_PATCH_DISABLE": "1"})[0] == "off: ACCEL_PATCH_DISABLE is set"
 
 
 def test_settings_reach_accel_patch_as_its_switches(tmp_path):

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch.distributed as dist
 
-from accel_patch import Topology, TopologyError, topology, topology_resolver
+from accel_patch import Topology, TopologyError, topology
+from accel_patch.core import topology_resolver
 
 
 def set_env(monkeypatch, env: dict[str, str]) -> None:

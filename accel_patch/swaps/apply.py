@@ -12,31 +12,11 @@ import weakref
 
 import torch
 
-from . import families, loss, mlp, norms, probe, rope, sites
+from . import loss, mlp, norms, probe, rope, sites
+from .ops import resolve_ops
 from .report import Refusal, SwapReport
 
 log = logging.getLogger("accel_patch")
-
-
-def resolve_ops(ops) -> tuple[str, ...]:
-    """The op names `ops` asks for (None: all), in report order. ValueError names an unknown one."""
-    if ops is None:
-        return families.OPS
-    if isinstance(ops, str):
-        ops = ops.split(",")
-    try:
-        names = [str(o).strip().lower() for o in ops]
-    except TypeError:
-        raise ValueError(f"ops must be None, a comma-separated string or a list of op names among "
-                         f"{', '.join(families.OPS)}, got {ops!r}") from None
-    chosen = set()
-    for name in filter(None, names):
-        name = families.OP_ALIASES.get(name, name)
-        if name not in families.OPS:
-            raise ValueError(f"unknown kernel op {name!r}: choose from {', '.join(families.OPS)} "
-                             f"(also {', '.join(sorted(families.OP_ALIASES))})")
-        chosen.add(name)
-    return tuple(op for op in families.OPS if op in chosen)
 
 
 def unwrap(model) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Tiny random models of several families, a padded batch, and one training step, for swap tests.
 
-The models are the ones `accel-patch check` builds (accel_patch.check.FAMILIES: a config of each
+The models are the ones `accel-patch check` builds (accel_patch.cli.check.FAMILIES: a config of each
 family, random weights, nothing downloaded). `FAMILIES` here says which op kinds the swap must put
 in, and which it must refuse, for each: a test fails both when a swap is missing and when one
 appears where the family computes something else.
@@ -11,11 +11,11 @@ import copy
 
 import torch
 
-from accel_patch import check
+from accel_patch.cli import check
 
 ALL = {"rms_norm", "rope", "glu", "fused_linear_cross_entropy"}
 
-# name: (ops swapped, ops refused, config overrides on top of accel_patch.check's)
+# name: (ops swapped, ops refused, config overrides on top of accel_patch.cli.check's)
 FAMILIES = {
     "llama": (ALL, set(), {}),
     "mistral": (ALL, set(), {}),

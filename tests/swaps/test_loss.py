@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from accel_patch import swap_kernels
-from accel_patch.swaps import loss as loss_swap
+from accel_patch.swaps import deferred as deferred_logits
 from accel_patch.swaps import sites
 
 from _models import build, padded_batch, pair, rel, training_step
@@ -118,7 +118,7 @@ def test_a_custom_loss_that_needs_the_logits_gets_the_real_ones():
     loss1, grads1, out = training_step(twin, batch)
     assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4
     assert out.logits is not None and out.logits.shape == (3, 10, 128)
-    assert not isinstance(out.logits, loss_swap.DeferredLogits)
+    assert not isinstance(out.logits, deferred_logits.DeferredLogits)
     # the loss is the custom function of the returned (real) logits, exactly
     assert torch.equal(loss1, log_softmax_loss(out.logits.detach(), batch["labels"], 128))
     assert calls(twin) == {"logits computed for log_softmax": 1}
@@ -128,9 +128,9 @@ def test_a_custom_loss_that_needs_the_logits_gets_the_real_ones():
 
 def deferred(hidden, weight, bias=None):
     state = sites.SwapState()
-    head = loss_swap._Head(hidden, weight, bias, state)
+    head = deferred_logits._Head(hidden, weight, bias, state)
     shape = torch.Size((*hidden.shape[:-1], weight.shape[0]))
-    return loss_swap.DeferredLogits(head, (), hidden, shape, weight.dtype), state
+    return deferred_logits.DeferredLogits(head, (), hidden, shape, weight.dtype), state
 
 
 @pytest.mark.parametrize("transform", [
@@ -151,7 +151,7 @@ def test_deferred_operations_give_the_stock_loss(transform):
     y[3] = -100
     z, state = deferred(h, w, b)
     out = transform(z)
-    assert isinstance(out, loss_swap.DeferredLogits) and state.loss_calls == {}
+    assert isinstance(out, deferred_logits.DeferredLogits) and state.loss_calls == {}
     n = out.shape[:-1].numel()
     fused = F.cross_entropy(out.reshape(-1, 50), y[:n])
     fused_grads = torch.autograd.grad(fused, (h, w, b))
@@ -170,7 +170,7 @@ def test_any_other_operation_computes_the_real_logits(op):
     h, w = torch.randn(2, 3, 8), torch.randn(20, 8)
     z, state = deferred(h, w)
     out = op(z)
-    assert not isinstance(out, loss_swap.DeferredLogits)
+    assert not isinstance(out, deferred_logits.DeferredLogits)
     assert torch.equal(out, op(F.linear(h, w)))
     assert len(state.loss_calls) == 1 and next(iter(state.loss_calls)).startswith("logits computed for")
 

@@ -19,13 +19,14 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from ..swaps import families
 from . import startup_gate
 
 CONFIG_NAME = startup_gate.CONFIG_NAME
 HOOK_NAME = "accel_patch_startup.pth"
 DISTRIBUTION = "accel-patch"
 DEFAULTS = {"enabled": "true", "kernels": "all", "callback": "true"}
-KERNEL_OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
+KERNEL_OPS = families.OPS
 
 
 def accelerate_config_dir(config_file: str | None = None, environ=None) -> Path:
@@ -135,9 +136,25 @@ def describe(config_file: str | None = None) -> dict:
         hook_exists = hook.exists()
     except metadata.PackageNotFoundError:
         hook, hook_exists = None, False
+    has_settings = path.is_file()
+    if has_settings and hook_exists:
+        state, advice = "configured", None
+    elif has_settings:
+        # The settings are user-wide (beside accelerate's config); the hook belongs to one
+        # environment: after `pip uninstall` elsewhere, or in a second venv, only the settings remain.
+        state = "settings found, but this environment has no start-up hook: accel-patch does not load at start-up here"
+        advice = ("run `accel-patch config --yes` to add the hook to this environment, or "
+                  "`accel-patch config --remove` to delete the settings")
+    elif hook_exists:
+        state = "start-up hook installed, but no settings: it loads nothing"
+        advice = "run `accel-patch config --yes` to write the settings, or `accel-patch config --remove` to delete the hook"
+    else:
+        state, advice = "not configured", None
     return {
         "config_file": str(path),
-        "configured": path.is_file(),
+        "configured": has_settings and hook_exists,
+        "state": state,
+        "advice": advice,
         "settings": read(config_file),
         "hook_file": str(hook) if hook else None,
         "hook_installed": hook_exists,
@@ -160,8 +177,7 @@ def _kernels(answer: str) -> str | None:
         return "all"
     if answer in ("none", "no", "off"):
         return "none"
-    aliases = {"swiglu": "glu", "geglu": "glu"}
-    ops = [aliases.get(o, o) for o in answer.split(",") if o]
+    ops = [families.OP_ALIASES.get(o, o) for o in answer.split(",") if o]
     return ",".join(dict.fromkeys(ops)) if ops and all(o in KERNEL_OPS for o in ops) else None
 
 

@@ -1,99 +1,26 @@
-"""The distributed-aware patch of accelerate's `PartialState`.
+"""The distributed-aware patch of accelerate's `PartialState` (what it decides: core/accelerate_decision.py).
 
-Decided at call time, from the topology resolved then, so one installed patch is right under
-every launcher:
+Target `accelerate.state.PartialState.__init__` and `._prepare_backend`, verified on accelerate
+1.15. The decision is made at call time, from the topology resolved then, so one installed patch
+is right under every launcher:
 
-- single device (world size <= 1, at most one local accelerator, e.g. `torchrun
-  --nproc_per_node=1`): state NO and no process group. `_prepare_backend` gives `(None, NO)`, and
-  LOCAL_RANK is hidden from `__init__` while it runs, since accelerate creates a process group
-  whenever LOCAL_RANK is set, whatever `_prepare_backend` said.
-- world size > 1 with no accelerator and `cpu` unset: accelerate's CPU distributed path (gloo or
-  MPI). Stock accelerate gives state NO beside a live process group there: every rank trains
-  alone and the weights drift apart.
-- world size > 1 with accelerators, started by MPI or SLURM (no LOCAL_RANK): accelerate would not
-  see the run at all; RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE are exported from the
-  resolved topology so that accelerate's own GPU path runs.
-- any other world size > 1 (one GPU per node, per-process CUDA_VISIBLE_DEVICES, ...): accelerate's
-  own set-up, untouched.
-- DeepSpeed or FSDP requested, XLA, SageMaker, or a process group the user created: untouched.
+- single device: `_prepare_backend` gives `(None, NO)`, and LOCAL_RANK is hidden from `__init__`
+  while it runs, since accelerate creates a process group whenever LOCAL_RANK is set, whatever
+  `_prepare_backend` said;
+- CPU distributed: `_prepare_backend` runs with `cpu=True`, accelerate's own gloo/MPI path;
+- MPI or SLURM with accelerators: the launcher's variables are exported first;
+- everything else: accelerate's own code, untouched.
+
+Undo: the registry puts back the two original functions from `PartialState.__dict__`.
 """
 from __future__ import annotations
 
 import os
-import sys
 from _thread import _local
-from collections import namedtuple
 
-from . import patching
-from .topology_resolver import Topology, TopologyError, scrub_blank_env, topology
-
-SINGLE_DEVICE = "single-device"
-CPU_DISTRIBUTED = "cpu-distributed"
-EXPORT_LAUNCHER_ENV = "export-launcher-env"
-ACCELERATE = "accelerate"  # accelerate's own set-up, untouched
-UNTOUCHED = "untouched"
-
-_TRUE = ("1", "true", "yes")
-
-
-class Decision(namedtuple("Decision", "action reason")):
-    """What the patch does with accelerate's state for this process, and why. `action` is one of
-    single-device, cpu-distributed, export-launcher-env, accelerate, untouched."""
-
-    __slots__ = ()
-
-
-def _flag(env, name: str) -> bool:
-    return env.get(name, "").strip().lower() in _TRUE
-
-
-def _xla_available() -> bool:
-    try:
-        from accelerate.utils import is_torch_xla_available
-    except ImportError:
-        return False
-    return bool(is_torch_xla_available())
-
-
-def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
-    """The decision for accelerate's state under topology `topo` (see the module docstring)."""
-    env = os.environ if environ is None else environ
-    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        return Decision(UNTOUCHED, "DeepSpeed requested (ACCELERATE_USE_DEEPSPEED): accelerate's own set-up")
-    if _flag(env, "ACCELERATE_USE_FSDP"):
-        return Decision(UNTOUCHED, "FSDP requested (ACCELERATE_USE_FSDP): accelerate's own set-up")
-    if _flag(env, "ACCELERATE_USE_SAGEMAKER"):
-        return Decision(UNTOUCHED, "SageMaker requested (ACCELERATE_USE_SAGEMAKER): accelerate's own set-up")
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return Decision(UNTOUCHED, "a process group already exists (created before accelerate): left as it is")
-    if _xla_available():
-        return Decision(UNTOUCHED, "XLA is available: accelerate's own set-up")
-    if topo.single_device:
-        where = f"one {topo.device_type} device" if topo.device_count else "cpu"
-        return Decision(SINGLE_DEVICE, f"world size {topo.world_size} on {where}: no process group, no DDP")
-    if topo.world_size <= 1:
-        return Decision(
-            ACCELERATE,
-            f"one process sees {topo.device_count} {topo.device_type} devices: accelerate's own set-up",
-        )
-    if topo.device_count == 0 and not cpu:
-        return Decision(
-            CPU_DISTRIBUTED,
-            f"world size {topo.world_size} with no accelerator: accelerate's CPU distributed path "
-            f"(stock accelerate would let every rank train alone)",
-        )
-    if topo.device_count > 0 and not cpu and not env.get("LOCAL_RANK", "").strip():  # blank is unset
-        return Decision(
-            EXPORT_LAUNCHER_ENV,
-            f"world size {topo.world_size} from {topo.launcher}, which does not set LOCAL_RANK: "
-            f"exporting RANK/WORLD_SIZE/LOCAL_RANK so accelerate's distributed path runs",
-        )
-    return Decision(
-        ACCELERATE,
-        f"world size {topo.world_size} ({topo.num_nodes} node(s), {topo.device_count} local "
-        f"{topo.device_type} device(s)): accelerate's own distributed set-up",
-    )
+from ..core import registry
+from ..core.accelerate_decision import CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, PATCH_NAME, SINGLE_DEVICE, decide
+from ..core.topology_resolver import Topology, TopologyError, scrub_blank_env, topology
 
 
 _current = _local()  # the decision of the __init__ in progress, for _prepare_backend
@@ -126,14 +53,12 @@ def _export_launcher_env(topo: Topology) -> None:
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
 
 
-class AccelerateStatePatch(patching.Patch):
-    name = "accelerate-state"
+class AccelerateStatePatch(registry.Patch):
+    name = PATCH_NAME
     module = "accelerate.state"
     target = "accelerate.state.PartialState.__init__ and ._prepare_backend"
     verified = "accelerate 1.15"
     switch = "ACCEL_PATCH_ACCELERATE"
-
-    last_decision: Decision | None = None
 
     def check(self, module) -> str | None:
         import inspect
@@ -177,9 +102,9 @@ class AccelerateStatePatch(patching.Patch):
             bound = init_signature.bind_partial(instance, *args, **kwargs)
             topo = topology()
             decision = decide(topo, cpu=bool(bound.arguments.get("cpu", False)))
-            AccelerateStatePatch.last_decision = decision
+            registry.record_decision(AccelerateStatePatch.name, decision)
             # status() says what was decided and why (DESIGN: "untouched, status says why").
-            patching._set(AccelerateStatePatch.name, patching.ACTIVE,
+            registry.set_state(AccelerateStatePatch.name, registry.ACTIVE,
                           f"patched {AccelerateStatePatch.target}; last decision: {decision.action}: {decision.reason}")
             if decision.action == EXPORT_LAUNCHER_ENV:
                 _export_launcher_env(topo)
@@ -210,4 +135,4 @@ class AccelerateStatePatch(patching.Patch):
 
 
 patch = AccelerateStatePatch()
-patching.register(patch)
+registry.register(patch)

@@ -51,14 +51,14 @@ class AccelPatchCallback(TrainerCallback):
     def _ops(self):
         if self.ops is not None:
             return self.ops
-        from .auto_swap import ops_from_env
+        from ..swaps.ops import ops_from_env
 
         return ops_from_env()
 
     def _swap(self, model, *, prepared: bool) -> None:
-        from .swaps import swap_kernels
-        from .swaps.apply import unwrap
-        from .swaps.sites import STATE_ATTR
+        from ..swaps import swap_kernels
+        from ..swaps.apply import unwrap
+        from ..swaps.sites import STATE_ATTR
 
         if model is None:
             return
@@ -152,7 +152,7 @@ class AccelPatchCallback(TrainerCallback):
 
 
 def _swap_prepared(model, ops):
-    from .swaps.apply import swap
+    from ..swaps.apply import swap
 
     return swap(model, ops, top_level=False)
 
@@ -160,8 +160,9 @@ def _swap_prepared(model, ops):
 def _topology_line() -> str:
     """The run in a few words (a logged value: under 100 characters), e.g.
     "2 processes on 1 node(s), cpu, torchrun; accelerate: cpu-distributed"."""
-    from .accelerate_state import AccelerateStatePatch
-    from .topology_resolver import topology
+    from ..core import registry
+    from ..core.accelerate_decision import PATCH_NAME
+    from ..core.topology_resolver import topology
 
     try:
         topo = topology()
@@ -169,5 +170,5 @@ def _topology_line() -> str:
         line = f"{topo.world_size} process(es) on {topo.num_nodes} node(s), {devices}, {topo.launcher}"
     except Exception as exc:  # a bad variable was reported where it mattered; do not fail the log
         line = f"unresolved: {type(exc).__name__}"
-    decision = AccelerateStatePatch.last_decision
+    decision = registry.last_decision(PATCH_NAME)  # read through the registry: no patch is imported
     return f"{line}; accelerate: {decision.action}" if decision else line

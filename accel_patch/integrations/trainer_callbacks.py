@@ -1,5 +1,9 @@
 """Every `transformers.Trainer` gets one `AccelPatchCallback`, at the head of its callback list.
 
+The callback's automatic registration lives here, beside the callback, rather than among the
+patches: it is how the callback gets in (a way in), and it needs the callback's class, while
+patches/ and integrations/ never import each other.
+
 Wraps `transformers.trainer_callback.CallbackHandler.__init__` and `.add_callback` (Trainer and
 TRL's trainers build their callbacks through them). After `__init__`, the handler holds exactly one
 AccelPatchCallback, first: the one the user passed, else an automatic one. `add_callback` of an
@@ -9,7 +13,7 @@ them reach TensorBoard, W&B and the rest. ACCEL_PATCH_CALLBACK=0 turns the autom
 """
 from __future__ import annotations
 
-from . import patching
+from ..core import registry
 
 
 def _arrange(handler, explicit=None) -> None:
@@ -25,7 +29,7 @@ def _arrange(handler, explicit=None) -> None:
     handler.callbacks[:] = [keep] + [cb for cb in handler.callbacks if not isinstance(cb, AccelPatchCallback)]
 
 
-class TrainerCallbackPatch(patching.Patch):
+class TrainerCallbackPatch(registry.Patch):
     name = "trainer-callback"
     module = "transformers.trainer_callback"
     target = "transformers.trainer_callback.CallbackHandler.__init__ and .add_callback"
@@ -67,4 +71,4 @@ class TrainerCallbackPatch(patching.Patch):
 
 
 patch = TrainerCallbackPatch()
-patching.register(patch)
+registry.register(patch)

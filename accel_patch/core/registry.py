@@ -1,5 +1,5 @@
-"""The patch registry: bind each patch when its target module is imported, record what happened,
-undo exactly.
+"""The patch registry: bind each patch when its target module is imported, record what happened
+(its state, and the last decision it made), undo exactly.
 
 A patch reads like an OpenTelemetry instrumentor: the module it targets, the versions it was
 verified on, a shape guard, the wrappers, and the undo. Nothing here imports torch,
@@ -90,6 +90,7 @@ _states: dict[str, tuple[str, str]] = {}
 _enabled = False
 _watching: frozenset[str] = frozenset()  # the patches' target modules, while enabled
 _logged: set[str] = set()
+_decisions: dict[str, object] = {}  # the last decision each patch made, for the ways in and the face
 
 
 class _HookedLoader:
@@ -158,7 +159,8 @@ def register(patch: Patch) -> None:
             _watching = _watching | {patch.module}
 
 
-def _set(name: str, state: str, reason: str) -> None:
+def set_state(name: str, state: str, reason: str) -> None:
+    """Record a patch's state and why (a failure is logged once per patch)."""
     _states[name] = (state, reason)
     if state == FAILED and name not in _logged:
         import logging
@@ -173,23 +175,23 @@ def _bind(patch: Patch, module) -> None:
         if not _enabled or patch.installed:
             return
         if os.environ.get(patch.switch, "").strip() == "0":
-            _set(patch.name, SKIPPED, f"turned off by {patch.switch}=0")
+            set_state(patch.name, SKIPPED, f"turned off by {patch.switch}=0")
             return
         try:
             reason = patch.check(module)
             if reason:
-                _set(patch.name, SKIPPED, reason)
+                set_state(patch.name, SKIPPED, reason)
                 return
             late = patch.too_late(module)
             patch.install(module)
             # too-late: what already exists is left as it is; what is created from now on is patched.
-            _set(patch.name, TOO_LATE, late) if late else _set(patch.name, ACTIVE, f"patched {patch.target}")
+            set_state(patch.name, TOO_LATE, late) if late else set_state(patch.name, ACTIVE, f"patched {patch.target}")
         except Exception as exc:  # a hook that raises would break the user's import
             try:
                 patch.uninstall()
             except Exception:
                 pass
-            _set(patch.name, FAILED, f"{type(exc).__name__}: {exc}")
+            set_state(patch.name, FAILED, f"{type(exc).__name__}: {exc}")
 
 
 def _on_import(module) -> None:
@@ -225,7 +227,20 @@ def disable() -> None:
         # Newest first: two patches may wrap the same attribute, and each restores what it found.
         for patch in reversed(list(_patches.values())):
             patch.uninstall()
-            _set(patch.name, DISABLED, "accel_patch.disable() was called")
+            set_state(patch.name, DISABLED, "accel_patch.disable() was called")
+
+
+def record_decision(name: str, decision) -> None:
+    """Keep the last decision patch `name` made (what the accelerate patch chose, what a load used)."""
+    with _lock:
+        _decisions[name] = decision
+
+
+def last_decision(name: str):
+    """The last decision patch `name` recorded, or None: how the Trainer callback and `accel-patch
+    env` learn what a patch did without importing it."""
+    with _lock:
+        return _decisions.get(name)
 
 
 def state_of(name: str) -> str:

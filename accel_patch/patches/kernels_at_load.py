@@ -1,40 +1,22 @@
-"""The load hook for kernels: models returned by `from_pretrained` or `from_config` are swapped.
+"""The kernels-at-load patch: models returned by `from_pretrained` or `from_config` are swapped.
 
-Wraps `transformers.PreTrainedModel.from_pretrained` and `._from_config` (which the Auto classes'
-`from_config` call). The model the load returns gets `swap_kernels(model, ops)` before the caller
-sees it, with ops from ACCEL_PATCH_KERNELS (unset: all; `0`/`none`: off; `rms_norm,rope`: those).
-A model built by calling its class is swapped only by `swap_kernels` (or the Trainer callback).
-A swap that fails is recorded in `status()` and logged once; the load itself always returns.
+Target `transformers.PreTrainedModel.from_pretrained` and `._from_config` (which the Auto classes'
+`from_config` call), verified on transformers 5.17 and 5.24. The model the load returns gets
+`swap_kernels(model, ops)` before the caller sees it, with ops from ACCEL_PATCH_KERNELS (unset:
+all; `0`/`none`: off; `rms_norm,rope`: those). A model built by calling its class is swapped only
+by `swap_kernels` (or the Trainer callback). A swap that fails is recorded in `status()` and
+logged once; the load itself always returns. Undo: the registry puts back both classmethods.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from . import patching
-
-SWITCH = "ACCEL_PATCH_KERNELS"
-_OFF = ("0", "none", "off", "false", "no")
+from ..core import registry
+from ..swaps.ops import OFF, SWITCH, ops_from_env
 
 
-def ops_from_env(environ=None):
-    """The ops ACCEL_PATCH_KERNELS asks for: None (all), () (off), or a tuple of names.
-    Raises ValueError naming the variable when it names an unknown op."""
-    env = os.environ if environ is None else environ
-    raw = env.get(SWITCH, "").strip()
-    if not raw:
-        return None
-    if raw.lower() in _OFF:
-        return ()
-    from .swaps.apply import resolve_ops  # no torch at import: resolve_ops needs only the names
-
-    try:
-        return resolve_ops(raw)
-    except ValueError as exc:
-        raise ValueError(f"{SWITCH}={raw!r}: {exc}") from None
-
-
-class KernelSwapPatch(patching.Patch):
+class KernelSwapPatch(registry.Patch):
     name = "kernels"
     module = "transformers.modeling_utils"
     target = "transformers.PreTrainedModel.from_pretrained and ._from_config: swap kernels into the model returned"
@@ -49,7 +31,7 @@ class KernelSwapPatch(patching.Patch):
             if not isinstance(cls.__dict__.get(attr), classmethod):
                 return f"PreTrainedModel.{attr} is not a classmethod (verified on {self.verified})"
         value = os.environ.get(SWITCH, "").strip()
-        if value.lower() in _OFF:  # the registry itself only knows "0"
+        if value.lower() in OFF:  # the registry itself only knows "0"
             return f"turned off by {SWITCH}={value}"
         return None  # a list of ops is read, and checked, at each load
 
@@ -74,15 +56,15 @@ def _swap_loaded(model) -> None:
         ops = ops_from_env()
         if ops == ():
             return
-        from .swaps import swap_kernels
+        from ..swaps import swap_kernels
 
         swap_kernels(model, ops)
-        if patching.state_of(patch.name) == patching.FAILED:  # an earlier load failed; this one did not
-            patching._set(patch.name, patching.ACTIVE, f"patched {patch.target}")
+        if registry.state_of(patch.name) == registry.FAILED:  # an earlier load failed; this one did not
+            registry.set_state(patch.name, registry.ACTIVE, f"patched {patch.target}")
     except Exception as exc:  # the user's load must succeed whatever happens here
-        patching._set(patch.name, patching.FAILED, f"swapping kernels into {type(model).__name__} failed: "
-                      f"{type(exc).__name__}: {exc}")
+        registry.set_state(patch.name, registry.FAILED, f"swapping kernels into {type(model).__name__} failed: "
+                           f"{type(exc).__name__}: {exc}")
 
 
 patch = KernelSwapPatch()
-patching.register(patch)
+registry.register(patch)

@@ -12,9 +12,13 @@ Three parts, one table, exit code 0 only if every row passes:
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import time
 from collections import namedtuple
+
+PARTS = ("kernels", "models", "launch")
 
 KERNEL_BOUND = 1e-5  # float32 against float64: as the kernel tests
 LOSS_BOUND, GRAD_BOUND = 1e-5, 1e-4  # as the swap parity tests
@@ -145,9 +149,8 @@ def check_kernels(devices) -> list[Row]:
 def check_models(device, families=None) -> list[Row]:
     import copy
 
-    import torch
 
-    from .swaps import OPS, restore_kernels, swap_kernels
+    from ..swaps import OPS, restore_kernels, swap_kernels
 
     rows = []
     batch = padded_batch(device)
@@ -185,8 +188,8 @@ def check_models(device, families=None) -> list[Row]:
 
 def check_launch() -> list[Row]:
     """The decisions this process would get: what `accel-patch env` reports."""
-    from .cli import env_report
-    from .topology_resolver import TopologyError
+    from ..core.topology_resolver import TopologyError
+    from .report import env_report
 
     try:
         report = env_report()
@@ -210,7 +213,7 @@ def local_devices():
     return devices
 
 
-def run(parts=("kernels", "models", "launch")) -> list[Row]:
+def collect(parts=PARTS) -> list[Row]:
     """Every row of the self-test."""
     devices = local_devices()
     rows = []
@@ -233,14 +236,41 @@ def table(rows: list[Row], seconds: float) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def main(as_json: bool = False, parts=("kernels", "models", "launch")) -> int:
+def main(as_json: bool = False, parts=PARTS) -> int:
     import json
 
     start = time.perf_counter()
-    rows = run(parts)
+    found = collect(parts)
     seconds = time.perf_counter() - start
     if as_json:
-        print(json.dumps({"passed": all(r.ok for r in rows), "seconds": seconds, "rows": [r._asdict() for r in rows]}))
+        print(json.dumps({"passed": all(r.ok for r in found), "seconds": seconds,
+                          "rows": [r._asdict() for r in found]}))
     else:
-        print(table(rows, seconds))
-    return 0 if all(r.ok for r in rows) else 1
+        print(table(found, seconds))
+    return 0 if all(r.ok for r in found) else 1
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"choose among {','.join(PARTS)}, got {text!r}")
+    return parts
+
+
+def add_parser(commands):
+    parser = commands.add_parser("check", help="self-test: kernels, swapped models and this launch; exit 0 if all pass")
+    parser.add_argument("--json", action="store_true", help="one JSON object, for machines")
+    parser.add_argument("--parts", type=_parts, default=PARTS, help=f"comma list among {','.join(PARTS)} (default: all)")
+    return parser
+
+
+def run(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        # No GPU: check the Triton kernels themselves, on the CPU, under Triton's interpreter.
+        os.environ["TRITON_INTERPRET"] = "1"
+        if not args.json:
+            print("no GPU: the Triton kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1)\n")
+    return main(as_json=args.json, parts=args.parts)

@@ -1,28 +1,18 @@
-"""The model-loading hook: quantized and distributed loads land on this rank's own device.
+"""The model-loading patch: quantized and distributed loads land on this rank's own device.
 
-Wraps `transformers.PreTrainedModel.from_pretrained`. When the load is quantized or the run is
-distributed, `device_map=None` or a strategy string ("auto", "balanced", "balanced_low_0",
-"sequential") is replaced by `prepare_device_map()`: `{"": "cuda:<local rank>"}` and the like, so
-4-bit and 8-bit weights are placed on their rank's device at load and never moved afterwards.
-An explicit dict or device from the user is never touched. One process that sees several
-accelerators keeps a strategy string: spreading a model over them is what it asked for.
+Target `transformers.PreTrainedModel.from_pretrained`, verified on transformers 5.17 and 5.24.
+When the load is quantized or the run is distributed, `device_map=None` or a strategy string
+("auto", "balanced", "balanced_low_0", "sequential") is replaced by the rank's own map
+(core/device_map.py decides: `{"": "cuda:<local rank>"}` and the like), so 4-bit and 8-bit
+weights are placed on their rank's device at load and never moved afterwards. An explicit dict
+or device from the user is never touched. Undo: the registry puts back the original classmethod.
 """
 from __future__ import annotations
 
 import os
-from collections import namedtuple
 
-from . import patching
-from .device_map import prepare_device_map
-from .topology_resolver import scrub_blank_env, topology
-
-STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
-
-
-class LoadDecision(namedtuple("LoadDecision", "requested used reason")):
-    """What the hook did to the last `from_pretrained` call's device_map."""
-
-    __slots__ = ()
+from ..core import registry
+from ..core.device_map import PATCH_NAME, choose_device_map, replaceable
 
 
 def _is_quantized(pretrained, kwargs) -> bool:
@@ -47,34 +37,12 @@ def _is_quantized(pretrained, kwargs) -> bool:
     return False
 
 
-def _replaceable(requested) -> bool:
-    """None or a strategy string: a device_map the hook may replace."""
-    return requested is None or (isinstance(requested, str) and requested in STRATEGIES)
-
-
-def choose_device_map(requested, quantized: bool) -> LoadDecision:
-    """The device_map a load should use, given what the caller asked for. Resolves the topology."""
-    if not _replaceable(requested):
-        return LoadDecision(requested, requested, "explicit device_map from the caller: kept")
-    scrub_blank_env()
-    topo = topology()
-    if not (quantized or topo.is_distributed):
-        return LoadDecision(requested, requested, "single process, not quantized: kept")
-    if not topo.is_distributed and topo.device_count > 1 and requested is not None:
-        return LoadDecision(requested, requested, f"one process over {topo.device_count} devices: kept")
-    device_map, _ = prepare_device_map(topo)
-    why = "quantized load" if quantized else "distributed load"
-    return LoadDecision(requested, device_map, f"{why}, {topo.describe()}: {requested!r} -> {device_map}")
-
-
-class ModelLoadingPatch(patching.Patch):
-    name = "device-map"
+class ModelLoadingPatch(registry.Patch):
+    name = PATCH_NAME
     module = "transformers.modeling_utils"
     target = "transformers.PreTrainedModel.from_pretrained"
     verified = "transformers 5.17, 5.24"
     switch = "ACCEL_PATCH_DEVICE_MAP"
-
-    last_load: LoadDecision | None = None
 
     def check(self, module) -> str | None:
         import inspect
@@ -97,9 +65,9 @@ class ModelLoadingPatch(patching.Patch):
             pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             requested = kwargs.get("device_map")
             # An explicit map is kept whatever the load: skip reading the checkpoint's config then.
-            quantized = _replaceable(requested) and _is_quantized(pretrained, kwargs)
+            quantized = replaceable(requested) and _is_quantized(pretrained, kwargs)
             decision = choose_device_map(requested, quantized)
-            ModelLoadingPatch.last_load = decision
+            registry.record_decision(ModelLoadingPatch.name, decision)
             if decision.used is not decision.requested:
                 kwargs = dict(kwargs, device_map=decision.used)
             return wrapped(*args, **kwargs)
@@ -108,4 +76,4 @@ class ModelLoadingPatch(patching.Patch):
 
 
 patch = ModelLoadingPatch()
-patching.register(patch)
+registry.register(patch)

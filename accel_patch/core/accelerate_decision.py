@@ -1,0 +1,97 @@
+"""The decision for accelerate's state: what a process under this topology should get.
+
+Single device := world size <= 1 and at most one local accelerator. Decided from the topology
+resolved at the moment accelerate creates its state (launchers such as notebook_launcher set the
+environment after the user's imports):
+
+- single device (also `torchrun --nproc_per_node=1`): state NO and no process group;
+- world size > 1 with no accelerator and `cpu` unset: accelerate's CPU distributed path (gloo or
+  MPI), where stock accelerate gives state NO beside a live process group and every rank trains
+  alone;
+- world size > 1 with accelerators, started by MPI or SLURM (no LOCAL_RANK): export RANK,
+  WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE so that accelerate's own GPU path runs;
+- any other world size > 1 (one GPU per node, per-process CUDA_VISIBLE_DEVICES, ...): accelerate's
+  own set-up;
+- DeepSpeed or FSDP requested, XLA, SageMaker, or a process group the user created: untouched.
+
+Pure decision: nothing here wraps or changes accelerate (patches/accelerate_state.py applies it).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import namedtuple
+
+from .topology_resolver import Topology
+
+#: The registry name of the patch that applies the decision (patches/accelerate_state.py) and
+#: records the last one: `registry.last_decision(PATCH_NAME)`.
+PATCH_NAME = "accelerate-state"
+
+SINGLE_DEVICE = "single-device"
+CPU_DISTRIBUTED = "cpu-distributed"
+EXPORT_LAUNCHER_ENV = "export-launcher-env"
+ACCELERATE = "accelerate"  # accelerate's own set-up, untouched
+UNTOUCHED = "untouched"
+
+_TRUE = ("1", "true", "yes")
+
+
+class Decision(namedtuple("Decision", "action reason")):
+    """What the patch does with accelerate's state for this process, and why. `action` is one of
+    single-device, cpu-distributed, export-launcher-env, accelerate, untouched."""
+
+    __slots__ = ()
+
+
+def _flag(env, name: str) -> bool:
+    return env.get(name, "").strip().lower() in _TRUE
+
+
+def _xla_available() -> bool:
+    try:
+        from accelerate.utils import is_torch_xla_available
+    except ImportError:
+        return False
+    return bool(is_torch_xla_available())
+
+
+def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
+    """The decision for accelerate's state under topology `topo` (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        return Decision(UNTOUCHED, "DeepSpeed requested (ACCELERATE_USE_DEEPSPEED): accelerate's own set-up")
+    if _flag(env, "ACCELERATE_USE_FSDP"):
+        return Decision(UNTOUCHED, "FSDP requested (ACCELERATE_USE_FSDP): accelerate's own set-up")
+    if _flag(env, "ACCELERATE_USE_SAGEMAKER"):
+        return Decision(UNTOUCHED, "SageMaker requested (ACCELERATE_USE_SAGEMAKER): accelerate's own set-up")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return Decision(UNTOUCHED, "a process group already exists (created before accelerate): left as it is")
+    if _xla_available():
+        return Decision(UNTOUCHED, "XLA is available: accelerate's own set-up")
+    if topo.single_device:
+        where = f"one {topo.device_type} device" if topo.device_count else "cpu"
+        return Decision(SINGLE_DEVICE, f"world size {topo.world_size} on {where}: no process group, no DDP")
+    if topo.world_size <= 1:
+        return Decision(
+            ACCELERATE,
+            f"one process sees {topo.device_count} {topo.device_type} devices: accelerate's own set-up",
+        )
+    if topo.device_count == 0 and not cpu:
+        return Decision(
+            CPU_DISTRIBUTED,
+            f"world size {topo.world_size} with no accelerator: accelerate's CPU distributed path "
+            f"(stock accelerate would let every rank train alone)",
+        )
+    if topo.device_count > 0 and not cpu and not env.get("LOCAL_RANK", "").strip():  # blank is unset
+        return Decision(
+            EXPORT_LAUNCHER_ENV,
+            f"world size {topo.world_size} from {topo.launcher}, which does not set LOCAL_RANK: "
+            f"exporting RANK/WORLD_SIZE/LOCAL_RANK so accelerate's distributed path runs",
+        )
+    return Decision(
+        ACCELERATE,
+        f"world size {topo.world_size} ({topo.num_nodes} node(s), {topo.device_count} local "
+        f"{topo.device_type} device(s)): accelerate's own distributed set-up",
+    )

@@ -1,0 +1,321 @@
+"""Deferred logits: the LM head's output before it is computed, and the fused loss on it.
+
+`DeferredLogits` is a storage-less tensor subclass standing for `F.linear(hidden, weight, bias)`
+under the autocast state of the call. The few operations families apply to logits before the loss
+(a cast, a scalar multiply or divide, `tanh`, a reshape, slicing leading dims) stay deferred and are
+recorded; `F.cross_entropy` on it runs `fused_linear_cross_entropy` on the head's input, scaled and
+soft-capped to match (`fused_loss`); any other operation computes the real logits first, replaying
+the recorded calls (stock values, stock gradients), so nothing can be dropped silently.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+_SELF = object()  # marks the deferred tensor's place in a recorded call
+
+
+class _Head:
+    """The head call a deferred tensor stands for: F.linear(hidden, weight, bias) under the autocast
+    state of the call."""
+
+    def __init__(self, hidden, weight, bias, state) -> None:
+        self.hidden, self.weight, self.bias, self.state = hidden, weight, bias, state
+        device_type = hidden.device.type
+        enabled = torch.is_autocast_enabled(device_type)
+        self.autocast = (device_type, enabled, torch.get_autocast_dtype(device_type) if enabled else None)
+        self._real = None
+
+    @property
+    def computed(self) -> bool:
+        return self._real is not None
+
+    def real(self) -> torch.Tensor:
+        if self._real is None:
+            device_type, enabled, dtype = self.autocast
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled) if enabled else contextlib.nullcontext():
+                self._real = F.linear(self.hidden, self.weight, self.bias)
+        return self._real
+
+    def out_dtype(self) -> torch.dtype:
+        _, enabled, dtype = self.autocast
+        return dtype if enabled else self.weight.dtype
+
+
+class DeferredLogits(torch.Tensor):
+    """Logits of a linear head not computed yet (see the module docstring).
+
+    `_head`: the head call; `_chain`: the calls applied since, replayed on the real logits when
+    they are needed; `_hidden`: the head's input with this tensor's leading shape; `_pre`,
+    `_tanh`, `_post`: the logits as `post * tanh(pre * z)` (or `pre * z`) of the head output z.
+    """
+
+    @staticmethod
+    def __new__(cls, head, chain, hidden, shape, dtype, pre=1.0, tanh=False, post=1.0):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=hidden.device)
+        t._head, t._chain, t._hidden = head, chain, hidden
+        t._pre, t._tanh, t._post = pre, tanh, post
+        return t
+
+    def _derive(self, call, **changes):
+        fields = dict(hidden=self._hidden, shape=self.shape, dtype=self.dtype, pre=self._pre,
+                      tanh=self._tanh, post=self._post)
+        fields.update(changes)
+        return DeferredLogits(self._head, self._chain + (call,), **fields)
+
+    def materialize(self) -> torch.Tensor:
+        """The real logits: the head's output with every recorded call replayed on it, as stock."""
+        x = self._head.real()
+        for func, args, kwargs in self._chain:
+            x = func(*(x if a is _SELF else a for a in args), **kwargs)
+        return x
+
+    def __repr__(self, **kwargs):
+        return f"DeferredLogits(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            result = handler(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        # Anything else: the real logits, and the stock operation on them.
+        for a in args:
+            if isinstance(a, DeferredLogits) and not a._head.computed:
+                a._head.state.count_call(f"logits computed for {getattr(func, '__name__', func)}")
+                break
+        args, kwargs = _real((args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"accel_patch: DeferredLogits reached {func} without being computed; please report this")
+
+
+def _real(obj):
+    if isinstance(obj, DeferredLogits):
+        return obj.materialize()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_real(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _real(v) for k, v in obj.items()}
+    return obj
+
+
+# Calls that only read a tensor's metadata: answered from the deferred tensor's own shape, dtype
+# and device. (Looked up by name: the set differs a little across torch versions.)
+_METADATA = set()
+for _name in ("shape", "dtype", "device", "ndim", "requires_grad", "layout", "is_cuda", "is_leaf",
+              "grad_fn", "is_sparse", "is_quantized", "is_meta"):
+    _attr = getattr(torch.Tensor, _name, None)
+    if _attr is not None and hasattr(_attr, "__get__"):
+        _METADATA.add(_attr.__get__)
+for _name in ("size", "dim", "numel", "nelement", "__len__", "is_floating_point", "is_complex",
+              "element_size", "get_device", "stride", "is_contiguous"):
+    if hasattr(torch.Tensor, _name):
+        _METADATA.add(getattr(torch.Tensor, _name))
+
+
+def _scalar(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _record(func, args, kwargs, me):
+    return (func, tuple(_SELF if a is me else a for a in args), kwargs)
+
+
+def _h_contiguous(func, args, kwargs):
+    return args[0] if isinstance(args[0], DeferredLogits) else NotImplemented
+
+
+def _h_cast(func, args, kwargs):
+    me = args[0]
+    if not isinstance(me, DeferredLogits):
+        return NotImplemented
+    name = getattr(func, "__name__", "")
+    if name in ("float", "bfloat16", "half", "double"):
+        if args[1:] or kwargs:
+            return NotImplemented
+        dtype = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16, "double": torch.float64}[name]
+    elif name == "type_as":
+        dtype = args[1].dtype if len(args) == 2 and isinstance(args[1], torch.Tensor) and not kwargs else None
+    else:  # Tensor.to: to(dtype), to(device, dtype), to(tensor), dtype=/device= keywords
+        dtype, device = kwargs.get("dtype"), kwargs.get("device")
+        if set(kwargs) - {"dtype", "device", "non_blocking", "copy"} or kwargs.get("copy"):
+            return NotImplemented
+        for a in args[1:]:
+            if isinstance(a, torch.dtype):
+                dtype = a
+            elif isinstance(a, (str, torch.device)):
+                device = a
+            elif isinstance(a, torch.Tensor):
+                dtype, device = a.dtype, a.device
+            else:
+                return NotImplemented
+        if device is not None and torch.device(device) != me.device:
+            if not (torch.device(device).index is None and torch.device(device).type == me.device.type):
+                return NotImplemented
+    if dtype is None or not dtype.is_floating_point:
+        return NotImplemented
+    return me._derive(_record(func, args, kwargs, me), dtype=dtype)
+
+
+def _h_scale(func, args, kwargs):
+    name = getattr(func, "__name__", "")
+    if kwargs.get("rounding_mode") is not None or len(args) != 2 or set(kwargs) - {"rounding_mode"}:
+        return NotImplemented
+    a, b = args
+    divide = name in ("div", "__truediv__", "true_divide")
+    if isinstance(a, DeferredLogits) and _scalar(b):
+        me, c = a, float(b)
+    elif not divide and isinstance(b, DeferredLogits) and _scalar(a):
+        me, c = b, float(a)
+    else:
+        return NotImplemented
+    if divide:
+        if c == 0:
+            return NotImplemented
+        c = 1.0 / c
+    call = _record(func, args, kwargs, me)
+    if me._tanh:
+        return me._derive(call, post=me._post * c)
+    return me._derive(call, pre=me._pre * c)
+
+
+def _h_tanh(func, args, kwargs):
+    me = args[0]
+    if not isinstance(me, DeferredLogits) or me._tanh or len(args) != 1 or kwargs:
+        return NotImplemented
+    return me._derive(_record(func, args, kwargs, me), tanh=True)
+
+
+def _shape_arg(args):
+    shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+    if not shape or not all(isinstance(s, int) for s in shape):
+        return None
+    return tuple(shape)
+
+
+def _h_reshape(func, args, kwargs):
+    me = args[0]
+    if not isinstance(me, DeferredLogits) or kwargs:
+        return NotImplemented
+    shape = _shape_arg(args)
+    if shape is None or shape.count(-1) > 1 or any(s < -1 for s in shape):
+        return NotImplemented
+    shape, total = list(shape), me.numel()
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        if known == 0 or total % known:
+            return NotImplemented
+        shape[shape.index(-1)] = total // known
+    size = 1
+    for s in shape:
+        size *= s
+    if size != total or shape[-1] != me.shape[-1]:
+        return NotImplemented  # only leading dims may be regrouped: the vocabulary dim stays last
+    hidden = me._hidden.reshape(*shape[:-1], me._hidden.shape[-1])
+    return me._derive(_record(func, args, kwargs, me), hidden=hidden, shape=torch.Size(shape))
+
+
+def _h_getitem(func, args, kwargs):
+    me, index = args
+    if not isinstance(me, DeferredLogits):
+        return NotImplemented
+    index = index if isinstance(index, tuple) else (index,)
+    if any(not (isinstance(i, (int, slice)) and not isinstance(i, bool)) and i is not Ellipsis for i in index):
+        return NotImplemented
+    if index.count(Ellipsis) > 1:
+        return NotImplemented
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (me.dim() - len(index) + 1) + index[at + 1:]
+    if len(index) > me.dim():
+        return NotImplemented
+    if len(index) == me.dim():
+        last = index[-1]
+        if not (isinstance(last, slice) and last == slice(None)):
+            return NotImplemented  # the vocabulary dim is indexed: needs the values
+        index = index[:-1]
+    hidden = me._hidden[index + (slice(None),)]
+    return me._derive(_record(func, args, kwargs, me), hidden=hidden,
+                      shape=torch.Size((*hidden.shape[:-1], me.shape[-1])))
+
+
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+
+
+def _h_cross_entropy(func, args, kwargs):
+    try:
+        a = _CE_SIGNATURE.bind(*args, **kwargs).arguments
+    except TypeError:
+        return NotImplemented
+    me, target = a.get("input"), a.get("target")
+    if not isinstance(me, DeferredLogits) or isinstance(target, DeferredLogits) or not isinstance(target, torch.Tensor):
+        return NotImplemented
+    if a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None:
+        return NotImplemented
+    if a.get("label_smoothing", 0.0) != 0.0 or me.dim() != 2 or target.shape != me.shape[:1]:
+        return NotImplemented
+    if target.dtype not in (torch.int64, torch.int32) or target.device != me.device:
+        return NotImplemented
+    reduction = a.get("reduction", "mean")
+    if reduction not in ("mean", "sum", "none"):
+        return NotImplemented
+    loss = fused_loss(me, target, a.get("ignore_index", -100), reduction)
+    if loss is NotImplemented:
+        return NotImplemented
+    me._head.state.count_call("fused")
+    return loss
+
+
+def fused_loss(me: DeferredLogits, target, ignore_index: int, reduction: str):
+    """F.cross_entropy(me, target) of the deferred logits, through the fused kernel."""
+    from accel_kernels import fused_linear_cross_entropy
+
+    head = me._head
+    device_type, enabled, cast_to = head.autocast
+    h, w, b = me._hidden, head.weight, head.bias
+    if enabled:
+        h, w = h.to(cast_to), w.to(cast_to)
+        b = b.to(cast_to) if b is not None else None
+    elif h.dtype != w.dtype or (b is not None and b.dtype != w.dtype):
+        return NotImplemented  # stock F.linear decides what happens (an error)
+    if me._tanh:
+        if not me._post > 0:
+            return NotImplemented
+        softcap, factor = me._post, me._pre * me._post  # post * tanh(pre z) = c tanh((pre c z) / c)
+    else:
+        softcap, factor = None, me._pre
+    if factor != 1.0:
+        h = h * factor
+        b = b * factor if b is not None else None
+    with torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext():
+        per_token = fused_linear_cross_entropy(h, w, target, bias=b, ignore_index=ignore_index,
+                                               softcap=softcap, reduction="none" if reduction == "none" else "sum")
+    if reduction == "mean":
+        per_token = per_token / (target != ignore_index).sum()  # as stock: 0 tokens give NaN
+    return per_token.to(me.dtype)
+
+
+_HANDLERS = {
+    torch.Tensor.contiguous: _h_contiguous,
+    torch.Tensor.float: _h_cast, torch.Tensor.bfloat16: _h_cast, torch.Tensor.half: _h_cast,
+    torch.Tensor.double: _h_cast, torch.Tensor.to: _h_cast, torch.Tensor.type_as: _h_cast,
+    torch.Tensor.__mul__: _h_scale, torch.Tensor.__rmul__: _h_scale, torch.Tensor.mul: _h_scale, torch.mul: _h_scale,
+    torch.Tensor.__truediv__: _h_scale, torch.Tensor.div: _h_scale, torch.div: _h_scale, torch.true_divide: _h_scale,
+    torch.Tensor.tanh: _h_tanh, torch.tanh: _h_tanh,
+    torch.Tensor.view: _h_reshape, torch.Tensor.reshape: _h_reshape,
+    torch.Tensor.__getitem__: _h_getitem,
+    F.cross_entropy: _h_cross_entropy,
+}

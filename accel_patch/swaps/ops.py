@@ -1,0 +1,50 @@
+"""Which kernel ops a caller asks for: `swap_kernels(ops=...)`, ACCEL_PATCH_KERNELS, the config entry.
+
+Pure Python (no torch): the kernels-at-load patch and the Trainer callback read the switch at
+every load or Trainer, and `accel-patch config` checks the names a user types.
+"""
+from __future__ import annotations
+
+import os
+
+from . import families
+
+#: The variable that chooses the ops swapped automatically (unset: all; `0`/`none`: off).
+SWITCH = "ACCEL_PATCH_KERNELS"
+OFF = ("0", "none", "off", "false", "no")
+
+
+def resolve_ops(ops) -> tuple[str, ...]:
+    """The op names `ops` asks for (None: all), in report order. ValueError names an unknown one."""
+    if ops is None:
+        return families.OPS
+    if isinstance(ops, str):
+        ops = ops.split(",")
+    try:
+        names = [str(o).strip().lower() for o in ops]
+    except TypeError:
+        raise ValueError(f"ops must be None, a comma-separated string or a list of op names among "
+                         f"{', '.join(families.OPS)}, got {ops!r}") from None
+    chosen = set()
+    for name in filter(None, names):
+        name = families.OP_ALIASES.get(name, name)
+        if name not in families.OPS:
+            raise ValueError(f"unknown kernel op {name!r}: choose from {', '.join(families.OPS)} "
+                             f"(also {', '.join(sorted(families.OP_ALIASES))})")
+        chosen.add(name)
+    return tuple(op for op in families.OPS if op in chosen)
+
+
+def ops_from_env(environ=None):
+    """The ops ACCEL_PATCH_KERNELS asks for: None (all), () (off), or a tuple of names.
+    Raises ValueError naming the variable when it names an unknown op."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SWITCH, "").strip()
+    if not raw:
+        return None
+    if raw.lower() in OFF:
+        return ()
+    try:
+        return resolve_ops(raw)
+    except ValueError as exc:
+        raise ValueError(f"{SWITCH}={raw!r}: {exc}") from None

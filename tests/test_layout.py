@@ -1,0 +1,177 @@
+"""The package's rooms and the direction of their imports, read from the source.
+
+    cli (and the -m accel_patch.demo entry)   may import every room and the package root
+    the package root (accel_patch/__init__)   core, patches, integrations, swaps
+    integrations, patches                     swaps and core (never each other)
+    swaps                                     core
+    core                                      no other room
+
+accel_kernels imports nothing of accel_patch, transformers or accelerate. No module imports
+itself back through others (no circle), lazy imports inside functions included.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import accel_patch
+import accel_kernels
+
+PACKAGE = Path(accel_patch.__file__).resolve().parent
+KERNELS = Path(accel_kernels.__file__).resolve().parent
+
+ROOMS = ("core", "swaps", "patches", "integrations", "cli")
+#: room -> the rooms it may import (itself included)
+ALLOWED = {
+    "core": {"core"},
+    "swaps": {"swaps", "core"},
+    "patches": {"patches", "swaps", "core"},
+    "integrations": {"integrations", "swaps", "core"},
+    "cli": {"cli", "integrations", "patches", "swaps", "core", "root"},
+    "root": {"root", "integrations", "patches", "swaps", "core"},
+}
+#: files outside the rooms that belong to one by role
+FACE_ENTRIES = {"accel_patch.demo"}  # the `python -m accel_patch.demo` entry: the CLI's demo
+
+
+def module_sources(top: Path, name: str) -> dict[str, str]:
+    """{dotted module name: source} of every .py file of the package at `top`."""
+    found = {}
+    for path in sorted(top.rglob("*.py")):
+        parts = [name, *path.relative_to(top).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path.read_text(encoding="utf-8")
+    return found
+
+
+def imports_of(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of `known` that `module` imports anywhere in its source (lazy imports too)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a non-module name: its module
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                found.add(target)
+    return found
+
+
+def graph(sources: dict[str, str], packages: set[str]) -> dict[str, set[str]]:
+    known = set(sources)
+    return {m: imports_of(m, s, m in packages, known) for m, s in sources.items()}
+
+
+def room_of(module: str) -> str:
+    if module in FACE_ENTRIES:
+        return "cli"
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    if parts[1] not in ROOMS:
+        raise AssertionError(f"{module} lives in no room: move it into one of {', '.join(ROOMS)}")
+    return parts[1]
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    """Imports that run the wrong way, and circles."""
+    wrong = []
+    for module, targets in edges.items():
+        room = room_of(module)
+        for target in sorted(targets):
+            if target.split(".")[0] != "accel_patch":
+                continue
+            if room_of(target) not in ALLOWED[room]:
+                wrong.append(f"{module} ({room}) imports {target} ({room_of(target)})")
+    return wrong + [f"import circle: {' -> '.join(c)}" for c in circles(edges)]
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected group of modules (Tarjan), as a path."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group) + [sorted(group)[0]])
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_graph():
+    sources = module_sources(PACKAGE, "accel_patch")
+    packages = {m for m in sources if (PACKAGE / Path(*m.split(".")[1:]) / "__init__.py").exists()}
+    return sources, graph(sources, packages)
+
+
+def test_every_module_lives_in_a_room_and_imports_run_downward():
+    _, edges = package_graph()
+    assert violations(edges) == []
+
+
+def test_every_room_says_what_lives_there_and_what_it_may_import():
+    for room in ROOMS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and "import" in doc, f"accel_patch/{room}/__init__.py has no docstring naming its imports"
+
+
+def test_an_upward_import_or_a_circle_is_caught():
+    # The checker itself, on the real sources with one line added: it must go red.
+    sources, _ = package_graph()
+    packages = {m for m in sources if (PACKAGE / Path(*m.split(".")[1:]) / "__init__.py").exists()}
+    for module, line, expected in [
+        ("accel_patch.core.device_map", "from ..patches import model_loading\n", "core.device_map (core) imports"),
+        ("accel_patch.swaps.probe", "def f():\n    from ..integrations import callback\n", "(swaps) imports"),
+        ("accel_patch.patches.model_loading", "from ..integrations.callback import x\n", "(patches) imports"),
+        ("accel_patch.integrations.callback", "from ..patches import accelerate_state\n", "(integrations) imports"),
+        ("accel_patch.core.registry", "import accel_patch\n", "(core) imports accel_patch (root)"),
+        ("accel_patch.swaps.sites", "from . import apply\n", "import circle"),
+    ]:
+        broken = dict(sources, **{module: sources[module] + line})
+        found = violations(graph(broken, packages))
+        assert any(expected in v for v in found), (module, line, found)
+
+
+def test_the_kernel_library_imports_nothing_of_accel_patch_or_the_hf_stack():
+    sources = module_sources(KERNELS, "accel_kernels")
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in ("accel_patch", "transformers", "accelerate", "peft", "trl"), (
+                    f"{module} imports {name}")
