@@ -31,6 +31,8 @@ backward is opaque to autograd; every registered backward refuses create_graph=T
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 NAMESPACE = "accel_kernels"
@@ -58,3 +60,29 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 def autocast_state(device_type: str, dtype: torch.dtype | None):
     """`_dispatch.autocast_state` back from `autocast_dtype`'s value."""
     return None if dtype is None else (device_type, True, dtype)
+
+
+_KEYS = torch._C.DispatchKey
+# What a custom op's kernel runs without (torch excludes them below its autograd kernel): autograd,
+# and autocast for every device type.
+_BELOW_OP_EXCLUDED = [_KEYS.AutogradFunctionality, _KEYS.AutogradOther, _KEYS.AutogradNestedTensor,
+                      *(getattr(_KEYS, f"Autocast{kind}") for kind in ("CPU", "CUDA", "XPU") if hasattr(_KEYS, f"Autocast{kind}"))]
+
+
+@contextlib.contextmanager
+def autograd_inside():
+    """Inside an op's implementation: autograd (and autocast) work as outside it, for the block.
+
+    A twin that gets eager's gradients bit for bit by differentiating the module's formula with
+    torch.autograd.grad needs them; torch.func.vjp would bring its own, but its wrapper tensors
+    break under any TorchDispatchMode (FlopCounterMode, opcheck's checks). Private dispatcher API
+    (torch._C._dispatch_tls_*), present alike in torch 2.4 to 2.13; restored on exit.
+    """
+    was = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _BELOW_OP_EXCLUDED]
+    for key in _BELOW_OP_EXCLUDED:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key, excluded in zip(_BELOW_OP_EXCLUDED, was):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)

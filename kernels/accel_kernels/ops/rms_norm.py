@@ -273,17 +273,24 @@ def _n_rows(x: torch.Tensor) -> int:
 
 @_library.custom_op("rms_norm")
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str,
-                 triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): rstd (rows,) float32 for the kernels' backward; (0,) on the twin, which needs none."""
+                 triton_path: bool, autocast: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): rstd (rows,) float32 for the kernels' backward; (0,) on the twin, which needs none.
+    autocast: the caller's autocast dtype (None: off), which the twin runs under as eager would
+    (an op's implementation runs with autocast off); the kernels ignore it."""
     if triton_path:
         y, (_, _, rstd) = _forward_triton(x, weight, eps, offset, casting)
         return y, rstd
-    y, _ = _forward_torch(x, weight, eps, offset, casting)
+    with _library.autograd_inside(), _dispatch.autocast_as(_library.autocast_state(x.device.type, autocast)):
+        y, _ = _forward_torch(x, weight, eps, offset, casting)
     return y.contiguous(), _library.nothing(x, torch.float32)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps, offset, casting, triton_path):
+def _(x, weight, eps, offset, casting, triton_path, autocast):
+    if not triton_path and autocast is not None:  # the dtypes autocast gives the formula
+        with torch.autocast(x.device.type, dtype=autocast):
+            y = _reference(x, weight, eps, offset, casting)
+        return y.new_empty(y.shape), x.new_empty((0,), dtype=torch.float32)
     return (x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting)),
             x.new_empty((_n_rows(x) if triton_path else 0,), dtype=torch.float32))
 
@@ -311,11 +318,11 @@ def _(dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, fo
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, eps, offset, casting, triton_path = inputs
+    x, weight, eps, offset, casting, triton_path, autocast = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.options = (eps, offset, casting, triton_path)
     # the twin recomputes the forward in backward: under the forward's autocast
-    ctx.autocast = None if triton_path else _library.autocast_dtype(x.device.type)
+    ctx.autocast = None if triton_path else autocast
 
 
 def _backward(ctx, dy, _drstd):
@@ -325,7 +332,7 @@ def _backward(ctx, dy, _drstd):
     need_x, need_w = ctx.needs_input_grad[:2]
     dx, dw = torch.ops.accel_kernels.rms_norm_backward(
         dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast)
-    return (dx if need_x else None), (dw if need_w else None), None, None, None, None
+    return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -357,15 +364,15 @@ def _forward_torch(x, weight, eps, offset, casting):
 
 def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
     """`_backward_triton` in plain torch: the gradients autograd gives the module's formula, bit
-    for bit (recomputed here, so that the forward keeps no intermediate). torch.func.vjp rather
-    than torch.autograd.grad: inside a custom op autograd's dispatch keys are off; functorch
-    brings its own."""
-    x, weight = saved
-    # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
-    with _dispatch.autocast_as(forward_autocast):
-        _, vjp = torch.func.vjp(lambda a, b: _reference(a, b, eps, offset, casting), x, weight)
-    dx, dw = vjp(dy)
-    return (dx if need_x else None), (dw if need_w else None)
+    for bit (recomputed here, so that the forward keeps no intermediate)."""
+    with _library.autograd_inside():  # this runs inside the op's implementation
+        x, weight = (t.detach().requires_grad_(need) for t, need in zip(saved, (need_x, need_w)))
+        # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
+        with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
+            y = _reference(x, weight, eps, offset, casting)
+        wanted = [t for t, need in zip((x, weight), (need_x, need_w)) if need]
+        grads = iter(torch.autograd.grad(y, wanted, dy))
+    return (next(grads) if need_x else None), (next(grads) if need_w else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,4 +420,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     # empty inputs take the twin; the kernels accumulate in float32
     triton_path = (_dispatch.use_triton(x) and x.numel() > 0
                    and x.dtype in _DTYPES and weight.dtype in _DTYPES)
-    return torch.ops.accel_kernels.rms_norm(x, weight, float(eps), float(offset), casting, triton_path)[0]
+    autocast = None if triton_path else _library.autocast_dtype(x.device.type)
+    return torch.ops.accel_kernels.rms_norm(x, weight, float(eps), float(offset), casting, triton_path,
+                                            autocast)[0]
