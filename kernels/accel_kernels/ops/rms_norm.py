@@ -15,9 +15,14 @@ Forward saves x and the per-row 1/rms in float32; backward gives the gradient of
 weight (the weight gradient from per-program partial sums over rows, then one sum).
 
 The plain-torch twin is the module's own formula (`_reference`). Its forward keeps only the
-inputs; its backward recomputes the formula from them and differentiates it with autograd: the
-gradients eager torch gives, bit for bit, without the formula's fp32 intermediates held from
-forward to backward (one more forward of time, as with activation checkpointing).
+inputs; its backward recomputes the formula from them and differentiates it with autograd (inside
+the op, with autograd switched back on: `_library.autograd_inside`): the gradients eager torch
+gives, bit for bit, without the formula's fp32 intermediates held from forward to backward (one
+more forward of time, as with activation checkpointing). float64 inputs skip the op and run the
+formula itself, so that second derivatives through them are exact.
+
+The backward's grid has as many programs as are resident at once (`_max_programs`); its register
+use is checked by `python -m accel_kernels.codegen`.
 """
 from __future__ import annotations
 
