@@ -72,10 +72,11 @@ def fused_linear_cross_entropy_cases(dtype, path):
         for softcap, reduction in ((None, "mean"), (3.0, "sum"), (None, "none")):
             yield ops.fused_linear_cross_entropy, (h, w, bias, labels, -100, softcap, reduction, 4,
                                                    True, True, bias is not None, True, path)
-        out = ops.fused_linear_cross_entropy(h.detach(), w.detach(), bias, labels, -100, 3.0, "none", 4,
+        frozen_bias = None if bias is None else bias.detach()
+        out = ops.fused_linear_cross_entropy(h.detach(), w.detach(), frozen_bias, labels, -100, 3.0, "none", 4,
                                              False, False, False, True, path)
         yield ops.fused_linear_cross_entropy_backward, (torch.randn(2, 3), h.detach(), w.detach(),
-                                                        None if bias is None else bias.detach(), labels, out[1],
+                                                        frozen_bias, labels, out[1],
                                                         -100, 3.0, 4, True, True, bias is not None, path)
 
 
