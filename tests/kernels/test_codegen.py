@@ -17,7 +17,10 @@ import accel_kernels._launch as launch
 import accel_kernels.ops.rms_norm as rms_norm_module
 from accel_kernels import codegen
 
+from accel_kernels import _triton
 from test_launch import kernels
+
+pytestmark = pytest.mark.skipif(not _triton.AVAILABLE, reason=f"triton cannot be imported: {_triton.IMPORT_ERROR}")
 
 
 def _check_matrix(records, expected_kernels):
