@@ -73,3 +73,19 @@ def test_accel_patch_check_passes_here():
     wheres = {r["where"] for r in report["rows"] if r["part"] == "kernels"}
     assert "cpu triton (interpreter)" in wheres  # no GPU here: the Triton code itself was checked
     assert {r["name"] for r in report["rows"] if r["part"] == "models"} == set(check.FAMILIES)
+
+
+@pytest.mark.slow
+def test_codegen_part_prints_each_configuration_and_fails_on_a_bad_one(monkeypatch, capsys):
+    from accel_kernels import codegen
+
+    real = codegen.run
+    records = real(quick=True)  # the quick subset: the whole matrix is tests/kernels/test_codegen.py's
+    monkeypatch.setattr(codegen, "run", lambda quick=False: [dict(r) for r in records])
+    assert check.main(parts=("codegen",)) == 0
+    out = capsys.readouterr().out
+    assert out.count("\ncodegen ") == len(records) and "regs, spill" in out and "/SM" in out
+    bad = dict(records[0], ok=False, problems=["255 registers > 128 at 16 warps"])
+    monkeypatch.setattr(codegen, "run", lambda quick=False: [bad] + records[1:])
+    assert check.main(parts=("codegen",)) == 1
+    assert "255 registers > 128 at 16 warps" in capsys.readouterr().out

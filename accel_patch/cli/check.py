@@ -8,7 +8,11 @@ Three parts, one table, exit code 0 only if every row passes:
   interpreter, which `accel-patch check` turns on when the machine has no GPU);
 - models: for each family it knows, a tiny random model is swapped (the probe decides) and one
   padded training step must equal stock's (loss within 1e-5, every gradient within 1e-4);
-- launch: the topology, accelerate decision and device map this process would get.
+- launch: the topology, accelerate decision and device map this process would get;
+- codegen (only when asked: `--parts codegen`, about 2 minutes on 2 cores): every Triton launch the
+  kernels make at real model shapes, compiled ahead of time for sm_80 and sm_90a (no GPU needed),
+  one row a configuration with its registers, spills, shared memory and blocks per SM
+  (`accel_kernels.codegen`).
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import os
 import time
 from collections import namedtuple
 
-PARTS = ("kernels", "models", "launch")
+PARTS = ("kernels", "models", "launch")  # the default
+ALL_PARTS = PARTS + ("codegen",)
 
 KERNEL_BOUND = 1e-5  # float32 against float64: as the kernel tests
 LOSS_BOUND, GRAD_BOUND = 1e-5, 1e-4  # as the swap parity tests
@@ -204,6 +209,27 @@ def check_launch() -> list[Row]:
             Row("launch", "device map", "-", True, str(report["device_map"]), "")]
 
 
+def check_codegen() -> list[Row]:
+    """One row a compiled configuration of `accel_kernels.codegen` (the whole matrix)."""
+    try:
+        from accel_kernels import codegen
+
+        records = codegen.run(quick=False)
+    except Exception as exc:  # triton missing, or a broken install: one failing row says so
+        return [Row("codegen", "compile", "-", False, "-", f"{type(exc).__name__}: {exc}")]
+    rows = []
+    for r in records:
+        if "error" in r:
+            figure = "-"
+        else:
+            figure = (f"{r['registers']} regs, spill {r['spill_stores']}/{r['spill_loads']} B, "
+                      f"smem {r['shared']} B, {r['blocks_per_sm']}/SM, {r['num_warps']} warps")
+        models = sorted({m.split("/")[0] for m in r["models"]})
+        detail = f"{r['shape']} ({', '.join(models)})" + ("" if r["ok"] else "; " + "; ".join(r["problems"]))
+        rows.append(Row("codegen", r["kernel"], f"{r['target']} {r['dtype']}", r["ok"], figure, detail))
+    return rows
+
+
 def local_devices():
     import torch
 
@@ -223,6 +249,8 @@ def collect(parts=PARTS) -> list[Row]:
         rows += check_models(devices[-1])  # the accelerator when there is one
     if "launch" in parts:
         rows += check_launch()
+    if "codegen" in parts:
+        rows += check_codegen()
     return rows
 
 
@@ -252,16 +280,17 @@ def main(as_json: bool = False, parts=PARTS) -> int:
 
 def _parts(text: str) -> tuple[str, ...]:
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in parts if p not in PARTS]
+    bad = [p for p in parts if p not in ALL_PARTS]
     if bad or not parts:
-        raise argparse.ArgumentTypeError(f"choose among {','.join(PARTS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"choose among {','.join(ALL_PARTS)}, got {text!r}")
     return parts
 
 
 def add_parser(commands):
     parser = commands.add_parser("check", help="self-test: kernels, swapped models and this launch; exit 0 if all pass")
     parser.add_argument("--json", action="store_true", help="one JSON object, for machines")
-    parser.add_argument("--parts", type=_parts, default=PARTS, help=f"comma list among {','.join(PARTS)} (default: all)")
+    parser.add_argument("--parts", type=_parts, default=PARTS, help=f"comma list among {','.join(ALL_PARTS)} (default: {','.join(PARTS)}; "
+                        "codegen compiles every kernel configuration for sm_80 and sm_90a, about 2 min)")
     return parser
 
 
