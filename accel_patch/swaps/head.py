@@ -4,6 +4,23 @@ A plain linear head is fused with its own weight; a PEFT `modules_to_save` copy 
 weight; a LoRA adapter on the head (PEFT may add one after the swap) makes the call stand aside
 and run stock, so the adapter trains. `capturing` binds, for one call, a forward on that linear
 layer that returns `DeferredLogits` instead of computing them.
+
+Under sharding engines the fused loss reads the head's weight after the head's own forward has
+returned, so the weight must still be whole then (`head_weight_for_loss`):
+
+- FSDP2 (`fully_shard`) or FSDP1 with the head in the root's unit (the usual wrapping: each decoder
+  layer, then the model): the root unshards its parameters before the model's forward runs and
+  keeps them through it (FSDP2 does not reshard the root after forward; the fused kernel keeps
+  the weight's gradient, not the weight, for backward), so the head's weight is a whole, plain
+  tensor for the whole call: fused. Gradients reach the unsharded parameter as in stock and FSDP
+  reduce-scatters them.
+- The head as its own FSDP2 unit: its weight is still a DTensor shard when the model's forward
+  starts and is resharded (its storage freed) right after the head's forward, before the loss:
+  the call stands aside (stock head), with the reason counted.
+- DeepSpeed ZeRO-3: a partitioned parameter (`ds_id`, `ds_status`; its `.data` empty outside the
+  module's forward, released by ZeRO-3 right after it): the call stands aside (stock head, which
+  ZeRO-3 gathers for its forward and again for its backward), with the reason counted. Gathering it
+  ourselves (`GatheredParameters`) would hand ZeRO-3 a gradient for a parameter it has released.
 """
 from __future__ import annotations
 
@@ -38,8 +55,38 @@ def head_leaf(head):
     return None
 
 
+def _sharded(weight) -> str | None:
+    """Why `weight` cannot be read whole right now (a shard or a released partition), else None."""
+    if hasattr(weight, "ds_id"):
+        return ("LM head weight is a DeepSpeed ZeRO-3 partition (released outside the head's forward; "
+                "stock head, which ZeRO-3 gathers)")
+    if type(weight).__name__ == "DTensor" or hasattr(weight, "device_mesh") and hasattr(weight, "placements"):
+        return ("LM head weight is an FSDP2 shard (DTensor) when the model's forward starts: the head is "
+                "its own FSDP unit, resharded before the loss; stock head")
+    try:
+        needed = (weight.storage_offset() + weight.numel()) * weight.element_size()
+        if weight.numel() == 0 or weight.untyped_storage().nbytes() < needed:
+            return "LM head weight has no storage here (freed by a sharding engine); stock head"
+    except (RuntimeError, NotImplementedError):
+        return f"LM head weight of type {type(weight).__name__} has no readable storage; stock head"
+    return None
+
+
+def head_weight_for_loss(leaf):
+    """(the weight the fused loss may read for this call, None), or (None, why the call stands
+    aside): a ZeRO-3 partition, an FSDP2 shard or a freed storage is never read."""
+    weight = getattr(leaf, "weight", None)
+    if weight is None:
+        return None, "LM head has no weight"
+    why = _sharded(weight)
+    return (None, why) if why else (weight, None)
+
+
 def head_plan(head):
     """(the linear layer to fuse, None) for this call, or (None, why the call stands aside)."""
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and _sharded(weight):  # before the plain-linear test, for the reason
+        return None, _sharded(weight)
     if hasattr(head, "lora_A") and hasattr(head, "active_adapters"):
         adds = (not getattr(head, "disable_adapters", False) and not getattr(head, "merged", False)
                 and any(a in head.lora_A for a in head.active_adapters))
@@ -48,7 +95,8 @@ def head_plan(head):
     leaf = head_leaf(head)
     if leaf is None:
         return None, f"LM head {type(head).__name__} is not a plain linear layer"
-    return leaf, None
+    _, why = head_weight_for_loss(leaf)
+    return (None, why) if why else (leaf, None)
 
 
 class capturing:
