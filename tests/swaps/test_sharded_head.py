@@ -90,12 +90,17 @@ def gloo_group(tmp_path, monkeypatch):
     dist.destroy_process_group()
 
 
-def shard(model, head_unit: bool):
+def shard(model, head_unit):
+    """Each layer, then the model (the head in the root's unit); `head_unit` "tail": [final norm,
+    lm_head] kept unsharded after forward, as accelerate 1.15 carves it; "own": lm_head alone, FSDP2's
+    default (resharded after forward)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
         fully_shard(layer)
-    if head_unit:
+    if head_unit == "tail":
+        fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False)
+    elif head_unit == "own":
         fully_shard(model.lm_head)
     fully_shard(model)
     return model
@@ -103,9 +108,9 @@ def shard(model, head_unit: bool):
 
 # A tied head shares the embedding's parameter: it is never its own unit.
 @pytest.mark.slow
-@pytest.mark.parametrize("head_unit, tied", [(False, False), (False, True), (True, False)],
-                         ids=["head-in-root-untied", "head-in-root-tied", "head-own-unit"])
-def test_fsdp2_fused_loss_with_the_root_unsharded_head_or_stock_for_a_sharded_one(gloo_group, tied, head_unit):
+@pytest.mark.parametrize("head_unit, tied", [(None, False), (None, True), ("tail", False), ("own", False)],
+                         ids=["head-in-root-untied", "head-in-root-tied", "head-in-tail-unit", "head-own-unit"])
+def test_fsdp2_fused_loss_where_the_head_stays_whole_or_stock_where_it_is_resharded(gloo_group, tied, head_unit):
     stock, twin = pair("llama", tie_word_embeddings=tied)
     accel_patch.swap_kernels(twin)
     stock, twin = shard(stock, head_unit), shard(twin, head_unit)
@@ -120,7 +125,7 @@ def test_fsdp2_fused_loss_with_the_root_unsharded_head_or_stock_for_a_sharded_on
     for (name, a), b in zip(stock.named_parameters(), twin.parameters()):
         torch.testing.assert_close(b.grad.full_tensor(), a.grad.full_tensor(), rtol=1e-4, atol=1e-6, msg=name)
     calls = loss_calls(twin)
-    if head_unit:
+    if head_unit == "own":
         assert "fused" not in calls and any("FSDP2 shard" in k for k in calls), calls
     else:
         assert calls == {"fused": 1}, calls
