@@ -146,3 +146,15 @@ def test_head_plan_stands_aside_for_a_zero3_partition_or_a_freed_weight():
 
     whole = torch.nn.Linear(8, 16, bias=False)  # control: the same head, whole
     assert head_plan(whole) == (whole, None)
+
+
+@pytest.mark.slow
+def test_a_model_sharded_before_the_swap_keeps_its_stock_loss_with_the_reason(gloo_group):
+    from torch.distributed.fsdp import fully_shard
+
+    stock, twin = pair("llama")
+    fully_shard([twin.model.norm, twin.lm_head], reshard_after_forward=False)
+    fully_shard(twin)
+    report = accel_patch.swap_kernels(twin)
+    assert "fused_linear_cross_entropy" not in report.swapped
+    assert any("(sharded already): swap before sharding" in r.reason for r in report.refused), str(report)
