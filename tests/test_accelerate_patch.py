@@ -575,9 +575,9 @@ def test_switch_turns_off_the_accelerate_patch_only(monkeypatch):
 
 # --- targets that moved, patches that fail ------------------------------------------------------
 
-def fake_accelerate_state(name: str, **members) -> types.ModuleType:
+def fake_accelerate_state(name: str, state_init=None, **members) -> types.ModuleType:
     """A module shaped like accelerate.state with PartialState's members replaced by `members`
-    (None deletes one)."""
+    (None deletes one), and AcceleratorState's __init__ by `state_init`."""
 
     class PartialState:
         _shared_state: dict = {}
@@ -599,6 +599,8 @@ def fake_accelerate_state(name: str, **members) -> types.ModuleType:
         def __init__(self, mixed_precision=None, cpu: bool = False, fsdp_plugin=None, **kwargs):
             pass
 
+    if state_init is not None:
+        AcceleratorState.__init__ = state_init
     module = types.ModuleType(name)
     module.PartialState = PartialState
     module.AcceleratorState = AcceleratorState
@@ -642,6 +644,27 @@ def test_moved_target_is_skipped_with_a_reason_and_left_untouched(monkeypatch, m
     assert why in moved.reason and "accelerate 1.15" in moved.reason  # names the verified version
     assert dict(fake.PartialState.__dict__) == before
     assert record().state == "active"  # the real patch is unaffected
+
+
+def _state_init_without_fsdp_plugin(self, mixed_precision=None, cpu=False, **kwargs):
+    pass
+
+
+def test_accelerator_state_that_moved_skips_the_whole_patch(monkeypatch):
+    module_name = f"accel_patch_test_fake_state_{uuid.uuid4().hex}"
+
+    class PatchOnFake(accelerate_state.AccelerateStatePatch):
+        name = "test-moved-target"
+        module = module_name
+
+    fake = fake_accelerate_state(module_name, state_init=_state_init_without_fsdp_plugin)
+    before = dict(fake.PartialState.__dict__)
+    monkeypatch.setitem(sys.modules, module_name, fake)
+    registry.register(PatchOnFake())
+    accel_patch.enable()
+    moved = record("test-moved-target")
+    assert moved.state == "skipped" and "fsdp_plugin" in moved.reason, moved
+    assert dict(fake.PartialState.__dict__) == before  # nothing patched halfway
 
 
 def test_fake_shaped_like_accelerate_is_patched(monkeypatch):
