@@ -52,6 +52,16 @@ def accelerate_cmd(worker_args, nproc, port):
             "--dynamo_backend", "no", "--main_process_port", str(port), str(WORKER), *worker_args]
 
 
+def accelerate_fsdp2_cmd(worker_args, nproc, port, target=str(WORKER)):
+    """`accelerate launch --use_fsdp --fsdp_version 2`, as a user tries an FSDP config on CPU
+    (accelerate's defaults otherwise: RAM-efficient loading, sync_module_states)."""
+    return [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--use_fsdp",
+            "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+            "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer", "--num_processes", str(nproc),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(port), target, *worker_args]
+
+
 def python_cmd(worker_args):
     return [sys.executable, str(WORKER), *worker_args]
 

@@ -63,8 +63,9 @@ class PatternData:
 def flat_trainable(model):
     import torch
 
-    params = [p.detach().float().cpu().reshape(-1) for _, p in sorted(
-        (n, p) for n, p in model.named_parameters() if p.requires_grad)]
+    # FSDP2 shards are DTensors: gather each (a collective: every rank calls this in the same order)
+    params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().reshape(-1)
+              for _, p in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)]
     return torch.cat(params)
 
 
@@ -148,6 +149,11 @@ def train(args):
         "startup": getattr(sys, "accel_patch_startup", None),
         # what AccelPatchCallback swapped, from the first training log
         "swap": next((h["accel_patch_swap"] for h in trainer.state.log_history if "accel_patch_swap" in h), None),
+        # how the swapped loss ran: {"fused": n} or why calls stood aside
+        "loss_calls": next((dict(m.__dict__["_accel_patch_swap_state"].loss_calls) for m in trainer.model.modules()
+                            if "_accel_patch_swap_state" in m.__dict__), None),
+        "fsdp_version": getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None),
+        "head_weight_type": type(getattr(getattr(trainer.model, "lm_head", None), "weight", None)).__name__,
         "env_rank": rank,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "distributed_type": str(state.distributed_type).split(".")[-1],

@@ -28,7 +28,8 @@ import accel_patch
 from accel_patch import TopologyError, topology
 from accel_patch.core import registry
 from accel_patch.core.accelerate_decision import (
-    ACCELERATE, CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, SINGLE_DEVICE, UNTOUCHED, decide,
+    ACCELERATE, CPU_DISTRIBUTED, CPU_FSDP, EXPORT_LAUNCHER_ENV, FSDP1_WITHOUT_ACCELERATOR, SINGLE_DEVICE, UNTOUCHED,
+    decide,
 )
 from accel_patch.patches import accelerate_state
 
@@ -168,7 +169,116 @@ def test_deepspeed_or_fsdp_requested_is_untouched_whatever_the_topology(fake_acc
     fake_accelerators(count)
     env = dict(env, **{flag: "true"})
     decision = decide(topology(env), cpu=cpu, environ=env)
-    assert decision.action == UNTOUCHED and word in decision.reason
+    # FSDP by several processes without an accelerator: one FSDP2 job on gloo (the tests below).
+    expected = CPU_FSDP if (flag, case) == ("ACCELERATE_USE_FSDP", "torchrun-nproc2-no-gpu") else UNTOUCHED
+    assert decision.action == expected and word in decision.reason
+
+
+# FSDP asked for by several processes on a machine without accelerators. id: (launcher's
+# variables, FSDP_VERSION, cpu argument, local accelerators, expected action)
+FSDP_DECISIONS = {
+    "torchrun-nproc2-fsdp2": (torchrun_vars(2, 1, 1, 2), "2", False, 0, CPU_FSDP),
+    "accelerate-fsdp2-on-cpu": (ACCELERATE_MULTI_GPU, "2", False, 0, CPU_FSDP),
+    "use-cpu-fsdp2": (torchrun_vars(2, 1, 1, 2), "2", True, 0, CPU_FSDP),  # stock: DDP, FSDP dropped
+    "version-from-the-plugin": (torchrun_vars(2, 1, 1, 2), "", False, 0, CPU_FSDP),
+    "openmpi-cpu-fsdp2": (OMPI_4, "2", False, 0, CPU_FSDP),
+    "fsdp1": (torchrun_vars(2, 1, 1, 2), "1", False, 0, FSDP1_WITHOUT_ACCELERATOR),
+    "fsdp1-use-cpu": (torchrun_vars(2, 1, 1, 2), "1", True, 0, FSDP1_WITHOUT_ACCELERATOR),
+    # Accelerators, or one process: accelerate's own FSDP set-up, as before.
+    "fsdp2-with-gpus": (torchrun_vars(2, 1, 1, 2), "2", False, 2, UNTOUCHED),
+    "fsdp1-with-gpus": (torchrun_vars(2, 1, 1, 2), "1", False, 2, UNTOUCHED),
+    "fsdp-one-process-cpu": ({}, "2", False, 0, UNTOUCHED),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_DECISIONS))
+def test_fsdp_without_accelerator_is_one_job_or_a_clear_stop(fake_accelerators, case):
+    env, version, cpu, count, expected = FSDP_DECISIONS[case]
+    fake_accelerators(count)
+    env = dict(env, ACCELERATE_USE_FSDP="true", FSDP_VERSION=version)
+    decision = decide(topology(env), cpu=cpu, environ=env)
+    assert decision.action == expected, decision.reason
+    if expected == FSDP1_WITHOUT_ACCELERATOR:
+        assert decision.reason.startswith("FSDP1 cannot run on this machine: world size ")
+        assert "no accelerator" in decision.reason and "--fsdp_version 2" in decision.reason
+        assert "\n" not in decision.reason
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch, tmp_path):
+    """accelerate's `init_process_group` forms a real gloo group of this one process, whatever world
+    size the launcher's variables claim: the state a rank of a CPU job gets, built in-process."""
+    real = dist.init_process_group
+    asked = []
+
+    def init_process_group(*args, **kwargs):
+        asked.append(dict(kwargs))
+        kwargs.update(rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    return asked
+
+
+def fsdp_run_env(monkeypatch, version: str) -> None:
+    """What `accelerate launch --use_fsdp --fsdp_version <version> --num_processes 2` gives rank 0."""
+    torchrun_env(monkeypatch, nproc=2, rank=0, ACCELERATE_USE_FSDP="true", FSDP_VERSION=version,
+                 FSDP_CPU_RAM_EFFICIENT_LOADING="false", FSDP_SYNC_MODULE_STATES="false")
+
+
+def test_fsdp2_without_accelerator_runs_accelerates_fsdp2_on_gloo(monkeypatch, fake_accelerators, one_rank_group):
+    from accelerate import Accelerator
+    from torch.distributed.tensor import DTensor
+
+    fsdp_run_env(monkeypatch, "2")
+    accelerator = Accelerator()
+
+    # Stock accelerate: state NO here, every rank alone. Now: gloo, and FSDP on it.
+    assert one_rank_group[0]["backend"] == "gloo"
+    assert accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+    assert PartialState().distributed_type == DistributedType.FSDP  # as accelerate leaves it on GPUs
+    assert "fsdp2" in record().reason
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # fully_shard ran
+    loss = model(torch.randn(3, 4)).sum()
+    accelerator.backward(loss)
+    optimizer.step()
+
+
+def test_fsdp2_plugin_given_in_code_turns_ddp_on_cpu_into_fsdp2(monkeypatch, fake_accelerators, one_rank_group):
+    # TrainingArguments builds the PartialState before the Trainer passes its plugin: no FSDP
+    # variable is set then, so the state is the CPU distributed path; stock accelerate keeps it
+    # (DDP) and drops the plugin without a word.
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    torchrun_env(monkeypatch, nproc=2, rank=0)
+    assert PartialState().distributed_type == DistributedType.MULTI_CPU
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=False)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    assert accelerator.distributed_type == DistributedType.FSDP and accelerator.state.fsdp_plugin is plugin
+
+
+def test_fsdp1_without_accelerator_stops_in_one_line_naming_the_fix(monkeypatch, fake_accelerators, one_rank_group):
+    fsdp_run_env(monkeypatch, "1")
+    with pytest.raises(ValueError) as info:
+        PartialState()
+    message = str(info.value)
+    assert message.startswith("FSDP1 cannot run on this machine: world size 2 with no accelerator")
+    assert "--fsdp_version 2" in message and "\n" not in message
+    assert one_rank_group == [] and PartialState._shared_state == {}  # stopped before any group
+
+
+def test_fsdp1_plugin_given_in_code_without_accelerator_stops(monkeypatch, fake_accelerators, one_rank_group):
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+
+    torchrun_env(monkeypatch, nproc=2, rank=0)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, cpu_ram_efficient_loading=False, sync_module_states=False)
+    with pytest.raises(ValueError, match="FSDP1 cannot run on this machine"):
+        Accelerator(fsdp_plugin=plugin)
+    assert AcceleratorState._shared_state == {}
 
 
 def test_deepspeed_flag_false_is_not_a_request(fake_accelerators):
@@ -465,9 +575,9 @@ def test_switch_turns_off_the_accelerate_patch_only(monkeypatch):
 
 # --- targets that moved, patches that fail ------------------------------------------------------
 
-def fake_accelerate_state(name: str, **members) -> types.ModuleType:
+def fake_accelerate_state(name: str, state_init=None, **members) -> types.ModuleType:
     """A module shaped like accelerate.state with PartialState's members replaced by `members`
-    (None deletes one)."""
+    (None deletes one), and AcceleratorState's __init__ by `state_init`."""
 
     class PartialState:
         _shared_state: dict = {}
@@ -483,8 +593,17 @@ def fake_accelerate_state(name: str, **members) -> types.ModuleType:
             delattr(PartialState, attr)
         else:
             setattr(PartialState, attr, value)
+    class AcceleratorState:
+        _shared_state: dict = {}
+
+        def __init__(self, mixed_precision=None, cpu: bool = False, fsdp_plugin=None, **kwargs):
+            pass
+
+    if state_init is not None:
+        AcceleratorState.__init__ = state_init
     module = types.ModuleType(name)
     module.PartialState = PartialState
+    module.AcceleratorState = AcceleratorState
     module.DistributedType = DistributedType
     return module
 
@@ -525,6 +644,27 @@ def test_moved_target_is_skipped_with_a_reason_and_left_untouched(monkeypatch, m
     assert why in moved.reason and "accelerate 1.15" in moved.reason  # names the verified version
     assert dict(fake.PartialState.__dict__) == before
     assert record().state == "active"  # the real patch is unaffected
+
+
+def _state_init_without_fsdp_plugin(self, mixed_precision=None, cpu=False, **kwargs):
+    pass
+
+
+def test_accelerator_state_that_moved_skips_the_whole_patch(monkeypatch):
+    module_name = f"accel_patch_test_fake_state_{uuid.uuid4().hex}"
+
+    class PatchOnFake(accelerate_state.AccelerateStatePatch):
+        name = "test-moved-target"
+        module = module_name
+
+    fake = fake_accelerate_state(module_name, state_init=_state_init_without_fsdp_plugin)
+    before = dict(fake.PartialState.__dict__)
+    monkeypatch.setitem(sys.modules, module_name, fake)
+    registry.register(PatchOnFake())
+    accel_patch.enable()
+    moved = record("test-moved-target")
+    assert moved.state == "skipped" and "fsdp_plugin" in moved.reason, moved
+    assert dict(fake.PartialState.__dict__) == before  # nothing patched halfway
 
 
 def test_fake_shaped_like_accelerate_is_patched(monkeypatch):

@@ -55,6 +55,17 @@ def test_launch_rows_name_the_decision():
     assert all(r.ok for r in rows) and rows[1].figure == "single-device"
 
 
+def test_fsdp1_on_a_machine_without_accelerators_fails_the_launch_row_and_engines_are_named(monkeypatch, fake_accelerators):
+    for name, value in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", ACCELERATE_USE_FSDP="true",
+                            FSDP_VERSION="1").items():
+        monkeypatch.setenv(name, value)
+    topology_row, state, device_map = check.check_launch()
+    assert not state.ok and state.figure == "fsdp1-without-accelerator" and "--fsdp_version 2" in state.detail
+    assert device_map.ok and "FSDP" in device_map.detail and "from_pretrained untouched" in device_map.detail
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert check.check_launch()[1].ok and check.check_launch()[1].figure == "cpu-fsdp"
+
+
 def test_a_bad_launcher_variable_fails_the_launch_row(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     (row,) = check.check_launch()

@@ -342,3 +342,117 @@ def test_invalid_world_size_fails_the_load_with_a_clear_message(monkeypatch, fak
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(TopologyError, match=r"WORLD_SIZE='two'.*whole number"):
         LlamaForCausalLM.from_pretrained(checkpoint, device_map="auto")
+
+
+# --- sharding engines place the weights themselves: the load is left as written ----------------
+
+class Zero3Config:
+    """What transformers' `is_deepspeed_zero3_enabled()` reads: the HfDeepSpeedConfig that
+    TrainingArguments(deepspeed=...) registers (here of stage 3, without DeepSpeed itself)."""
+
+    config = {"zero_optimization": {"stage": 3}}
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """engine(name) turns on one sharding engine the way a user's run would; returns the extra
+    from_pretrained arguments it needs."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    registered = []
+
+    def turn_on(name: str) -> dict:
+        if name == "zero3-config":
+            registered.append(Zero3Config())
+            hf_deepspeed.set_hf_deepspeed_config(registered[-1])
+            assert hf_deepspeed.is_deepspeed_zero3_enabled()
+        elif name == "zero3-accelerate":  # accelerate launch --use_deepspeed --zero_stage 3
+            set_env(monkeypatch, ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+        elif name == "fsdp-ram-efficient":  # accelerate launch --use_fsdp (its default)
+            set_env(monkeypatch, ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
+        elif name == "fsdp":
+            set_env(monkeypatch, ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="false")
+        elif name == "tp-plan":
+            return {"tp_plan": "auto"}
+        return {}
+
+    yield turn_on
+    if registered:
+        hf_deepspeed.unset_hf_deepspeed_config()
+
+
+ENGINE_WORDS = {"zero3-config": "ZeRO-3", "zero3-accelerate": "ACCELERATE_DEEPSPEED_ZERO_STAGE=3",
+                "fsdp-ram-efficient": "RAM-efficient", "fsdp": "FSDP", "tp-plan": "tp_plan"}
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "4bit"])
+@pytest.mark.parametrize("requested", [None, "auto"])
+@pytest.mark.parametrize("name", list(ENGINE_WORDS))
+def test_load_under_a_sharding_engine_reaches_transformers_as_written(
+        transformers_side, checkpoint, monkeypatch, fake_accelerators, engine, name, requested, quantized):
+    # Rank 1 of a 2-GPU node: without the engine this load becomes {"": "cuda:1"} (the control below).
+    set_env(monkeypatch, **torchrun(2, 1, 1, 2))
+    fake_accelerators(2)
+    extra = engine(name)
+    kwargs = dict(extra, **(BNB_4BIT if quantized else {}))
+    assert received(transformers_side, checkpoint, device_map=requested, **kwargs) is requested
+    decision = registry.last_decision(PATCH_NAME)
+    assert ENGINE_WORDS[name] in decision.reason and "from_pretrained untouched" in decision.reason
+    assert decision.used is requested
+
+
+@pytest.mark.parametrize("env", [
+    {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+    {"ACCELERATE_USE_DEEPSPEED": "false", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+    {"ACCELERATE_USE_FSDP": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
+], ids=["zero2", "deepspeed-off", "fsdp-off"])
+def test_engines_that_do_not_place_weights_keep_the_per_rank_map(transformers_side, checkpoint, monkeypatch,
+                                                                 fake_accelerators, env):
+    # Control for the test above: ZeRO-1/2 keep whole weights per rank; a flag set false is no request.
+    set_env(monkeypatch, **torchrun(2, 1, 1, 2), **env)
+    fake_accelerators(2)
+    assert received(transformers_side, checkpoint) == {"": "cuda:1"}
+
+
+def test_fsdp_load_on_a_faked_two_gpu_node_loads_as_stock(monkeypatch, fake_accelerators, load):
+    # The hook used to send this load to cuda:1, which does not exist here: the load failed where
+    # stock transformers loads (on CPU, for FSDP to shard).
+    set_env(monkeypatch, **torchrun(2, 1, 1, 2), ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
+    fake_accelerators(2)
+    model, device_map, decision = load()
+    assert device_map is None and "FSDP" in decision.reason
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+@pytest.mark.parametrize("kwargs, verdict", [
+    ({"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16),
+      "dtype": torch.bfloat16}, "both are bfloat16: met"),
+    ({"quantization_config": BitsAndBytesConfig(load_in_4bit=True), "dtype": torch.bfloat16},
+     "bnb_4bit_quant_storage=uint8 but dtype=bfloat16: not met"),
+    ({"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_storage": "float32"}, "torch_dtype": "float32"},
+     "both are float32: met"),
+    ({"load_in_4bit": True}, "dtype=unset: pass dtype=uint8"),
+    ({"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}, "no bitsandbytes 4-bit config"),
+], ids=["met", "default-storage", "dict", "no-dtype", "8bit"])
+def test_quantized_fsdp_load_says_whether_bitsandbytes_quant_storage_rule_holds(
+        transformers_side, checkpoint, monkeypatch, fake_accelerators, engine, kwargs, verdict):
+    set_env(monkeypatch, **torchrun(2, 1, 1, 2))
+    fake_accelerators(2)
+    engine("fsdp-ram-efficient")
+    assert received(transformers_side, checkpoint, **kwargs) is None  # nothing changed, only said
+    reason = registry.last_decision(PATCH_NAME).reason
+    assert verdict in reason, reason
+    if "4-bit config" not in verdict:
+        assert "bnb_4bit_quant_storage must be the dtype of the other weights" in reason
+
+
+def test_env_report_names_the_engine_that_places_the_weights(monkeypatch, fake_accelerators):
+    from accel_patch.cli.report import env_report
+
+    assert env_report()["load"]["engine"] is None
+    set_env(monkeypatch, ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+    load_report = env_report()["load"]
+    assert "ZeRO-3" in load_report["engine"] and "from_pretrained untouched" in load_report["reason"]

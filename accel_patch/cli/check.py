@@ -193,6 +193,7 @@ def check_models(device, families=None) -> list[Row]:
 
 def check_launch() -> list[Row]:
     """The decisions this process would get: what `accel-patch env` reports."""
+    from ..core.accelerate_decision import FSDP1_WITHOUT_ACCELERATOR
     from ..core.topology_resolver import TopologyError
     from .report import env_report
 
@@ -205,8 +206,11 @@ def check_launch() -> list[Row]:
     described = " ".join(f"{k}={topo[k]}" for k in ("world_size", "rank", "local_rank", "local_world_size",
                                                      "num_nodes")) + f" devices={where}"
     return [Row("launch", "topology", "-", True, topo["launcher"], described),
-            Row("launch", "accelerate state", "-", True, state["action"], state["reason"]),
-            Row("launch", "device map", "-", True, str(report["device_map"]), "")]
+            # fsdp1-without-accelerator is a run that will stop: fail here first
+            Row("launch", "accelerate state", "-", state["action"] != FSDP1_WITHOUT_ACCELERATOR, state["action"],
+                state["reason"]),
+            Row("launch", "device map", "-", True, str(report["device_map"]),
+                report["load"]["reason"] if report["load"]["engine"] else "")]
 
 
 def check_codegen() -> list[Row]:

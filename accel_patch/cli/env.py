@@ -1,5 +1,6 @@
 """`accel-patch env [--json]`: versions, the topology with `topology().sources` (where each value
-came from), the decision for accelerate's state and the device map, the config entry, and
+came from), the decision for accelerate's state and the device map (or the sharding engine that
+places the weights instead), the config entry, and
 `status()`. A bad launcher variable is a one-line error and exit code 2, never a traceback.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ def print_report(report: dict) -> None:
     print(f"\naccelerate state: {state['action']}\n  {state['reason']}")
     print(f"\ndevice map: {json.dumps(report['device_map'])}"
           f" ({'distributed' if report['is_distributed'] else 'one process'})")
+    print(f"  {report['load']['reason']}")
     entry = report["config_entry"]
     settings = ", ".join(f"{k}: {v}" for k, v in (entry["settings"] or {}).items())
     print(f"\nconfig entry (accel-patch config): {entry['state']}")

@@ -9,7 +9,7 @@ from importlib import metadata
 
 from .. import status
 from ..core.accelerate_decision import decide
-from ..core.device_map import prepare_device_map
+from ..core.device_map import prepare_device_map, sharding_engine
 from ..core.topology_resolver import scrub_blank_env, topology
 from ..integrations import config_entry
 
@@ -35,6 +35,7 @@ def env_report() -> dict:
     scrub_blank_env(environ)  # blank means unset, as at decision time
     decision = decide(topo, environ=environ)
     device_map, distributed = prepare_device_map(topo)
+    engine = sharding_engine(environ=environ)
     return {
         "versions": versions(),
         "topology": {
@@ -48,6 +49,10 @@ def env_report() -> dict:
         "accelerate_state": {"action": decision.action, "reason": decision.reason},
         "device_map": device_map,
         "is_distributed": distributed,
+        # A sharding engine places the weights itself: the load hook then leaves from_pretrained alone.
+        "load": {"engine": engine, "reason": (
+            f"{engine} places the weights itself: from_pretrained untouched" if engine else
+            "no sharding engine requested: quantized or distributed loads get the device map above")},
         "config_entry": config_entry.describe(),
         # After decide(): it imports accelerate, so the accelerate patch shows as it will bind.
         "status": [

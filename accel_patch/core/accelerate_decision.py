@@ -12,7 +12,12 @@ environment after the user's imports):
   WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE so that accelerate's own GPU path runs;
 - any other world size > 1 (one GPU per node, per-process CUDA_VISIBLE_DEVICES, ...): accelerate's
   own set-up;
-- DeepSpeed or FSDP requested, XLA, SageMaker, or a process group the user created: untouched.
+- FSDP requested with world size > 1 and no accelerator: accelerate's CPU distributed path (gloo),
+  and the AcceleratorState built on it runs accelerate's FSDP2 (`fsdp_state`: FSDP2 runs on CPU
+  with gloo). Stock accelerate gives state NO there (or, with `cpu=True`, DDP that ignores FSDP).
+  FSDP1 there stops with a one-line error naming the fix: accelerate's FSDP1 needs an accelerator;
+- DeepSpeed or FSDP requested otherwise, XLA, SageMaker, or a process group the user created:
+  untouched.
 
 Pure decision: nothing here wraps or changes accelerate (patches/accelerate_state.py applies it).
 """
@@ -31,8 +36,13 @@ PATCH_NAME = "accelerate-state"
 SINGLE_DEVICE = "single-device"
 CPU_DISTRIBUTED = "cpu-distributed"
 EXPORT_LAUNCHER_ENV = "export-launcher-env"
+CPU_FSDP = "cpu-fsdp"  # the CPU distributed path, then accelerate's FSDP2 on it
+FSDP1_WITHOUT_ACCELERATOR = "fsdp1-without-accelerator"  # stop: nothing accelerate has can run it
 ACCELERATE = "accelerate"  # accelerate's own set-up, untouched
 UNTOUCHED = "untouched"
+
+#: What AcceleratorState becomes on the CPU distributed path when it is given an FSDP plugin.
+FSDP2 = "fsdp2"
 
 _TRUE = ("1", "true", "yes")
 
@@ -62,6 +72,10 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
     if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
         return Decision(UNTOUCHED, "DeepSpeed requested (ACCELERATE_USE_DEEPSPEED): accelerate's own set-up")
     if _flag(env, "ACCELERATE_USE_FSDP"):
+        torch = sys.modules.get("torch")
+        grouped = torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+        if topo.world_size > 1 and topo.device_count == 0 and not grouped:
+            return fsdp_without_accelerator(topo, env.get("FSDP_VERSION", "").strip() or None)
         return Decision(UNTOUCHED, "FSDP requested (ACCELERATE_USE_FSDP): accelerate's own set-up")
     if _flag(env, "ACCELERATE_USE_SAGEMAKER"):
         return Decision(UNTOUCHED, "SageMaker requested (ACCELERATE_USE_SAGEMAKER): accelerate's own set-up")
@@ -95,3 +109,41 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
         f"world size {topo.world_size} ({topo.num_nodes} node(s), {topo.device_count} local "
         f"{topo.device_type} device(s)): accelerate's own distributed set-up",
     )
+
+
+def _fsdp1_refusal(topo: Topology) -> str:
+    return (f"FSDP1 cannot run on this machine: world size {topo.world_size} with no accelerator, and "
+            f"accelerate's FSDP1 needs one; use FSDP2, which runs on CPU with gloo (accelerate launch "
+            f"--use_fsdp --fsdp_version 2, or FullyShardedDataParallelPlugin(fsdp_version=2)), or drop "
+            f"--use_fsdp for DDP")
+
+
+def fsdp_without_accelerator(topo: Topology, version) -> Decision:
+    """FSDP asked for by several processes on a machine without accelerators (`version`: FSDP_VERSION,
+    None when unset: the plugin's own version then decides, in `fsdp_state`)."""
+    if version == "1":
+        return Decision(FSDP1_WITHOUT_ACCELERATOR, _fsdp1_refusal(topo))
+    return Decision(
+        CPU_FSDP,
+        f"FSDP requested (ACCELERATE_USE_FSDP) by world size {topo.world_size} with no accelerator: "
+        f"accelerate's CPU distributed path (gloo), then its FSDP2 on it (stock accelerate gives state "
+        f"NO and every rank trains alone)",
+    )
+
+
+def fsdp_state(previous: Decision | None, fsdp_version, topo: Topology) -> Decision | None:
+    """What an AcceleratorState built on the CPU distributed path does with an FSDP plugin of
+    `fsdp_version` (None: no plugin). `previous`: the decision its PartialState was made by.
+
+    FSDP2 when the plugin asks for version 2 (stock accelerate keeps MULTI_CPU: DDP, FSDP dropped
+    without a word); FSDP1 is refused (Decision FSDP1_WITHOUT_ACCELERATOR, to raise); None: nothing
+    to change (no plugin, or the state was not made by the CPU distributed path)."""
+    if fsdp_version is None or previous is None or previous.action not in (CPU_DISTRIBUTED, CPU_FSDP, FSDP2):
+        return None
+    if topo.device_count:
+        return None
+    if int(fsdp_version) == 1:
+        return Decision(FSDP1_WITHOUT_ACCELERATOR, _fsdp1_refusal(topo))
+    return Decision(FSDP2, f"world size {topo.world_size} with no accelerator, FSDP plugin version "
+                           f"{fsdp_version}: accelerate's FSDP2 on gloo (stock accelerate would run DDP "
+                           f"or let every rank train alone)")

@@ -1,7 +1,7 @@
 """The distributed-aware patch of accelerate's `PartialState` (what it decides: core/accelerate_decision.py).
 
-Target `accelerate.state.PartialState.__init__` and `._prepare_backend`, verified on accelerate
-1.15. The decision is made at call time, from the topology resolved then, so one installed patch
+Target `accelerate.state.PartialState.__init__` and `._prepare_backend`, and
+`AcceleratorState.__init__`, verified on accelerate 1.15. The decision is made at call time, from the topology resolved then, so one installed patch
 is right under every launcher:
 
 - single device: `_prepare_backend` gives `(None, NO)`, and LOCAL_RANK is hidden from `__init__`
@@ -9,9 +9,13 @@ is right under every launcher:
   `_prepare_backend` said;
 - CPU distributed: `_prepare_backend` runs with `cpu=True`, accelerate's own gloo/MPI path;
 - MPI or SLURM with accelerators: the launcher's variables are exported first;
+- FSDP requested by several processes without an accelerator: the CPU path as above, then the
+  AcceleratorState built on it (MULTI_CPU, which accelerate turns into FSDP only for accelerators)
+  gets `distributed_type` FSDP and its FSDP2 plugin, so `Accelerator.prepare` runs accelerate's
+  FSDP2 (`fully_shard`) on gloo; an FSDP1 plugin there raises a one-line ValueError with the fix;
 - everything else: accelerate's own code, untouched.
 
-Undo: the registry puts back the two original functions from `PartialState.__dict__`.
+Undo: the registry puts back the three original functions from the classes' `__dict__`.
 """
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ import os
 from _thread import _local
 
 from ..core import registry
-from ..core.accelerate_decision import CPU_DISTRIBUTED, EXPORT_LAUNCHER_ENV, PATCH_NAME, SINGLE_DEVICE, decide
+from ..core.accelerate_decision import (
+    CPU_DISTRIBUTED, CPU_FSDP, EXPORT_LAUNCHER_ENV, FSDP1_WITHOUT_ACCELERATOR, FSDP2, PATCH_NAME, SINGLE_DEVICE,
+    decide, fsdp_state,
+)
 from ..core.topology_resolver import Topology, TopologyError, scrub_blank_env, topology
 
 
@@ -56,7 +63,7 @@ def _export_launcher_env(topo: Topology) -> None:
 class AccelerateStatePatch(registry.Patch):
     name = PATCH_NAME
     module = "accelerate.state"
-    target = "accelerate.state.PartialState.__init__ and ._prepare_backend"
+    target = "accelerate.state.PartialState.__init__ and ._prepare_backend, AcceleratorState.__init__"
     verified = "accelerate 1.15"
     switch = "ACCEL_PATCH_ACCELERATE"
 
@@ -74,8 +81,13 @@ class AccelerateStatePatch(registry.Patch):
             return f"PartialState._prepare_backend{tuple(params)} changed shape (verified on {self.verified})"
         if "cpu" not in inspect.signature(cls.__dict__["__init__"]).parameters:
             return f"PartialState.__init__ lost its cpu argument (verified on {self.verified})"
-        if not hasattr(module, "DistributedType"):
-            return "accelerate.state has no DistributedType"
+        if not hasattr(module, "DistributedType") or not hasattr(module.DistributedType, "FSDP"):
+            return "accelerate.state has no DistributedType.FSDP"
+        state = getattr(module, "AcceleratorState", None)
+        if state is None or "__init__" not in state.__dict__ or "_shared_state" not in state.__dict__:
+            return f"accelerate.state.AcceleratorState changed shape (verified on {self.verified})"
+        if "fsdp_plugin" not in inspect.signature(state.__dict__["__init__"]).parameters:
+            return f"AcceleratorState.__init__ lost its fsdp_plugin argument (verified on {self.verified})"
         return None
 
     def too_late(self, module) -> str | None:
@@ -108,6 +120,8 @@ class AccelerateStatePatch(registry.Patch):
                           f"patched {AccelerateStatePatch.target}; last decision: {decision.action}: {decision.reason}")
             if decision.action == EXPORT_LAUNCHER_ENV:
                 _export_launcher_env(topo)
+            if decision.action == FSDP1_WITHOUT_ACCELERATOR:
+                raise ValueError(decision.reason)
             hide = ("LOCAL_RANK",) if decision.action == SINGLE_DEVICE else ()
             _current.decision = decision
             try:
@@ -124,14 +138,45 @@ class AccelerateStatePatch(registry.Patch):
                 decision = decide(topology(), cpu=bool(bound.arguments.get("cpu", False)))
             if decision.action == SINGLE_DEVICE:
                 return None, distributed_type.NO
-            if decision.action == CPU_DISTRIBUTED:
+            if decision.action in (CPU_DISTRIBUTED, CPU_FSDP):
                 # accelerate's own CPU path picks MULTI_CPU and gloo (or MPI when asked and available)
                 bound.arguments["cpu"] = True
                 return wrapped(*bound.args[1:], **bound.kwargs)
             return wrapped(*args, **kwargs)
 
+        state_cls = module.AcceleratorState
+        state_signature = inspect.signature(state_cls.__dict__["__init__"])
+
+        def accelerator_state_wrapper(wrapped, instance, args, kwargs):
+            shared = state_cls._shared_state  # accelerate's own `initialized`, read before __init__ runs
+            fresh = not (shared and shared != cls._shared_state)
+            result = wrapped(*args, **kwargs)
+            plugin = state_signature.bind_partial(instance, *args, **kwargs).arguments.get("fsdp_plugin")
+            if (not fresh or plugin is None or getattr(instance, "fsdp_plugin", None) is plugin
+                    or instance.distributed_type not in (distributed_type.MULTI_CPU, distributed_type.FSDP)):
+                return result
+            change = fsdp_state(registry.last_decision(AccelerateStatePatch.name),
+                                getattr(plugin, "fsdp_version", 1), topology())
+            if change is None:
+                return result
+            registry.record_decision(AccelerateStatePatch.name, change)
+            registry.set_state(AccelerateStatePatch.name, registry.ACTIVE,
+                               f"patched {AccelerateStatePatch.target}; last decision: {change.action}: {change.reason}")
+            if change.action == FSDP1_WITHOUT_ACCELERATOR:
+                state_cls._reset_state()  # no half-made state left for the next Accelerator
+                raise ValueError(change.reason)
+            if change.action == FSDP2:
+                # What accelerate does for accelerators (AcceleratorState.__init__, MULTI_GPU branch).
+                instance.distributed_type = distributed_type.FSDP
+                if instance._mixed_precision != "no":
+                    plugin.set_mixed_precision(instance._mixed_precision)
+                instance.fsdp_plugin = plugin
+                cls._shared_state["distributed_type"] = distributed_type.FSDP  # as accelerate's last line does
+            return result
+
         self.wrap(cls, "__init__", init_wrapper)
         self.wrap(cls, "_prepare_backend", prepare_backend_wrapper)
+        self.wrap(state_cls, "__init__", accelerator_state_wrapper)
 
 
 patch = AccelerateStatePatch()

@@ -5,7 +5,9 @@ When the load is quantized or the run is distributed, `device_map=None` or a str
 ("auto", "balanced", "balanced_low_0", "sequential") is replaced by the rank's own map
 (core/device_map.py decides: `{"": "cuda:<local rank>"}` and the like), so 4-bit and 8-bit
 weights are placed on their rank's device at load and never moved afterwards. An explicit dict
-or device from the user is never touched. Undo: the registry puts back the original classmethod.
+or device from the user is never touched, and a load under DeepSpeed ZeRO-3, FSDP or tensor
+parallelism (core/device_map.py `sharding_engine`) is left exactly as written: those engines place
+the weights themselves. Undo: the registry puts back the original classmethod.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class ModelLoadingPatch(registry.Patch):
             requested = kwargs.get("device_map")
             # An explicit map is kept whatever the load: skip reading the checkpoint's config then.
             quantized = replaceable(requested) and _is_quantized(pretrained, kwargs)
-            decision = choose_device_map(requested, quantized)
+            decision = choose_device_map(requested, quantized, kwargs)
             registry.record_decision(ModelLoadingPatch.name, decision)
             if decision.used is not decision.requested:
                 kwargs = dict(kwargs, device_map=decision.used)

@@ -286,6 +286,10 @@ def fused_loss(me: DeferredLogits, target, ignore_index: int, reduction: str):
     head = me._head
     device_type, enabled, cast_to = head.autocast
     h, w, b = me._hidden, head.weight, head.bias
+    if w.dim() != 2 or w.untyped_storage().nbytes() < (w.storage_offset() + w.numel()) * w.element_size():
+        # A sharding engine freed or released it after the head's forward: never read it.
+        raise RuntimeError(f"accel_patch: the LM head's weight {tuple(w.shape)} lost its storage before "
+                           "the fused loss ran (a sharding engine released it); please report this")
     if enabled:
         h, w = h.to(cast_to), w.to(cast_to)
         b = b.to(cast_to) if b is not None else None

@@ -90,8 +90,11 @@ def candidate(model) -> str | None:
     if "labels" not in inspect.signature(type(model).forward).parameters:
         return "forward takes no labels"
     head = model.get_output_embeddings()
-    if head_leaf(head) is None:
+    leaf = head_leaf(head)
+    if leaf is None:
         return f"LM head {type(head).__name__} is not a plain linear layer (quantized or wrapped)"
+    if type(leaf.weight) not in (torch.nn.Parameter, torch.Tensor):  # the probe needs the whole weight
+        return f"LM head weight is a {type(leaf.weight).__name__} (sharded already): swap before sharding"
     return None
 
 

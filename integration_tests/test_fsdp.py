@@ -1,0 +1,144 @@
+"""The swap under FSDP, for real: 2 processes on CPU with gloo.
+
+- torchrun of integration_tests/fsdp_worker.py, one launch for every mode (FSDP2 `fully_shard` and
+  FSDP1 `FullyShardedDataParallel`, tied and untied embeddings, LoRA with and without an adapter on
+  lm_head, checkpoints): the swapped model against stock, sharded the same way.
+- `accelerate launch --use_fsdp --fsdp_version 2` of the Trainer worker: one FSDP2 job on CPU (stock
+  accelerate gives state NO on every rank there: each trains alone), the fused loss running.
+- DeepSpeed ZeRO-3, one process on gloo, where DeepSpeed is installed (it is not a test dependency).
+"""
+import filecmp
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from _launch import (accelerate_fsdp2_cmd, free_port, read_ranks, require_success, run, summary,
+                     tails, torchrun_cmd, worker_env)
+
+FSDP_WORKER = __import__("pathlib").Path(__file__).with_name("fsdp_worker.py")
+MODES = ("fsdp2-untied", "fsdp2-tied", "fsdp1-untied", "fsdp1-tied")
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Both ranks' results of one torchrun of every mode, and the directory they saved into."""
+    root = tmp_path_factory.mktemp("fsdp")
+    out = root / "out"
+    out.mkdir()
+    proc = run(torchrun_cmd(["--out", str(out)], nproc=2, port=free_port(), target=(str(FSDP_WORKER),)),
+               worker_env(root / "hf_home"), root)
+    require_success([proc])
+    ranks = []
+    for r in (0, 1):
+        path = out / f"fsdp_rank{r}.json"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no result\n\n{tails([proc])}")
+        ranks.append(json.loads(path.read_text()))
+    for res in ranks:
+        assert res["world_size"] == 2 and res["triton_interpret"] is None
+        broken = {m: v["error"] for m, v in res.items() if isinstance(v, dict) and "error" in v}
+        assert not broken, "\n".join(f"{m}: {res[m]['traceback']}" for m in broken)
+    return ranks, out
+
+
+def close_losses(got, want):
+    return all(math.isclose(g, w, rel_tol=1e-5) for g, w in zip(got, want)) and len(got) == len(want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_swapped_model_under_fsdp_trains_as_stock_fsdp_with_the_fused_loss(fsdp_runs, mode):
+    ranks, _ = fsdp_runs
+    for res in ranks:
+        m = res[mode]
+        assert m["loss_calls"] == {"fused": 3}, m["loss_calls"]  # the fused loss ran, every step
+        assert close_losses(m["swapped_losses"], m["stock_losses"]), (m["swapped_losses"], m["stock_losses"])
+    m0 = ranks[0][mode]
+    if mode.startswith("fsdp2"):
+        assert m0["head_weight_type_outside_forward"] == "DTensor"  # the head really was sharded
+    assert m0["same_keys"] and m0["moved"] > 1e-3
+    # Float32 noise: the swap's own distance from stock on one process (3 AdamW steps, lr 1e-2;
+    # tied embeddings amplify it) plus FSDP's own distance from one process. Gradients FSDP failed
+    # to reduce would put the weights ~lr apart.
+    bound = 2 * m0["swap_noise"] + 2 * m0["noise_floor"] + 1e-6
+    assert m0["max_weight_diff"] <= bound, m0
+    assert m0["noise_floor"] < 1e-4, m0  # the yardstick itself: FSDP on 2 ranks = one process
+
+
+def test_lora_under_fsdp2_trains_adapters_as_stock_and_a_head_adapter_stands_aside(fsdp_runs):
+    ranks, _ = fsdp_runs
+    for res in ranks:
+        assert res["lora"]["loss_calls"] == {"fused": 3}
+        head = res["lora-head"]["loss_calls"]
+        assert list(head) == ["stood aside: a LoRA adapter on the LM head (stock head, so the adapter trains)"], head
+        for mode in ("lora", "lora-head"):
+            assert close_losses(res[mode]["swapped_losses"], res[mode]["stock_losses"])
+    lora, lora_head = ranks[0]["lora"], ranks[0]["lora-head"]
+    assert lora["max_weight_diff"] <= 2 * lora["swap_noise"] + 2 * lora["noise_floor"] + 1e-6, lora
+    assert lora_head["max_weight_diff"] <= 2 * lora_head["swap_noise"] + 2 * lora_head["noise_floor"] + 1e-6
+    assert lora_head["lora_head_moved"] > 1e-3  # the head's adapter trained
+
+
+def test_sharded_and_gathered_checkpoints_are_byte_identical_to_stock(fsdp_runs):
+    _, out = fsdp_runs
+    root = out / "ckpt"
+    for kind, names in (("sharded", ["__0_0.distcp", "__1_0.distcp"]),
+                        ("pretrained", ["model.safetensors", "config.json"])):
+        stock, swapped = root / "stock" / kind, root / "swapped" / kind
+        assert sorted(p.name for p in stock.iterdir()) == sorted(p.name for p in swapped.iterdir())
+        for name in names:
+            assert (stock / name).exists(), f"{kind}/{name} missing"
+            assert filecmp.cmp(stock / name, swapped / name, shallow=False), f"{kind}/{name} differs from stock"
+    # DCP's .metadata holds the checkpoint's path and a fresh save id (a UUID): two stock saves differ
+    # there too. Everything it says about the tensors must be equal.
+    import torch.distributed.checkpoint as dcp
+
+    a, b = (dcp.FileSystemReader(str(root / name / "sharded")).read_metadata() for name in ("stock", "swapped"))
+    assert a.state_dict_metadata == b.state_dict_metadata
+    assert (a.planner_data, a.storage_data) == (b.planner_data, b.storage_data)
+
+
+def test_accelerate_launch_fsdp2_on_cpu_is_one_job_with_the_fused_loss(tmp_path, out_dir, home):
+    args = ["--out", str(out_dir), "--seed-per-rank"]
+    proc = run(accelerate_fsdp2_cmd(args, nproc=2, port=free_port()), worker_env(home), tmp_path)
+    # The same job with no kernels swapped (the accelerate patch still on): the stock loss under FSDP2.
+    stock_dir = tmp_path / "stock"
+    stock_dir.mkdir()
+    stock = run(accelerate_fsdp2_cmd(["--out", str(stock_dir), "--seed-per-rank"], nproc=2, port=free_port()),
+                worker_env(home, ACCEL_PATCH_KERNELS="0"), tmp_path / "stock_run")
+    require_success([proc, stock])
+    results = read_ranks(out_dir, 2, [proc])
+    stock_results = read_ranks(stock_dir, 2, [stock])
+    assert stock_results[0]["loss_calls"] is None and stock_results[0]["distributed_type"] == "FSDP"
+    assert close_losses(results[0]["losses"], stock_results[0]["losses"]), (results[0]["losses"],
+                                                                           stock_results[0]["losses"])
+    info = summary(results)
+    for res in results:
+        # Stock accelerate: state NO and num_processes 1 on every rank, each training alone.
+        assert res["distributed_type"] == "FSDP" and res["fsdp_version"] == 2, info
+        assert res["num_processes"] == 2 and res["pg_world_size"] == 2, info
+        assert res["wrapped_class"] == "FSDPLlamaForCausalLM" and res["head_weight_type"] == "DTensor", info
+        assert res["loss_calls"] and set(res["loss_calls"]) == {"fused"}, res["loss_calls"]
+        assert all(math.isfinite(x) for x in res["losses"])
+        assert not [s for s in res["status"] if s["state"] == "failed"]
+        assert any("fsdp2" in s["reason"] for s in res["status"] if s["name"] == "accelerate-state")
+    assert sorted(r["process_index"] for r in results) == [0, 1], info
+    # One job: every rank logs the same (all-reduced) losses and ends with the same gathered weights.
+    assert results[0]["losses"] == results[1]["losses"], info
+    assert results[0]["final_digest"] == results[1]["final_digest"], info
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_zero3_head_stands_aside_and_trains_as_stock(tmp_path, home):
+    out = tmp_path / "ds.json"
+    proc = run([sys.executable, str(FSDP_WORKER), "--zero3", str(out)],
+               worker_env(home, MASTER_PORT=str(free_port())), tmp_path)
+    require_success([proc])
+    res = json.loads(out.read_text())
+    assert res["partitioned"] == [True, "NOT_AVAILABLE", 0]  # ds_id, ds_status, an empty .data
+    assert list(res["loss_calls"]) == [
+        "stood aside: LM head weight is a DeepSpeed ZeRO-3 partition (released outside the head's forward; "
+        "stock head, which ZeRO-3 gathers)"], res["loss_calls"]
+    assert close_losses(res["swapped_losses"], res["stock_losses"])  # the other kernels: float noise
