@@ -258,7 +258,7 @@ def test_grpo_trains_as_stock_with_an_in_process_reward(tmp_path):
         torch.manual_seed(0)
         model = tiny_llama()
         config = trl.GRPOConfig(**common(tmp_path, per_device_train_batch_size=4, learning_rate=1e-3,
-                                         num_generations=2, max_completion_length=6, beta=0.04, seed=0))
+                                         num_generations=2, max_completion_length=6, seed=0))
         trainer = trl.GRPOTrainer(model=model, reward_funcs=_length_reward, args=config, train_dataset=data,
                                   processing_class=tokenizer())
         trainer.train()
