@@ -76,18 +76,6 @@ class AccelPatchCallback(TrainerCallback):
             log.warning("accel_patch: swapping kernels in the Trainer failed, training runs stock: %s: %s",
                         type(exc).__name__, exc)
 
-    def _refresh_report(self, model) -> None:
-        """The report as the model stands now: TRL's trainers install their own LM head after
-        on_init_end, and the log must say whose head runs."""
-        if model is None or self.report is None:
-            return
-        from ..swaps.apply import report_of
-
-        try:
-            self.report = report_of(model) or self.report
-        except Exception:  # the log must go on
-            pass
-
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._swap(model, prepared=False)
 
@@ -155,7 +143,6 @@ class AccelPatchCallback(TrainerCallback):
             added["tokens_per_second"] = (tokens - seen) / (now - then)
         if self._first_log:
             self._first_log = False
-            self._refresh_report(kwargs.get("model"))
             added["accel_patch_swap"] = self.report.short() if self.report is not None else "no kernels swapped"
             added["accel_patch_topology"] = _topology_line()
         logs.update(added)
