@@ -254,12 +254,14 @@ def test_grpo_trains_as_stock_with_an_in_process_reward(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = datasets.Dataset.from_dict({"prompt": [words(g, 5) for _ in range(8)]})
 
+    saved = tmp_path / "policy"
+    tiny_llama().save_pretrained(saved)  # GRPO builds its reference (beta > 0) from the policy's path
+
     def train():
         torch.manual_seed(0)
-        model = tiny_llama()
         config = trl.GRPOConfig(**common(tmp_path, per_device_train_batch_size=4, learning_rate=1e-3,
-                                         num_generations=2, max_completion_length=6, seed=0))
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=_length_reward, args=config, train_dataset=data,
+                                         num_generations=2, max_completion_length=6, seed=0, beta=0.04))
+        trainer = trl.GRPOTrainer(model=str(saved), reward_funcs=_length_reward, args=config, train_dataset=data,
                                   processing_class=tokenizer())
         trainer.train()
         return trainer
@@ -267,7 +269,10 @@ def test_grpo_trains_as_stock_with_an_in_process_reward(tmp_path):
     with stock_accel_patch():
         stock = train()
     ours = train()
-    if ours.ref_model is not None:
-        assert sites.is_swapped(ours.ref_model.model.layers[0].mlp)
-    for x, y in zip(steps_of(stock), steps_of(ours)):
+    assert sites.is_swapped(ours.ref_model.model.layers[0].mlp)
+    assert report_of(ours.model).head == "TRL's"  # GRPO trains on the entropy: TRL's head and loss
+    a, b = steps_of(stock), steps_of(ours)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
         assert close(y["loss"], x["loss"], abs_=1e-5) and close(y["reward"], x["reward"]), (x, y)
+        assert close(y["kl"], x["kl"], abs_=1e-6), (x, y)
