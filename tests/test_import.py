@@ -78,6 +78,9 @@ def test_pending_patches_say_when_they_bind(imports):
     assert reasons["device-map"] == (
         "binds when `transformers.modeling_utils` is imported; the demo and any training script import it")
     assert reasons["accelerate-state"].startswith("binds when `accelerate.state` is imported")
+    # TRL's patch binds with TRL's trainers, which the demo does not use: its reason says so.
+    assert reasons["trl-fused-head"] == (
+        "binds when `trl.trainer.utils` is imported: TRL's trainers import it (the demo does not use TRL)")
 
 
 @pytest.mark.slow

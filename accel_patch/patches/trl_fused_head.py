@@ -57,6 +57,7 @@ class TrlFusedHeadPatch(registry.Patch):
     target = "trl.trainer.utils.add_fused_lm_head: accel-patch's fused loss in TRL's LM head, kernels in the reference model"
     verified = "trl 1.16"
     switch = SWITCH
+    pending = "binds when `trl.trainer.utils` is imported: TRL's trainers import it (the demo does not use TRL)"
 
     def __init__(self) -> None:
         super().__init__()
