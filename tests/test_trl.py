@@ -71,7 +71,9 @@ def test_a_trl_whose_head_has_another_shape_is_skipped_with_the_reason():
     def moved(model, temperature=1.0):
         pass
 
-    assert "verified on trl 1.16" in trl_fused_head.patch.check(types.SimpleNamespace(add_fused_lm_head=moved))
+    assert trl_fused_head.patch.check(types.SimpleNamespace(add_fused_lm_head=moved)) == (
+        "add_fused_lm_head takes ('model', 'temperature'), not ('model', 'temperature', 'cast_lm_head_to_fp32', "
+        "'outputs') (verified on trl 1.16)")
     assert "no add_fused_lm_head" in trl_fused_head.patch.check(types.SimpleNamespace())
 
     def same(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
