@@ -150,6 +150,11 @@ def test_a_head_shape_we_do_not_know_keeps_trls_head_and_says_so(caplog):
     assert "fused_linear_cross_entropy" not in report.swapped
     assert any("TRL's fused LM head runs" in r.reason for r in report.refused)
     assert report.short().endswith("LM head: TRL's") and "TRL's fused LM head runs" in caplog.text
+    other = tiny_llama()
+    accel_patch.swap_kernels(other, ops="rms_norm")  # no fused loss to put in TRL's place
+    trl_utils.add_fused_lm_head(other, outputs=SFT_OUTPUTS)
+    assert other.forward.__func__.__code__.co_filename.endswith("trl/trainer/utils.py")
+    assert report_of(other).short() == "rms_norm 5; LM head: TRL's"
 
 
 # --- trainers -------------------------------------------------------------------------------------

@@ -142,8 +142,11 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
     else:
         patch.last_ops = tuple(sorted(state.ops))
     trl_forward = model.__dict__.get("forward")
-    if trl_forward is None or OP not in state.counts:
-        return  # no fused loss swapped (refused, or not asked for): nothing claims a swapped loss
+    if trl_forward is None:
+        return
+    if OP not in state.counts:  # no fused loss swapped (refused, or not asked for): TRL's head, said so
+        state.head = TRLS
+        return
     outputs = tuple(outputs)
     if outputs not in KNOWN_OUTPUTS:
         state.counts.pop(OP)
