@@ -68,7 +68,8 @@ def test_import_pulls_in_neither_torch_transformers_nor_accelerate(imports):
     assert result["heavy"] == []
     assert Path(result["file"]).resolve().parent == PACKAGE_DIR  # the package under test
     assert {name: state for name, (state, _) in result["status"].items()} == {
-        "accelerate-state": "pending", "device-map": "pending", "kernels": "pending", "trainer-callback": "pending",
+        "accelerate-state": "pending", "device-map": "pending", "kernels": "pending", "trl-fused-head": "pending",
+        "trainer-callback": "pending",
     }
 
 
@@ -77,6 +78,9 @@ def test_pending_patches_say_when_they_bind(imports):
     assert reasons["device-map"] == (
         "binds when `transformers.modeling_utils` is imported; the demo and any training script import it")
     assert reasons["accelerate-state"].startswith("binds when `accelerate.state` is imported")
+    # TRL's patch binds with TRL's trainers, which the demo does not use: its reason says so.
+    assert reasons["trl-fused-head"] == (
+        "binds when `trl.trainer.utils` is imported: TRL's trainers import it (the demo does not use TRL)")
 
 
 @pytest.mark.slow

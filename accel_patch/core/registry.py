@@ -146,7 +146,8 @@ _finder = _PostImportFinder()
 
 def _pending_reason(patch: Patch) -> str:
     # `accel-patch env` imports little, so a user sees "pending" there and "active" in training.
-    return f"binds when `{patch.module}` is imported; the demo and any training script import it"
+    return getattr(patch, "pending", None) or (
+        f"binds when `{patch.module}` is imported; the demo and any training script import it")
 
 
 def register(patch: Patch) -> None:

@@ -194,12 +194,22 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
         new = walk.new
     else:
         new = 0
-    report = SwapReport(type(target).__name__, state.counts, state.refused, new=new)
+    report = SwapReport(type(target).__name__, state.counts, state.refused, new=new, head=state.head)
     if todo:
         _history.record(target, report)
         if report.swapped or report.refused:
             log.info("accel_patch: %s", report.summary())
     return report
+
+
+def report_of(model) -> SwapReport | None:
+    """The swap report of `model` as it stands now (a trainer may have changed whose head runs
+    since the swap), or None when it has no kernels."""
+    target = unwrap(model)
+    state = target.__dict__.get(sites.STATE_ATTR)
+    if state is None:
+        return None
+    return SwapReport(type(target).__name__, state.counts, state.refused, head=state.head)
 
 
 def _restore(target) -> list[str]:

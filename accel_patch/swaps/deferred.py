@@ -4,8 +4,10 @@
 under the autocast state of the call. The few operations families apply to logits before the loss
 (a cast, a scalar multiply or divide, `tanh`, a reshape, slicing leading dims) stay deferred and are
 recorded; `F.cross_entropy` on it runs `fused_linear_cross_entropy` on the head's input, scaled and
-soft-capped to match (`fused_loss`); any other operation computes the real logits first, replaying
-the recorded calls (stock values, stock gradients), so nothing can be dropped silently.
+soft-capped to match (`fused_loss`), on the labelled rows only (`labelled_rows`: selected before
+the matmul; under torch.compile `all_rows`, the static-shape form: every row, the kernel zeroes
+the ignored ones); any other operation computes the real logits first, replaying the recorded
+calls (stock values, stock gradients), so nothing can be dropped silently.
 """
 from __future__ import annotations
 
@@ -301,15 +303,49 @@ def fused_loss(me: DeferredLogits, target, ignore_index: int, reduction: str):
         softcap, factor = me._post, me._pre * me._post  # post * tanh(pre z) = c tanh((pre c z) / c)
     else:
         softcap, factor = None, me._pre
+    if _compiling():
+        rows, labels, keep = all_rows(h, target)
+    else:
+        rows, labels, keep = labelled_rows(h, target, ignore_index)
     if factor != 1.0:
-        h = h * factor
+        rows = rows * factor
         b = b * factor if b is not None else None
     with torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext():
-        per_token = fused_linear_cross_entropy(h, w, target, bias=b, ignore_index=ignore_index,
+        per_token = fused_linear_cross_entropy(rows, w, labels, bias=b, ignore_index=ignore_index,
                                                softcap=softcap, reduction="none" if reduction == "none" else "sum")
+    if reduction == "none" and keep is not None:  # ignored positions: 0, as stock
+        per_token = per_token.new_zeros(target.shape).masked_scatter(keep, per_token)
     if reduction == "mean":
         per_token = per_token / (target != ignore_index).sum()  # as stock: 0 tokens give NaN
     return per_token.to(me.dtype)
+
+
+def labelled_rows(hidden, target, ignore_index: int):
+    """(rows of `hidden` whose target is not ignore_index, their targets, the boolean mask kept).
+
+    The eager form: ignored rows never reach the kernel's matmul, so half the labels ignored is
+    about half the head's work and memory. Selecting them has a data-dependent shape (and syncs
+    with the device once, for the count), which torch.compile cannot trace without a graph break:
+    compiled code uses `all_rows` instead.
+    """
+    keep = target != ignore_index
+    return hidden[keep], target[keep], keep
+
+
+def all_rows(hidden, target):
+    """The static-shape form of `labelled_rows` for torch.compile: every row, as they are.
+
+    The kernel itself gives a row whose target is ignore_index zero loss and zero gradient, so
+    the result equals the compacted one; the shapes depend only on the input's, never on the
+    labels, so a compiled graph neither breaks nor recompiles on them. The ignored rows still
+    cost their share of the matmul. Returns (hidden, target, None): nothing to scatter back.
+    """
+    return hidden, target, None
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 _HANDLERS = {

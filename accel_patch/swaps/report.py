@@ -21,15 +21,18 @@ class SwapReport:
     `swapped`: op name -> number of sites now running the kernel (ops with none are absent).
     `refused`: one `Refusal(where, op, reason)` per site left as stock.
     `model`: the class name of the model swapped. `new`: sites swapped by this call (0 when the
-    model already had them: swapping twice swaps nothing twice).
+    model already had them: swapping twice swaps nothing twice). `head`: when a trainer installed
+    its own LM head on the model (TRL's `add_fused_lm_head`), whose head runs its training calls:
+    "TRL's", or "accel-patch's fused loss in TRL's place"; None otherwise.
     """
 
     def __init__(self, model: str, swapped: dict[str, int] | None = None,
-                 refused: list[Refusal] | None = None, new: int = 0) -> None:
+                 refused: list[Refusal] | None = None, new: int = 0, head: str | None = None) -> None:
         self.model = model
         self.swapped = dict(swapped or {})
         self.refused = list(refused or [])
         self.new = new
+        self.head = head
 
     def __bool__(self) -> bool:
         return bool(self.swapped)
@@ -44,12 +47,15 @@ class SwapReport:
         if self.refused:
             groups = self._grouped()
             line += "; refused " + "; ".join(f"{op} x{len(sites)} ({reason})" for (op, reason), sites in groups)
+        if self.head:
+            line += f"; LM head: {self.head}"
         return line
 
     def short(self) -> str:
         """Sites per op and how many were refused, short enough for a logged value (< 100 chars)."""
         done = ", ".join(f"{op} {n}" for op, n in sorted(self.swapped.items(), key=_op_order)) or "nothing swapped"
-        return done + (f"; {len(self.refused)} refused" if self.refused else "")
+        head = {None: "", "TRL's": "; LM head: TRL's"}.get(self.head, "; LM head: ours, in TRL's place")
+        return done + (f"; {len(self.refused)} refused" if self.refused else "") + head
 
     def _grouped(self) -> list[tuple[tuple[str, str], list[str]]]:
         groups: dict[tuple[str, str], list[str]] = {}
@@ -72,7 +78,7 @@ class SwapReport:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "swapped": dict(self.swapped),
-                "refused": [r._asdict() for r in self.refused]}
+                "refused": [r._asdict() for r in self.refused], "head": self.head}
 
 
 def _op_order(item) -> int:

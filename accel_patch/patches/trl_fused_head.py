@@ -1,0 +1,267 @@
+"""The TRL patch: accel-patch's fused loss in the place of the LM head TRL's trainers install.
+
+Target `trl.trainer.utils.add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, outputs)`,
+verified on trl 1.16. TRL's trainers (SFT, DPO, KTO, GRPO, ...) call it at the end of their
+`__init__`, after `Trainer.__init__` (so after the callback's swap): it rebinds `model.forward`, and
+calls with `fused_lm_head=True` run the backbone and TRL's own chunked head instead of the model's
+forward, so the loss swapped into the model's head would never run. After TRL's call this patch:
+
+1. Swaps the kernels into a model TRL gives a head that has none yet: the reference model, which
+   the Trainer callback never sees (DPO, KTO and GRPO keep it in `trainer.ref_model`). It gets the
+   ops of the model TRL gave a head just before it (the policy), else ACCEL_PATCH_KERNELS'. Stock
+   policy and reference then compute the same function again (DPO's step-1 rewards are 0).
+2. Where the head's shape is known, puts accel-patch's head in front of TRL's: known means the
+   `outputs` SFTTrainer asks for, ("log_probs", "entropy", "is_top1"), whose entropy and top-1
+   only feed metrics (SFT detaches them). A training call with `fused_lm_head=True` then runs the
+   backbone as TRL does and `swaps.token_logprobs` on the labelled positions (fused kernel, no
+   full logits; entropy and top-1 in a chunked no-grad pass), returning TRL's `FusedCausalLMOutput`
+   (loss, log_probs, entropy, is_top1, label_mask). Everything else goes to TRL's head: evaluation
+   mode, a model without the swapped fused loss (or restored), a LoRA adapter on the head, FSDP2
+   (DTensor) or ZeRO-3 (partitioned) head weights, MoE router logits (TRL adds their aux loss),
+   a temperature together with soft-capping; each call counted in the swap state.
+3. Other `outputs` (DPO, KTO and GRPO ask for mean logits, the WPO term, or an entropy that GRPO
+   trains on) keep TRL's head: TRL brings its own loss there. The swap report then lists
+   fused_linear_cross_entropy as refused with that reason, and says which head runs ("LM head:
+   TRL's"), so the report and the first training log never claim a loss that does not run.
+
+A TRL without `add_fused_lm_head` (or with another signature) leaves the patch skipped: its
+trainers then call the model's own forward, where the swapped loss runs. A failure while taking
+TRL's place is recorded in `status()` and leaves TRL's head as TRL installed it. Undo: the
+registry puts back `add_fused_lm_head` (also in the trainer modules that imported it by name);
+a model already given our head sends every call to TRL's once its kernels are restored.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+import types
+
+from ..core import registry
+
+log = logging.getLogger("accel_patch")
+
+SWITCH = "ACCEL_PATCH_TRL"
+PARAMETERS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
+FIELDS = ("loss", "log_probs", "entropy", "is_top1", "label_mask")
+#: The `outputs` whose head ours computes: SFTTrainer's (trl 1.16), entropy and top-1 for metrics only.
+KNOWN_OUTPUTS = frozenset({("log_probs", "entropy", "is_top1")})
+OURS = "accel-patch's fused loss in TRL's place"
+TRLS = "TRL's"
+
+
+class TrlFusedHeadPatch(registry.Patch):
+    name = "trl-fused-head"
+    module = "trl.trainer.utils"
+    target = "trl.trainer.utils.add_fused_lm_head: accel-patch's fused loss in TRL's LM head, kernels in the reference model"
+    verified = "trl 1.16"
+    switch = SWITCH
+    pending = "binds when `trl.trainer.utils` is imported: TRL's trainers import it (the demo does not use TRL)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output_class = None
+        self.wrapped = None  # the FunctionWrapper now in trl.trainer.utils
+        self.last_ops = None  # the ops of the last model TRL gave a head: the reference model gets the same
+
+    def check(self, module) -> str | None:
+        fn = getattr(module, "add_fused_lm_head", None)
+        if fn is None:
+            return "trl.trainer.utils has no add_fused_lm_head: TRL's trainers call the model's own forward"
+        try:
+            params = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            return "add_fused_lm_head has no readable signature"
+        if params != PARAMETERS:
+            return f"add_fused_lm_head takes {params}, not {PARAMETERS} (verified on {self.verified})"
+        out = getattr(module, "FusedCausalLMOutput", None)
+        missing = [f for f in FIELDS if f not in getattr(out, "__dataclass_fields__", {})]
+        if out is None or missing:
+            return f"trl.trainer.utils.FusedCausalLMOutput lacks {missing or 'itself'} (verified on {self.verified})"
+        return None
+
+    def install(self, module) -> None:
+        original = module.__dict__["add_fused_lm_head"]
+        self.output_class = module.FusedCausalLMOutput
+        signature = inspect.signature(original)
+
+        def wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            if not self.installed:  # a trainer module kept the wrapper by name after disable()
+                return result
+            try:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                _after_trl(self, **bound.arguments)
+            except Exception as exc:  # TRL's head stays as TRL installed it
+                registry.set_state(self.name, registry.FAILED, f"taking TRL's LM head's place failed, TRL's head runs: "
+                                   f"{type(exc).__name__}: {exc}")
+                log.warning("accel_patch: taking TRL's LM head's place failed, TRL's head runs: %s: %s",
+                            type(exc).__name__, exc)
+            return result
+
+        self.wrap(module, "add_fused_lm_head", wrapper)
+        self.wrapped = module.__dict__["add_fused_lm_head"]
+        # Trainer modules imported before the patch bound hold the original by name.
+        for mod in _trl_modules(module):
+            if mod.__dict__.get("add_fused_lm_head") is original:
+                self.wrap(mod, "add_fused_lm_head", wrapper)
+
+    def uninstall(self) -> None:
+        # Trainer modules imported after the patch bound took the wrapper by name (`from .utils
+        # import add_fused_lm_head`): they get the original back too.
+        if self._saved and self.wrapped is not None:
+            original = self.wrapped.__wrapped__
+            for mod in _trl_modules(None):
+                if mod.__dict__.get("add_fused_lm_head") is self.wrapped:
+                    mod.__dict__["add_fused_lm_head"] = original
+        self.wrapped = None
+        super().uninstall()
+
+
+def _trl_modules(besides):
+    return [m for name, m in list(sys.modules.items())
+            if (name == "trl" or name.startswith("trl.")) and m is not besides and isinstance(m, types.ModuleType)]
+
+
+def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp32, outputs) -> None:
+    from ..swaps import sites, swap_kernels
+    from ..swaps.loss import OP
+    from ..swaps.ops import ops_from_env
+
+    state = model.__dict__.get(sites.STATE_ATTR)
+    if state is None:  # the reference model: the callback never sees it
+        ops = patch.last_ops if patch.last_ops is not None else ops_from_env()
+        if ops == ():
+            return
+        swap_kernels(model, ops)
+        state = model.__dict__.get(sites.STATE_ATTR)
+        if state is None:
+            return
+    else:
+        patch.last_ops = tuple(sorted(state.ops))
+    trl_forward = model.__dict__.get("forward")
+    if trl_forward is None:
+        return
+    if OP not in state.counts:  # no fused loss swapped (refused, or not asked for): TRL's head, said so
+        state.head = TRLS
+        return
+    outputs = tuple(outputs)
+    if outputs not in KNOWN_OUTPUTS:
+        state.counts.pop(OP)
+        state.refused.append(_refusal(f"TRL's fused LM head runs (add_fused_lm_head outputs={outputs}: TRL's "
+                                      f"own loss; accel-patch's head knows {sorted(KNOWN_OUTPUTS)})"))
+        state.head = TRLS
+        log.info("accel_patch: %s: TRL's fused LM head runs (outputs %s), not accel-patch's fused loss",
+                 type(model).__name__, outputs)
+        return
+    model.__dict__["forward"] = types.MethodType(_our_head(patch, model, trl_forward, temperature,
+                                                           cast_lm_head_to_fp32, outputs), model)
+    state.head = OURS
+    log.info("accel_patch: %s: %s (TRL's add_fused_lm_head, outputs %s)", type(model).__name__, OURS, outputs)
+
+
+def _refusal(reason: str):
+    from ..swaps.loss import OP
+    from ..swaps.report import Refusal
+
+    return Refusal("", OP, reason)
+
+
+def _our_head(patch, model, trl_forward, temperature, fp32, outputs):
+    """The forward in front of TRL's: fused calls through accel-patch's loss when it can run."""
+    config = model.config.get_text_config()
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = _logit_scale(config)
+
+    @functools.wraps(type(model).forward)  # the signature Trainer and generate read, as TRL's
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        why = _why_not(self, fused_lm_head, labels, shift_labels, kwargs, softcap, temperature)
+        if why is not None:
+            if why:
+                state = self.__dict__.get(_state_attr())
+                if state is not None:
+                    state.count_call(f"TRL's head: {why}")
+            return trl_forward(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                               num_items_in_batch=num_items_in_batch, **kwargs)
+        return _fused_call(patch, self, args, kwargs, labels, shift_labels, num_items_in_batch, scale / temperature,
+                           softcap, fp32, outputs)
+
+    return forward
+
+
+def _state_attr():
+    from ..swaps.sites import STATE_ATTR
+
+    return STATE_ATTR
+
+
+def _logit_scale(config) -> float:
+    """The factor TRL's head applies to the logits before soft-capping (trl 1.16's rule)."""
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(config, "lm_head_multiplier", None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
+    return 1.0 if scale is None else float(scale)
+
+
+def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temperature) -> str | None:
+    """None when accel-patch's head runs this call; "" for a plain call (TRL passes it on); else why not."""
+    from ..swaps.head import head_plan
+    from ..swaps.loss import OP
+
+    if not fused_lm_head:
+        return ""
+    if not patch.installed:
+        return "accel-patch's TRL patch is disabled"
+    state = model.__dict__.get(_state_attr())
+    if state is None or OP not in state.ops or OP not in state.counts:
+        return "no fused loss swapped into the model"
+    if not model.training:
+        return "evaluation mode"
+    if (labels if shift_labels is None else shift_labels) is None:
+        return "no labels"
+    if kwargs.get("output_router_logits") or getattr(model.config.get_text_config(), "output_router_logits", False):
+        return "MoE router logits (TRL adds their auxiliary loss)"
+    if softcap is not None and temperature != 1.0:
+        return "a temperature together with logit soft-capping"
+    leaf, why = head_plan(model.get_output_embeddings())
+    if leaf is None:
+        return why
+    for p in (leaf.weight, leaf.bias):
+        if p is not None and (hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or hasattr(p, "device_mesh")):
+            return "a sharded or partitioned head weight (FSDP2 DTensor, DeepSpeed ZeRO-3): TRL gathers it"
+    return None
+
+
+def _fused_call(patch, model, args, kwargs, labels, shift_labels, num_items_in_batch, scale, softcap, fp32, outputs):
+    """What TRL's head returns for a fused call, through accel-patch's fused loss."""
+    import torch
+
+    from ..swaps.head import head_plan
+    from ..swaps.token_logprobs import token_logprobs
+
+    kwargs["use_cache"] = False
+    backbone = model.base_model(*args, **kwargs)
+    hidden = backbone.last_hidden_state
+    if shift_labels is None:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    else:
+        labels = shift_labels
+    leaf, _ = head_plan(model.get_output_embeddings())
+    hidden, labels = hidden.to(leaf.weight.device), labels.to(leaf.weight.device)
+    log_probs, entropy, is_top1 = token_logprobs(hidden, leaf.weight, leaf.bias, labels, scale=scale, softcap=softcap,
+                                                 fp32=fp32, entropy="entropy" in outputs, top1="is_top1" in outputs)
+    mask = labels != -100
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -log_probs.sum() / torch.as_tensor(count, device=log_probs.device)
+    model.__dict__[_state_attr()].count_call("fused (in TRL's head)")
+    return patch.output_class(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
+
+
+patch = TrlFusedHeadPatch()
+registry.register(patch)

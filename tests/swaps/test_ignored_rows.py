@@ -1,0 +1,85 @@
+"""Ignored tokens never reach the fused kernel in eager mode (the rows are selected before the
+matmul), and give the stock loss and gradients for every reduction; under torch.compile every row
+goes through (the static-shape form, `deferred.all_rows`) with the same results."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import accel_kernels
+from accel_patch.swaps import deferred
+from accel_patch.swaps.sites import SwapState
+from accel_patch.swaps.token_logprobs import token_logprobs
+
+N, H, V = 12, 16, 40
+
+
+@pytest.fixture
+def rows_seen(monkeypatch):
+    """The number of rows each call of the fused kernel received."""
+    seen = []
+    kernel = accel_kernels.fused_linear_cross_entropy
+
+    def spy(hidden, weight, labels, *args, **kwargs):
+        seen.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+        return kernel(hidden, weight, labels, *args, **kwargs)
+
+    monkeypatch.setattr(accel_kernels, "fused_linear_cross_entropy", spy)
+    return seen
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = (torch.randn(V, H, generator=g) / 4).requires_grad_()
+    y = torch.randint(0, V, (N,), generator=g)
+    y[::2] = -100  # half ignored
+    return h, w, y
+
+
+def fused(h, w, y, reduction):
+    z = deferred.DeferredLogits(deferred._Head(h, w, None, SwapState()), (), h, torch.Size((N, V)), w.dtype)
+    return F.cross_entropy(z * 0.5, y, reduction=reduction)  # a scale too: applied to the kept rows only
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compile-form"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_only_labelled_rows_reach_the_kernel_with_stock_loss_and_gradients(rows_seen, monkeypatch, reduction,
+                                                                             compiling):
+    monkeypatch.setattr(deferred, "_compiling", lambda: compiling)
+    h, w, y = inputs()
+    ref = F.cross_entropy(F.linear(h, w) * 0.5, y, reduction=reduction)
+    ref.sum().backward()
+    ref_grads = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    got = fused(h, w, y, reduction)
+    got.sum().backward()
+    assert rows_seen == [N if compiling else N // 2]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((h.grad, w.grad), ref_grads, rtol=1e-5, atol=1e-6)
+    if reduction == "none":
+        assert (got[::2] == 0).all()
+
+
+def test_token_logprobs_score_only_labelled_rows_and_zero_the_rest(rows_seen):
+    h, w, y = inputs()
+    log_probs, entropy, top1 = token_logprobs(h, w, None, y, entropy=True, top1=True)
+    assert rows_seen == [N // 2]
+    z = F.linear(h, w)
+    keep = y != -100
+    ref = torch.zeros(N).masked_scatter(keep, -F.cross_entropy(z[keep], y[keep], reduction="none"))
+    torch.testing.assert_close(log_probs, ref, rtol=1e-5, atol=1e-6)
+    p = z.softmax(-1)
+    ref_entropy = torch.where(keep, -(p * z.log_softmax(-1)).sum(-1), 0.0)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(top1, keep & (z.argmax(-1) == y))
+    assert not entropy.requires_grad and log_probs.requires_grad
+
+
+def test_a_batch_with_no_label_gives_zeros_and_a_graph(rows_seen):
+    h, w, _ = inputs()
+    y = torch.full((N,), -100)
+    log_probs, _, _ = token_logprobs(h, w, None, y)
+    (-log_probs.sum()).backward()  # an all-ignored micro-batch still trains (a zero gradient), as TRL's head
+    assert rows_seen == [0] and (log_probs == 0).all() and (w.grad == 0).all()

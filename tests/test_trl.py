@@ -1,0 +1,285 @@
+"""accel-patch in TRL's trainers (the `trl-fused-head` patch): our fused loss in the place of the LM
+head SFTTrainer installs, with TRL's losses and metrics; TRL's own head (and loss) where its shape
+is not one we know, said in the report; the reference model of DPO, KTO and GRPO swapped like the
+policy, so they train as stock."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import accel_patch
+from accel_patch.patches import trl_fused_head
+from accel_patch.swaps import sites
+from accel_patch.swaps.apply import report_of
+
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+WORDS = 40
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0))
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i + 4 for i in range(WORDS)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def words(g, n):
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, WORDS, (n,), generator=g))
+
+
+def common(tmp_path, **extra):
+    return {**dict(output_dir=str(tmp_path), max_steps=3, logging_steps=1, save_strategy="no", report_to="none",
+                   disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, bf16=False), **extra}
+
+
+class stock_accel_patch:
+    """accel-patch turned off for a block (the stock run), on again after."""
+
+    def __enter__(self):
+        accel_patch.disable()
+
+    def __exit__(self, *exc):
+        accel_patch.enable()
+        return False
+
+
+def steps_of(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def close(a, b, rel=2e-5, abs_=1e-6):
+    return a == pytest.approx(b, rel=rel, abs=abs_)
+
+
+# --- the patch's shape guard (no TRL needed) -----------------------------------------------------
+
+
+def test_a_trl_whose_head_has_another_shape_is_skipped_with_the_reason():
+    def moved(model, temperature=1.0):
+        pass
+
+    assert trl_fused_head.patch.check(types.SimpleNamespace(add_fused_lm_head=moved)) == (
+        "add_fused_lm_head takes ('model', 'temperature'), not ('model', 'temperature', 'cast_lm_head_to_fp32', "
+        "'outputs') (verified on trl 1.16)")
+    assert "no add_fused_lm_head" in trl_fused_head.patch.check(types.SimpleNamespace())
+
+    def same(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs",)):
+        pass
+
+    assert "FusedCausalLMOutput" in trl_fused_head.patch.check(types.SimpleNamespace(add_fused_lm_head=same))
+
+
+# --- the head, field by field ---------------------------------------------------------------------
+
+
+def _labels_with_hits(model, ids):
+    """Completion-only labels (the first half ignored), half of the rest the model's own argmax, so
+    that is_top1 has both values."""
+    with torch.no_grad():
+        top = model(input_ids=ids).logits.argmax(-1)
+    labels = ids.clone()
+    labels[:, 1:] = torch.where(torch.arange(ids.shape[1] - 1) % 2 == 0, top[:, :-1], ids[:, 1:])
+    labels[:, : ids.shape[1] // 2] = -100
+    return labels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_our_head_gives_what_trls_head_gives(autocast):
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = tiny_llama()
+    accel_patch.swap_kernels(model)
+    trl_utils.add_fused_lm_head(model, outputs=SFT_OUTPUTS)  # SFTTrainer's call: ours in front of TRL's
+    assert report_of(model).head == trl_fused_head.OURS
+    ids = torch.randint(4, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = _labels_with_hits(model, ids)
+
+    def run(training):
+        model.train(training)  # evaluation mode: TRL's head (dropout is 0 in this config)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        out.loss.backward()
+        grad = model.lm_head.weight.grad.clone()
+        model.zero_grad(set_to_none=True)
+        return out, grad
+
+    calls = model.__dict__[sites.STATE_ATTR].loss_calls
+    ours, ours_grad = run(True)
+    assert calls.get("fused (in TRL's head)") == 1
+    trls, trls_grad = run(False)
+    assert calls.get("TRL's head: evaluation mode") == 1
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours.label_mask, trls.label_mask)
+    torch.testing.assert_close(ours.log_probs, trls.log_probs, **tol)
+    torch.testing.assert_close(ours.entropy, trls.entropy, **tol)
+    torch.testing.assert_close(ours.loss, trls.loss, **tol)
+    torch.testing.assert_close(ours_grad, trls_grad, **tol)
+    assert (ours.log_probs[~ours.label_mask] == 0).all() and (ours.entropy[~ours.label_mask] == 0).all()
+    hits = trls.is_top1[trls.label_mask]
+    assert hits.any() and not hits.all()
+    if autocast:  # bf16 logits tie more often; the argmax of two roundings may differ on a tie
+        assert (ours.is_top1 == trls.is_top1).float().mean() > 0.9
+    else:
+        assert torch.equal(ours.is_top1, trls.is_top1)
+
+
+@pytest.mark.slow
+def test_a_head_shape_we_do_not_know_keeps_trls_head_and_says_so(caplog):
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = tiny_llama()
+    accel_patch.swap_kernels(model)
+    trl_forward_before = model.__dict__.get("forward")
+    with caplog.at_level("INFO", logger="accel_patch"):
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # GRPO's: entropy is trained on
+    assert model.__dict__["forward"] is not trl_forward_before  # TRL's own, as TRL installed it
+    assert model.forward.__func__.__code__.co_filename.endswith("trl/trainer/utils.py")
+    report = report_of(model)
+    assert "fused_linear_cross_entropy" not in report.swapped
+    assert any("TRL's fused LM head runs" in r.reason for r in report.refused)
+    assert report.short().endswith("LM head: TRL's") and "TRL's fused LM head runs" in caplog.text
+    other = tiny_llama()
+    accel_patch.swap_kernels(other, ops="rms_norm")  # no fused loss to put in TRL's place
+    trl_utils.add_fused_lm_head(other, outputs=SFT_OUTPUTS)
+    assert other.forward.__func__.__code__.co_filename.endswith("trl/trainer/utils.py")
+    assert report_of(other).short() == "rms_norm 5; LM head: TRL's"
+
+
+# --- trainers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sft_trains_with_our_loss_and_stock_losses_and_metrics(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    g = torch.Generator().manual_seed(0)
+    # A small vocabulary of repeated words and a high learning rate: the model gets tokens right.
+    data = datasets.Dataset.from_dict({"prompt": [words(g, 6) for _ in range(12)],
+                                       "completion": [" ".join(["w1 w2 w3"] * 3) for _ in range(12)]})
+
+    def train():
+        model = tiny_llama()
+        config = trl.SFTConfig(**common(tmp_path, max_steps=4, per_device_train_batch_size=4, learning_rate=3e-2,
+                                        max_length=32))
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer())
+        trainer.train()
+        return trainer, model
+
+    with stock_accel_patch():
+        stock, stock_model = train()
+    ours, model = train()
+    assert sites.STATE_ATTR not in stock_model.__dict__
+    assert model.__dict__[sites.STATE_ATTR].loss_calls == {"fused (in TRL's head)": 4}
+    a, b = steps_of(stock), steps_of(ours)
+    assert len(a) == len(b) == 4
+    assert b[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1; LM head: ours, in TRL's place"
+    assert any(h["mean_token_accuracy"] > 0 for h in a)  # the metric is exercised, not only 0
+    for x, y in zip(a, b):
+        for key in ("loss", "entropy"):
+            assert close(y[key], x[key]), (key, x, y)
+        assert close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)  # after steps at lr 3e-2
+        assert y["mean_token_accuracy"] == x["mean_token_accuracy"] and y["num_tokens"] == x["num_tokens"]
+
+
+def _preference_rows(n=8):
+    g = torch.Generator().manual_seed(0)
+    return {"prompt": [words(g, 5) for _ in range(n)], "chosen": [words(g, 4) for _ in range(n)],
+            "rejected": [words(g, 4) for _ in range(n)]}
+
+
+@pytest.mark.slow
+def test_dpo_swaps_the_reference_model_and_trains_as_stock(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    data = datasets.Dataset.from_dict(_preference_rows())
+
+    def train():
+        model, ref = tiny_llama(), tiny_llama()
+        config = trl.DPOConfig(**common(tmp_path, per_device_train_batch_size=4, learning_rate=1e-3, max_length=24))
+        trainer = trl.DPOTrainer(model=model, ref_model=ref, args=config, train_dataset=data,
+                                 processing_class=tokenizer())
+        trainer.train()
+        return trainer, ref
+
+    with stock_accel_patch():
+        stock, _ = train()
+    ours, ref = train()
+    assert sites.is_swapped(ref.model.layers[0].mlp) and sites.is_swapped(ref.model.norm)  # as the policy
+    assert report_of(ours.model).head == "TRL's"  # DPO brings its own loss on TRL's head
+    a, b = steps_of(stock), steps_of(ours)
+    assert b[0]["rewards/accuracies"] == a[0]["rewards/accuracies"] == 0.0
+    assert b[0]["rewards/margins"] == a[0]["rewards/margins"] == 0.0
+    assert b[0]["accel_patch_swap"].endswith("LM head: TRL's")
+    for x, y in zip(a, b):
+        assert close(y["loss"], x["loss"]) and close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)
+
+
+@pytest.mark.slow
+def test_kto_trains_as_stock_with_the_reference_model_swapped(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    rows = _preference_rows()
+    data = datasets.Dataset.from_dict({"prompt": rows["prompt"] * 2, "completion": rows["chosen"] + rows["rejected"],
+                                       "label": [True] * 8 + [False] * 8})
+
+    def train():
+        model, ref = tiny_llama(), tiny_llama()
+        config = trl.KTOConfig(**common(tmp_path, per_device_train_batch_size=4, learning_rate=1e-3, max_length=24))
+        trainer = trl.KTOTrainer(model=model, ref_model=ref, args=config, train_dataset=data,
+                                 processing_class=tokenizer())
+        trainer.train()
+        return trainer, ref
+
+    with stock_accel_patch():
+        stock, _ = train()
+    ours, ref = train()
+    assert sites.is_swapped(ref.model.layers[0].mlp)
+    for x, y in zip(steps_of(stock), steps_of(ours)):
+        assert close(y["loss"], x["loss"]) and close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(c)) / 10 for c in completions]
+
+
+@pytest.mark.slow
+def test_grpo_trains_as_stock_with_an_in_process_reward(tmp_path):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, 5) for _ in range(8)]})
+
+    saved = tmp_path / "policy"
+    tiny_llama().save_pretrained(saved)  # GRPO builds its reference (beta > 0) from the policy's path
+
+    def train():
+        torch.manual_seed(0)
+        config = trl.GRPOConfig(**common(tmp_path, per_device_train_batch_size=4, learning_rate=1e-3,
+                                         num_generations=2, max_completion_length=6, seed=0, beta=0.04))
+        trainer = trl.GRPOTrainer(model=str(saved), reward_funcs=_length_reward, args=config, train_dataset=data,
+                                  processing_class=tokenizer())
+        trainer.train()
+        return trainer
+
+    with stock_accel_patch():
+        stock = train()
+    ours = train()
+    assert sites.is_swapped(ours.ref_model.model.layers[0].mlp)
+    assert report_of(ours.model).head == "TRL's"  # GRPO trains on the entropy: TRL's head and loss
+    a, b = steps_of(stock), steps_of(ours)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert close(y["loss"], x["loss"], abs_=1e-5) and close(y["reward"], x["reward"]), (x, y)
+        assert close(y["kl"], x["kl"], abs_=1e-6), (x, y)
