@@ -14,7 +14,6 @@ import accel_kernels._dispatch as dispatch
 import accel_kernels._launch as launch
 import accel_kernels.ops.fused_linear_cross_entropy as flce_module
 from accel_kernels import fused_linear_cross_entropy
-from accel_kernels.ops.fused_linear_cross_entropy import _FusedLinearCrossEntropyFunction
 
 from _checks import assert_close
 
@@ -175,6 +174,11 @@ class _LargestOutput(TorchDispatchMode):
         self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "accel_kernels":
+            # an op of ours is one call here: run its implementation with this mode on, to see
+            # every tensor made inside it (the CPU kernel of a custom op is its Python function)
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
@@ -223,10 +227,12 @@ def test_out_of_range_label_gives_nan_without_host_check(device, triton_path):
     # What a GPU does, where no host check runs: NaN loss, never a silent wrong one.
     hidden, weight, bias, labels = _inputs((4,), 8, 30, torch.float32, device)
     labels[2] = 30
-    loss = _FusedLinearCrossEntropyFunction.apply(hidden, weight, bias, labels, -100, None, "none", 2, triton_path)
+    # the op as the public function calls it, less the CPU range check (False: as on a GPU)
+    op = torch.ops.accel_kernels.fused_linear_cross_entropy
+    loss = op(hidden, weight, bias, labels, -100, None, "none", 2, False, False, False, False, triton_path)[0]
     assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
     h = hidden.clone().requires_grad_()
-    _FusedLinearCrossEntropyFunction.apply(h, weight, bias, labels, -100, None, "mean", 2, triton_path).backward()
+    op(h, weight, bias, labels, -100, None, "mean", 2, True, False, False, False, triton_path)[0].backward()
     assert torch.isnan(h.grad[2]).all() and torch.isfinite(h.grad[[0, 1, 3]]).all()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _dispatch, _launch
+from .. import _dispatch, _launch, _library
 from .._triton import cast_rounded, jit, tl
 
 SILU, GELU_ERF, GELU_TANH = 0, 1, 2
@@ -108,25 +108,55 @@ def _backward_triton(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tens
 
 
 # --------------------------------------------------------------------------------------------
-# autograd Function
+# torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
 # --------------------------------------------------------------------------------------------
 
+# the schema's spelling of the activation (an op argument must be schema-able: a str)
+ACTIVATIONS = {"silu": SILU, "gelu": GELU_ERF, "gelu_tanh": GELU_TANH}
+_ACTIVATION_NAMES = {value: name for name, value in ACTIVATIONS.items()}
+_OP_NAMES = {SILU: "swiglu", GELU_ERF: "geglu", GELU_TANH: "geglu"}
 
-class _GatedUnitFunction(torch.autograd.Function):
-    """act(gate) * up, saving only gate and up for backward; `triton_path` picks Triton or the twin."""
 
-    @staticmethod
-    def forward(ctx, gate, up, act: int, triton_path: bool):
-        ctx.save_for_backward(gate, up)  # the originals: a contiguous copy here would be a third tensor
-        ctx.act, ctx.triton_path = act, triton_path
-        return (_forward_triton if triton_path else _forward_torch)(gate, up, act)
+@_library.custom_op("glu")
+def _glu_op(gate: torch.Tensor, up: torch.Tensor, activation: str, triton_path: bool) -> torch.Tensor:
+    """act(gate) * up for activation "silu" (SwiGLU), "gelu" (erf) or "gelu_tanh" (GeGLU)."""
+    act = ACTIVATIONS[activation]
+    return (_forward_triton if triton_path else _forward_torch)(gate, up, act).contiguous()
 
-    @staticmethod
-    def backward(ctx, dout):
-        _dispatch.check_first_order("swiglu" if ctx.act == SILU else "geglu")
-        gate, up = ctx.saved_tensors
-        dgate, dup = (_backward_triton if ctx.triton_path else _backward_torch)(dout, gate, up, ctx.act)
-        return dgate, dup, None, None
+
+@_glu_op.register_fake
+def _(gate, up, activation, triton_path):
+    return gate.new_empty(gate.shape)
+
+
+@_library.custom_op("glu_backward")
+def _glu_backward_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str,
+                     triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    act = ACTIVATIONS[activation]
+    dgate, dup = (_backward_triton if triton_path else _backward_torch)(dout, gate, up, act)
+    return dgate.contiguous(), dup.contiguous()
+
+
+@_glu_backward_op.register_fake
+def _(dout, gate, up, activation, triton_path):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, activation, triton_path = inputs
+    ctx.save_for_backward(gate, up)  # the originals: a contiguous copy here would be a third tensor
+    ctx.options = (activation, triton_path)
+
+
+def _backward(ctx, dout):
+    activation, triton_path = ctx.options
+    _dispatch.check_first_order(_OP_NAMES[ACTIVATIONS[activation]])
+    gate, up = ctx.saved_tensors
+    dgate, dup = torch.ops.accel_kernels.glu_backward(dout, gate, up, activation, triton_path)
+    return dgate, dup, None, None
+
+
+_glu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,4 +234,4 @@ def gated_unit(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """Validate, pick the backend from the tensors, and run act(gate) * up with autograd."""
     _check_inputs(gate, up)
     triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64
-    return _GatedUnitFunction.apply(gate, up, act, triton_path)
+    return torch.ops.accel_kernels.glu(gate, up, _ACTIVATION_NAMES[act], triton_path)

@@ -23,10 +23,11 @@ logits, picked by `_row_functions(triton_path)`.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
-from .. import _dispatch, _launch
+from .. import _dispatch, _launch, _library
 from .._triton import cast_rounded, jit, tl
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -241,42 +242,83 @@ def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
     return logits.reshape(-1, vocab)
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
-    """Cross-entropy of rows of logits; `triton_path` picks the kernels or the twin."""
+# --------------------------------------------------------------------------------------------
+# torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
+# --------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, logits, labels, ignore_index, softcap, reduction, triton_path):
-        forward_rows, _ = _row_functions(triton_path)
-        x = _rows_view(logits, triton_path)
-        y = _flat_labels(labels)
-        n = y.shape[0]
-        loss = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
-        lse = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
-        forward_rows(x, y, ignore_index, softcap, loss, lse)
-        n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
-        ctx.save_for_backward(x, y, lse, n_valid)
-        ctx.options = (ignore_index, softcap, reduction, triton_path, logits.shape, logits.dtype)
-        if reduction == "none":
-            return loss.view(labels.shape)
-        total = loss.sum()
-        # All tokens ignored: 0 / 1 = 0 (and zero gradients), not eager torch's 0 / 0 = NaN.
-        return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        _dispatch.check_first_order("cross_entropy")
-        x, y, lse, n_valid = ctx.saved_tensors
-        ignore_index, softcap, reduction, triton_path, shape, dtype = ctx.options
-        _, backward_rows = _row_functions(triton_path)
-        if reduction == "none":
-            scale = grad_output.reshape(-1).float()
-        elif reduction == "mean":
-            scale = (grad_output.float() / n_valid.clamp(min=1)).reshape(1)
-        else:
-            scale = grad_output.float().reshape(1)
-        grad = _dispatch.empty((y.shape[0], shape[-1]), dtype=dtype, device=x.device)
-        backward_rows(x, y, ignore_index, softcap, lse, scale, grad)
-        return grad.view(shape), None, None, None, None, None
+@_library.custom_op("cross_entropy")
+def _cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, softcap: Optional[float],
+                      reduction: str, check_label_range: bool, triton_path: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse (N,) float32, n_valid int64 scalar). check_label_range: raise ValueError on CPU
+    labels outside [0, V) (checked here, at run time, where the values are: also when compiled)."""
+    if check_label_range:
+        _check_label_range(labels, logits.shape[-1], ignore_index)
+    forward_rows, _ = _row_functions(triton_path)
+    x = _rows_view(logits, triton_path)
+    y = _flat_labels(labels)
+    n = y.shape[0]
+    loss = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
+    lse = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
+    forward_rows(x, y, ignore_index, softcap, loss, lse)
+    n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
+    if reduction == "none":
+        return loss.view(labels.shape), lse, n_valid
+    total = loss.sum()
+    # All tokens ignored: 0 / 1 = 0 (and zero gradients), not eager torch's 0 / 0 = NaN.
+    return (total / n_valid.clamp(min=1) if reduction == "mean" else total), lse, n_valid
+
+
+@_cross_entropy_op.register_fake
+def _(logits, labels, ignore_index, softcap, reduction, check_label_range, triton_path):
+    n = labels.numel()
+    loss = logits.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty((n,), dtype=torch.float32), logits.new_empty((), dtype=torch.int64)
+
+
+@_library.custom_op("cross_entropy_backward")
+def _cross_entropy_backward_op(grad_output: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                               lse: torch.Tensor, n_valid: torch.Tensor, ignore_index: int,
+                               softcap: Optional[float], reduction: str, triton_path: bool) -> torch.Tensor:
+    """d loss / d logits, of logits' shape and dtype."""
+    _, backward_rows = _row_functions(triton_path)
+    x = _rows_view(logits, triton_path)
+    y = _flat_labels(labels)
+    if reduction == "none":
+        scale = grad_output.reshape(-1).float()
+    elif reduction == "mean":
+        scale = (grad_output.float() / n_valid.clamp(min=1)).reshape(1)
+    else:
+        scale = grad_output.float().reshape(1)
+    grad = _dispatch.empty((y.shape[0], logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+    backward_rows(x, y, ignore_index, softcap, lse, scale, grad)
+    return grad.view(logits.shape)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad_output, logits, labels, lse, n_valid, ignore_index, softcap, reduction, triton_path):
+    return logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, ignore_index, softcap, reduction, _, triton_path = inputs
+    _, lse, n_valid = output
+    ctx.save_for_backward(logits, labels, lse, n_valid)
+    ctx.options = (ignore_index, softcap, reduction, triton_path)
+    ctx.set_materialize_grads(False)  # lse and n_valid get no gradient: allocate none for them
+
+
+def _backward(ctx, grad_output, _dlse, _dn_valid):
+    _dispatch.check_first_order("cross_entropy")
+    logits, labels, lse, n_valid = ctx.saved_tensors
+    ignore_index, softcap, reduction, triton_path = ctx.options
+    grad = torch.ops.accel_kernels.cross_entropy_backward(grad_output, logits, labels, lse, n_valid,
+                                                          ignore_index, softcap, reduction, triton_path)
+    return grad, None, None, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,10 +413,8 @@ def _check_options(ignore_index, softcap, reduction) -> None:
 
 
 def _check_labels(labels, expected_shape, vocab: int, ignore_index: int, against: str) -> None:
-    """labels: an integer tensor of `expected_shape`; on CPU also every label in [0, vocab) or ignore_index.
-
-    On a GPU the range is not checked on the host (that would sync): the kernel gives NaN instead.
-    """
+    """labels: an integer tensor of `expected_shape` (vocab and ignore_index are for the message
+    of `_check_label_range`, which the ops run on the values)."""
     _dispatch.check_tensor("labels", labels, f"of an integer dtype and shape {tuple(expected_shape)}")
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
         raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
@@ -382,6 +422,12 @@ def _check_labels(labels, expected_shape, vocab: int, ignore_index: int, against
         raise ValueError(
             f"labels has shape {tuple(labels.shape)} but {against} needs labels of shape {tuple(expected_shape)}"
         )
+    # the range (values, on CPU) is checked by the op itself at run time: _check_label_range
+
+
+def _check_label_range(labels, vocab: int, ignore_index: int) -> None:
+    """On CPU, ValueError unless every label is in [0, vocab) or ignore_index (on a GPU checking
+    would cost a host sync: the kernels give NaN instead)."""
     if labels.device.type == "cpu" and labels.numel() > 0:
         bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
         if bool(bad.any()):
@@ -434,5 +480,6 @@ def cross_entropy(
     get fp32 accuracy there.
     """
     _check_inputs(logits, labels, ignore_index, softcap, reduction)
-    return _CrossEntropyFunction.apply(logits, labels, ignore_index, softcap, reduction,
-                                       _dispatch.use_triton(logits))
+    softcap = None if softcap is None else float(softcap)
+    return torch.ops.accel_kernels.cross_entropy(logits, labels, ignore_index, softcap, reduction, True,
+                                                 _dispatch.use_triton(logits))[0]

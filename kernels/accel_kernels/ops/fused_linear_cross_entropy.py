@@ -29,10 +29,12 @@ Memory and time against eager F.cross_entropy(hidden @ weight.T, labels):
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .. import _dispatch
-from .cross_entropy import _check_labels, _check_options, _flat_labels, _row_functions
+from .. import _dispatch, _library
+from .cross_entropy import _check_label_range, _check_labels, _check_options, _flat_labels, _row_functions
 
 # Budget for one chunk of logits. The Triton path holds one chunk in the logits dtype (at vocab
 # 128256 in bf16: 1024 tokens, matmuls of M=1024 are already efficient on an H100/H200). The
@@ -131,79 +133,132 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
     return grad_h, grad_w, grad_b
 
 
-def _scaled(grad: torch.Tensor | None, factor: torch.Tensor | None, dtype: torch.dtype):
-    """grad * factor in `dtype`, computed in fp32, as a new tensor (the saved grad stays intact,
-    so a second backward through a retained graph still sees it unscaled)."""
-    if grad is None:
-        return None
-    if factor is None:
-        return grad.to(dtype)
-    if grad.dtype != torch.float32:
-        grad = grad.float()  # multiply in fp32: a bf16 product would round grad_output first
-    out = _dispatch.empty(grad.shape, dtype=dtype, device=grad.device)
-    return torch.mul(grad, factor.float(), out=out)
-
-
 # --------------------------------------------------------------------------------------------
-# autograd Function
+# torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
 # --------------------------------------------------------------------------------------------
 
 
-class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Loss of hidden @ weight.T (+ bias) chunk by chunk; `triton_path` picks the rows' kernels or twins."""
+def _grads_or_nothing(grads, h, weight, bias):
+    grad_h, grad_w, grad_b = grads
+    return (grad_h if grad_h is not None else _library.nothing(h),
+            grad_w if grad_w is not None else _library.nothing(weight, torch.float32),
+            grad_b if grad_b is not None else _library.nothing(weight, torch.float32))
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, triton_path):
-        h = hidden.reshape(-1, hidden.shape[-1])
-        y = _flat_labels(labels)
-        n = y.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
-        grads_now = reduction != "none" and (need_h or need_w or need_b)
-        n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
-        if reduction == "mean":
-            scale = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
-        else:
-            scale = torch.ones(1, dtype=torch.float32, device=h.device)
-        loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
-        lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
-        grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows, scale=scale,
-                              need_h=need_h and grads_now, need_w=need_w and grads_now,
-                              need_b=need_b and grads_now, loss=loss, lse=lse)
-        ctx.options = (ignore_index, softcap, reduction, rows, triton_path, hidden.shape, need_h, need_w, need_b)
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        if reduction == "none":
-            ctx.save_for_backward(h, weight, bias, y, lse)
-            return loss.view(labels.shape)
-        ctx.save_for_backward(*grads)
-        total = loss.sum()
-        # All tokens ignored: 0 / 1 = 0 (and zero gradients), not 0 / 0 = NaN.
-        return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        _dispatch.check_first_order("fused_linear_cross_entropy")
-        ignore_index, softcap, reduction, rows, triton_path, hidden_shape, need_h, need_w, need_b = ctx.options
-        if reduction == "none":
-            h, weight, bias, y, lse = ctx.saved_tensors
-            grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows,
-                                  scale=grad_output.reshape(-1).float(), need_h=need_h,
-                                  need_w=need_w, need_b=need_b, saved_lse=lse)
-            factor = None
-        else:
-            grads = ctx.saved_tensors
-            # Always a new tensor, even for grad_output == 1: handing the saved gradient over
-            # lets AccumulateGrad adopt it as .grad, and in-place work on .grad would then corrupt
-            # a second backward through a retained graph.
-            factor = grad_output
-        h_dtype, w_dtype, b_dtype = ctx.dtypes
-        grad_h, grad_w, grad_b = grads
-        grad_h = _scaled(grad_h, factor, h_dtype)
-        grad_w = _scaled(grad_w, factor, w_dtype)
-        grad_b = _scaled(grad_b, factor, b_dtype)
-        if grad_h is not None:
-            grad_h = grad_h.view(hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+@_library.custom_op("fused_linear_cross_entropy")
+def _fused_linear_cross_entropy_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+    ignore_index: int, softcap: Optional[float], reduction: str, rows: int,
+    need_h: bool, need_w: bool, need_b: bool, check_label_range: bool, triton_path: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse (N,) float32, grad_h, grad_w float32, grad_b float32). For "mean" and "sum" the
+    gradients asked for by need_* are computed here, unscaled by grad_output; every gradient not
+    computed is (0,). rows: tokens per chunk."""
+    if check_label_range:
+        _check_label_range(labels, weight.shape[0], ignore_index)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = _flat_labels(labels)
+    n = y.shape[0]
+    grads_now = reduction != "none"
+    n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
+    if reduction == "mean":
+        scale = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
+    else:
+        scale = torch.ones(1, dtype=torch.float32, device=h.device)
+    loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
+    lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
+    grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows, scale=scale,
+                          need_h=need_h and grads_now, need_w=need_w and grads_now,
+                          need_b=need_b and bias is not None and grads_now, loss=loss, lse=lse)
+    grads = _grads_or_nothing(grads, h, weight, bias)
+    if reduction == "none":
+        return (loss.view(labels.shape), lse, *grads)
+    total = loss.sum()
+    # All tokens ignored: 0 / 1 = 0 (and zero gradients), not 0 / 0 = NaN.
+    return (total / n_valid.clamp(min=1) if reduction == "mean" else total), lse, *grads
+
+
+@_fused_linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, need_h, need_w, need_b,
+      check_label_range, triton_path):
+    now = reduction != "none"
+    n, vocab, size = labels.numel(), weight.shape[0], hidden.shape[-1]
+    return (hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32),
+            hidden.new_empty((n,), dtype=torch.float32),
+            hidden.new_empty((n, size) if now and need_h else (0,)),
+            hidden.new_empty((vocab, size) if now and need_w else (0,), dtype=torch.float32),
+            hidden.new_empty((vocab,) if now and need_b and bias is not None else (0,), dtype=torch.float32))
+
+
+@_library.custom_op("fused_linear_cross_entropy_backward")
+def _fused_linear_cross_entropy_backward_op(
+    grad_output: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+    labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, softcap: Optional[float], rows: int,
+    need_h: bool, need_w: bool, need_b: bool, triton_path: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction "none": (grad_h of hidden's shape, grad_w, grad_b) in the inputs' dtypes, each (0,)
+    unless asked for; the logits of each chunk are recomputed."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = _flat_labels(labels)
+    need_b = need_b and bias is not None
+    grad_h, grad_w, grad_b = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows,
+                                           scale=grad_output.reshape(-1).float(), need_h=need_h,
+                                           need_w=need_w, need_b=need_b, saved_lse=lse)
+    return (grad_h.view(hidden.shape) if need_h else _library.nothing(hidden),
+            grad_w.to(weight.dtype) if need_w else _library.nothing(weight),
+            grad_b.to(bias.dtype) if need_b else _library.nothing(weight))
+
+
+@_fused_linear_cross_entropy_backward_op.register_fake
+def _(grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows, need_h, need_w, need_b,
+      triton_path):
+    return (hidden.new_empty(hidden.shape) if need_h else _library.nothing(hidden),
+            weight.new_empty(weight.shape) if need_w else _library.nothing(weight),
+            bias.new_empty(bias.shape) if need_b and bias is not None else _library.nothing(weight))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, need_h, need_w, need_b, _, \
+        triton_path = inputs
+    _, lse, grad_h, grad_w, grad_b = output
+    ctx.options = (ignore_index, softcap, reduction, rows, triton_path, hidden.shape)
+    ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+    else:
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+    ctx.set_materialize_grads(False)  # lse and the gradients get no gradient: allocate none for them
+
+
+def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad * factor in `dtype`, computed in fp32 (a bf16 product would round grad_output first),
+    as a new tensor: the saved grad stays intact, so a second backward through a retained graph
+    still sees it unscaled. (Always a new tensor, even for grad_output == 1: handing the saved
+    gradient over lets AccumulateGrad adopt it as .grad, and in-place work on .grad would then
+    corrupt a second backward.)"""
+    return torch.mul(grad.float(), factor.float()).to(dtype)
+
+
+def _backward(ctx, grad_output, *_unused):
+    _dispatch.check_first_order("fused_linear_cross_entropy")
+    ignore_index, softcap, reduction, rows, triton_path, hidden_shape = ctx.options
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    h_dtype, w_dtype, b_dtype = ctx.dtypes
+    if reduction == "none":
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        grad_h, grad_w, grad_b = torch.ops.accel_kernels.fused_linear_cross_entropy_backward(
+            grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
+            need_h, need_w, need_b, triton_path)
+    else:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        grad_h = _scaled(grad_h, grad_output, h_dtype).view(hidden_shape) if need_h else None
+        grad_w = _scaled(grad_w, grad_output, w_dtype) if need_w else None
+        grad_b = _scaled(grad_b, grad_output, b_dtype) if need_b else None
+    return ((grad_h if need_h else None), (grad_w if need_w else None), (grad_b if need_b else None),
+            *(None,) * 10)
+
+
+_fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,5 +341,10 @@ def fused_linear_cross_entropy(
     if chunk_size is None:
         budget = CHUNK_BYTES if triton_path else TORCH_CHUNK_BYTES
         chunk_size = chunk_rows(labels.numel(), weight.shape[0], hidden.element_size(), budget)
-    return _FusedLinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index, softcap,
-                                                  reduction, chunk_size, triton_path)
+    grad = torch.is_grad_enabled()
+    need_h, need_w = grad and hidden.requires_grad, grad and weight.requires_grad
+    need_b = grad and bias is not None and bias.requires_grad
+    softcap = None if softcap is None else float(softcap)
+    return torch.ops.accel_kernels.fused_linear_cross_entropy(
+        hidden, weight, bias, labels, ignore_index, softcap, reduction, chunk_size,
+        need_h, need_w, need_b, True, triton_path)[0]

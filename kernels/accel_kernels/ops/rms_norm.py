@@ -21,9 +21,12 @@ forward to backward (one more forward of time, as with activation checkpointing)
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
-from .. import _dispatch, _launch
+from .. import _dispatch, _launch, _library
 from .._triton import cast_rounded, constexpr, jit, tl
 
 CASTINGS = ("llama", "gemma", "none")
@@ -38,6 +41,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_BLOCK_N = 8192
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
+# Registers a thread of the backward kernel takes, rounded up to the allocation granularity
+# (ptxas, sm_80 and sm_90; the codegen check fails if a build needs more than 128 at 16 warps)
+_BWD_REGISTERS = 128
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,10 +187,18 @@ def _num_warps(tile: int, per_thread: int) -> int:
     return max(4, min(16, tile // (32 * per_thread)))
 
 
-def _max_programs(device: torch.device) -> int:
-    """How many programs share the backward's rows: two per SM on CUDA, a few elsewhere."""
+def _max_programs(device: torch.device, num_warps: int) -> int:
+    """How many programs share the backward's rows: as many as are resident at once on CUDA, a
+    few elsewhere.
+
+    Per SM, as many as fit its 65536 registers: the backward with the weight gradient needs
+    90-115 registers a thread (`python -m accel_kernels.codegen`), so at 16 warps (512 threads)
+    one block fits an SM, at 8 warps two. A grid of two per SM at 16 warps ran as two waves, the
+    second wave with only half the row tiles' work left per SM.
+    """
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        per_sm = max(1, 65536 // (32 * num_warps * _BWD_REGISTERS))
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 4 if device.type == "cpu" else 64
 
 
@@ -225,7 +239,7 @@ def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, f
     num_warps = _num_warps(block_m * block_n, per_thread=8)
     one_block = block_n >= n_cols
     row_tiles = _launch.cdiv(n_rows, block_m)
-    rows_per_program = _launch.cdiv(row_tiles, min(row_tiles, _max_programs(x2.device))) * block_m
+    rows_per_program = _launch.cdiv(row_tiles, min(row_tiles, _max_programs(x2.device, num_warps))) * block_m
     n_programs = _launch.cdiv(n_rows, rows_per_program)
     dx = _dispatch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device) if need_w else rstd
@@ -249,30 +263,79 @@ def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, f
 
 
 # --------------------------------------------------------------------------------------------
-# autograd Function
+# torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
 # --------------------------------------------------------------------------------------------
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm with a hand-written backward; `triton_path` picks the kernels or the twin."""
+def _n_rows(x: torch.Tensor) -> int:
+    return math.prod(x.shape[:-1])
 
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting, triton_path):
-        y, saved = (_forward_triton if triton_path else _forward_torch)(x, weight, eps, offset, casting)
-        ctx.save_for_backward(*saved)
-        ctx.options = (x.shape, eps, offset, casting, triton_path)
-        ctx.autocast = None if triton_path else _dispatch.autocast_state(x.device.type)
-        return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        x_shape, eps, offset, casting, triton_path = ctx.options
-        if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
-            _dispatch.check_first_order("rms_norm")
-        dx, dw = (_backward_triton if triton_path else _backward_torch)(
-            dy, ctx.saved_tensors, x_shape, eps, offset, casting, *ctx.needs_input_grad[:2], ctx.autocast
-        )
-        return dx, dw, None, None, None, None
+@_library.custom_op("rms_norm")
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str,
+                 triton_path: bool, autocast: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): rstd (rows,) float32 for the kernels' backward; (0,) on the twin, which needs none.
+    autocast: the caller's autocast dtype (None: off), which the twin runs under as eager would
+    (an op's implementation runs with autocast off); the kernels ignore it."""
+    if triton_path:
+        y, (_, _, rstd) = _forward_triton(x, weight, eps, offset, casting)
+        return y, rstd
+    with _library.autograd_inside(), _dispatch.autocast_as(_library.autocast_state(x.device.type, autocast)):
+        y, _ = _forward_torch(x, weight, eps, offset, casting)
+    return y.contiguous(), _library.nothing(x, torch.float32)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset, casting, triton_path, autocast):
+    if not triton_path and autocast is not None:  # the dtypes autocast gives the formula
+        with torch.autocast(x.device.type, dtype=autocast):
+            y = _reference(x, weight, eps, offset, casting)
+        return y.new_empty(y.shape), x.new_empty((0,), dtype=torch.float32)
+    return (x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting)),
+            x.new_empty((_n_rows(x) if triton_path else 0,), dtype=torch.float32))
+
+
+@_library.custom_op("rms_norm_backward")
+def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                          eps: float, offset: float, casting: str, need_x: bool, need_w: bool,
+                          triton_path: bool, forward_autocast: Optional[torch.dtype]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx of x's shape, dw of weight's shape), each (0,) when not needed."""
+    if triton_path:
+        saved = (_rows(x, x.shape[-1]), weight.contiguous(), rstd)
+        dx, dw = _backward_triton(dy, saved, x.shape, eps, offset, casting, need_x, need_w, None)
+    else:
+        autocast = _library.autocast_state(x.device.type, forward_autocast)
+        dx, dw = _backward_torch(dy, (x, weight), x.shape, eps, offset, casting, need_x, need_w, autocast)
+    return (dx.contiguous() if need_x else _library.nothing(x),
+            dw.contiguous() if need_w else _library.nothing(weight))
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, forward_autocast):
+    return (x.new_empty(x.shape) if need_x else _library.nothing(x),
+            weight.new_empty(weight.shape) if need_w else _library.nothing(weight))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps, offset, casting, triton_path, autocast = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.options = (eps, offset, casting, triton_path)
+    # the twin recomputes the forward in backward: under the forward's autocast
+    ctx.autocast = None if triton_path else autocast
+
+
+def _backward(ctx, dy, _drstd):
+    _dispatch.check_first_order("rms_norm")  # the op's backward is opaque to autograd
+    x, weight, rstd = ctx.saved_tensors
+    eps, offset, casting, triton_path = ctx.options
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.accel_kernels.rms_norm_backward(
+        dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast)
+    return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,17 +363,15 @@ def _forward_torch(x, weight, eps, offset, casting):
 
 
 def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
-    """`_backward_triton` in plain torch: the gradients autograd gives the module's formula
-    (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
-    are differentiable, through the recomputation from the saved inputs themselves."""
-    create_graph = torch.is_grad_enabled()
-    x, weight = (t if create_graph and need else t.detach().requires_grad_(need)
-                 for t, need in zip(saved, (need_x, need_w)))
-    # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
-    with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
-        y = _reference(x, weight, eps, offset, casting)
-    wanted = [t for t, need in zip((x, weight), (need_x, need_w)) if need]
-    grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=create_graph))
+    """`_backward_triton` in plain torch: the gradients autograd gives the module's formula, bit
+    for bit (recomputed here, so that the forward keeps no intermediate)."""
+    with _library.autograd_inside():  # this runs inside the op's implementation
+        x, weight = (t.detach().requires_grad_(need) for t, need in zip(saved, (need_x, need_w)))
+        # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
+        with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
+            y = _reference(x, weight, eps, offset, casting)
+        wanted = [t for t, need in zip((x, weight), (need_x, need_w)) if need]
+        grads = iter(torch.autograd.grad(y, wanted, dy))
     return (next(grads) if need_x else None), (next(grads) if need_w else None)
 
 
@@ -353,6 +414,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     """
     _check_inputs(x, weight, casting)
     # float64 (and empty) inputs take the twin: the kernels accumulate in float32
+    if torch.float64 in (x.dtype, weight.dtype):
+        # the formula in differentiable torch, outside the op: second derivatives stay exact
+        return _reference(x, weight, float(eps), float(offset), casting)
+    # empty inputs take the twin; the kernels accumulate in float32
     triton_path = (_dispatch.use_triton(x) and x.numel() > 0
                    and x.dtype in _DTYPES and weight.dtype in _DTYPES)
-    return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting, triton_path)
+    autocast = None if triton_path else _library.autocast_dtype(x.device.type)
+    return torch.ops.accel_kernels.rms_norm(x, weight, float(eps), float(offset), casting, triton_path,
+                                            autocast)[0]

@@ -15,9 +15,11 @@ for it only when cos or sin want a gradient, since the rotation is linear in q a
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .. import _dispatch, _launch
+from .. import _dispatch, _launch, _library
 from .._triton import cast_rounded, jit, tl
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,7 +38,9 @@ def _rotate_heads(
 ):
     """Rotate every head of a block of tokens. Tiles are (token, head, dim); x_tok/o_tok are the
     (token, 1, 1) offsets of head 0, c1/c2/s1/s2 the (token, 1, dim) cos/sin halves."""
-    h = tl.arange(0, BLOCK_H)[None, :, None]
+    # int64: h * stride_h overflows int32 past 2**31 elements (a (B, H, S, D) layout with 32 heads
+    # of 128 reaches it at about 541k tokens a sequence)
+    h = tl.arange(0, BLOCK_H).to(tl.int64)[None, :, None]
     d = tl.arange(0, BLOCK_HALF)[None, None, :]
     x = X + x_tok + h * x_stride_h
     o = O + o_tok + h * o_stride_h
@@ -163,34 +167,63 @@ def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_d
 
 
 # --------------------------------------------------------------------------------------------
-# autograd Function
+# torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
 # --------------------------------------------------------------------------------------------
 
 
-class _RoPEFunction(torch.autograd.Function):
-    """Rotary embedding of q and k; `triton_path` picks the kernel or the twin."""
+@_library.custom_op("rope")
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+             triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = (_forward_triton if triton_path else _forward_torch)(q, k, cos, sin, unsqueeze_dim)
+    return q_out.contiguous(), k_out.contiguous()
 
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim, triton_path):
-        q_out, k_out = (_forward_triton if triton_path else _forward_torch)(q, k, cos, sin, unsqueeze_dim)
-        # the rotation is linear in q and k: they are needed only for the gradients of cos and sin
-        keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        ctx.save_for_backward(cos, sin, *((q, k) if keep_qk else (None, None)))
-        ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype)
-        ctx.autocast = None if triton_path else _dispatch.autocast_state(q.device.type)
-        return q_out, k_out
 
-    @staticmethod
-    def backward(ctx, dq_out, dk_out):
-        cos, sin, q, k = ctx.saved_tensors
-        unsqueeze_dim, triton_path, q_dtype, k_dtype = ctx.options
-        if triton_path:  # the twin's backward is differentiable: it supports create_graph=True
-            _dispatch.check_first_order("rope")
-        grads = (_backward_triton if triton_path else _backward_torch)(
-            dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, ctx.needs_input_grad[:4],
-            ctx.autocast,
-        )
-        return (*grads, None, None)
+@_rope_op.register_fake
+def _(q, k, cos, sin, unsqueeze_dim, triton_path):
+    return q.new_empty(q.shape, dtype=_out_dtype(q, cos, sin)), k.new_empty(k.shape, dtype=_out_dtype(k, cos, sin))
+
+
+@_library.custom_op("rope_backward")
+def _rope_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, q: Optional[torch.Tensor],
+                      k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
+                      q_dtype: torch.dtype, k_dtype: torch.dtype, need_cos: bool, need_sin: bool,
+                      triton_path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dcos, dsin); dcos, dsin are (0,) unless asked for (then q and k are given)."""
+    needs = (True, True, need_cos, need_sin)
+    grads = (_backward_triton if triton_path else _backward_torch)(
+        dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs, None)
+    dq, dk, dcos, dsin = grads
+    return (dq.contiguous(), dk.contiguous(),
+            dcos.contiguous() if need_cos else _library.nothing(cos),
+            dsin.contiguous() if need_sin else _library.nothing(sin))
+
+
+@_rope_backward_op.register_fake
+def _(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, need_cos, need_sin, triton_path):
+    return (dq_out.new_empty(dq_out.shape, dtype=q_dtype), dk_out.new_empty(dk_out.shape, dtype=k_dtype),
+            cos.new_empty(cos.shape) if need_cos else _library.nothing(cos),
+            sin.new_empty(sin.shape) if need_sin else _library.nothing(sin))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, unsqueeze_dim, triton_path = inputs
+    # the rotation is linear in q and k: they are needed only for the gradients of cos and sin
+    keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+    ctx.save_for_backward(cos, sin, *((q, k) if keep_qk else (None, None)))
+    ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype)
+
+
+def _backward(ctx, dq_out, dk_out):
+    _dispatch.check_first_order("rope")  # the op's backward is opaque to autograd
+    cos, sin, q, k = ctx.saved_tensors
+    unsqueeze_dim, triton_path, q_dtype, k_dtype = ctx.options
+    needs = ctx.needs_input_grad[:4]
+    grads = torch.ops.accel_kernels.rope_backward(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype,
+                                                  k_dtype, needs[2], needs[3], triton_path)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None)
+
+
+_rope_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,23 +255,34 @@ def _forward_torch(q, k, cos, sin, unsqueeze_dim):
 
 def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
                     forward_autocast):
-    """(dq, dk, dcos, dsin), each None unless needed: the gradients autograd gives the formula
-    (recomputed here, so that the forward keeps no intermediate). Under create_graph=True they
-    are differentiable, through the recomputation from the saved inputs themselves."""
-    create_graph = torch.is_grad_enabled()
-    if q is None:  # not saved: cos and sin want no gradient, and q, k do not enter their own
-        q = torch.zeros((), dtype=q_dtype, device=dq_out.device).expand(dq_out.shape)
-        k = torch.zeros((), dtype=k_dtype, device=dk_out.device).expand(dk_out.shape)
-    inputs = [t if create_graph and need and t.requires_grad else t.detach().requires_grad_(need)
-              for t, need in zip((q, k, cos, sin), needs)]
-    # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
-    with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
-        outs = _reference(*inputs, unsqueeze_dim)
-    wanted = [t for t, need in zip(inputs, needs) if need]
-    # an output of inputs that all want no gradient (e.g. k frozen, cos and sin tables) has no graph
-    used = [(o, g) for o, g in zip(outs, (dq_out, dk_out)) if o.requires_grad]
-    grads = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used], create_graph=create_graph))
-    return tuple(next(grads) if need else None for need in needs)
+    """(dq, dk, dcos, dsin), each None unless needed: the gradients of the formula, written out
+    (the transposed rotation for q and k; for cos and sin, sums over heads, and over the batch
+    where one table served it). Computed in the promoted dtype, rounded once to the input's.
+    (forward_autocast is unused: nothing is recomputed.)"""
+    cos_u, sin_u = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+
+    def through(g, dtype):
+        g_rot = g[..., :r]
+        gs = g_rot * sin_u
+        d_rot = g_rot * cos_u + torch.cat((gs[..., r // 2:], -gs[..., : r // 2]), dim=-1)
+        return torch.cat((d_rot.to(dtype), g[..., r:].to(dtype)), dim=-1)
+
+    dq = through(dq_out, q_dtype) if needs[0] else None
+    dk = through(dk_out, k_dtype) if needs[1] else None
+    dcos = dsin = None
+    if needs[2] or needs[3]:
+        head_dim = 1 if unsqueeze_dim == 1 else 2
+
+        def table_grad(factor, dtype):  # sum over heads (and batch, for a shared table) of dout * factor(x)
+            total = sum((g[..., :r] * factor(x[..., :r])).sum(head_dim) for g, x in ((dq_out, q), (dk_out, k)))
+            if cos.shape[0] == 1 and total.shape[0] != 1:
+                total = total.sum(0, keepdim=True)
+            return total.to(dtype)
+
+        dcos = table_grad(lambda x: x, cos.dtype) if needs[2] else None
+        dsin = table_grad(_rotate_half, sin.dtype) if needs[3] else None
+    return dq, dk, dcos, dsin
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,7 +345,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     _check_inputs(q, k, cos, sin, unsqueeze_dim)
     # float64 (and empty) inputs take the twin: the kernel computes in float32; so do cos/sin that
     # require grad (transformers builds them under no_grad), which the kernel would not give one
+    if torch.float64 in (q.dtype, k.dtype, cos.dtype, sin.dtype):
+        # the formula in differentiable torch, outside the op: second derivatives stay exact
+        return _reference(q, k, cos, sin, unsqueeze_dim)
     triton_path = (_dispatch.use_triton(q) and q.numel() > 0 and k.numel() > 0
                    and all(t.dtype in _DTYPES for t in (q, k, cos, sin))
                    and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)))
-    return _RoPEFunction.apply(q, k, cos, sin, unsqueeze_dim, triton_path)
+    return torch.ops.accel_kernels.rope(q, k, cos, sin, unsqueeze_dim, triton_path)

@@ -1,0 +1,218 @@
+"""Every op is a torch.library op: opcheck passes (schema, fake implementation, autograd
+registration, AOT dispatch), and torch.compile(fullgraph=True) puts each public function in the
+graph as accel_kernels ops, with no graph break, giving eager's outputs and gradients.
+
+The Triton path runs under the interpreter here; `triton_path=False` is the twin path of the same op.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import accel_kernels
+
+ops = torch.ops.accel_kernels
+
+# opcheck's utilities: all but the slow dynamic-shape AOT check in the quick loop
+QUICK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
+ALL_UTILS = QUICK_UTILS + ("test_aot_dispatch_dynamic",)
+
+
+def _t(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape).to(dtype).requires_grad_(grad)
+
+
+def rms_norm_cases(dtype, path):
+    x, w = _t(3, 2, 40, dtype=dtype), (torch.rand(40) + 0.5).to(dtype).requires_grad_()
+    for casting, offset in (("llama", 0.0), ("gemma", 1.0), ("none", 0.5)):
+        yield ops.rms_norm, (x, w, 1e-6, offset, casting, path, None)
+        y, rstd = ops.rms_norm(x.detach(), w.detach(), 1e-6, offset, casting, path, None)
+        dy = torch.randn_like(y)
+        for need_x, need_w in ((True, True), (True, False), (False, True)):
+            yield ops.rms_norm_backward, (dy, x.detach(), w.detach(), rstd, 1e-6, offset, casting, need_x,
+                                          need_w, path, None)
+
+
+def rope_cases(dtype, path):
+    for unsqueeze_dim, rot in ((1, 8), (2, 4)):  # full and partial rotary, both layouts
+        shape = (lambda h: (2, h, 3, 8)) if unsqueeze_dim == 1 else (lambda h: (2, 3, h, 8))
+        q, k = _t(*shape(4), dtype=dtype), _t(*shape(2), dtype=dtype)
+        cos, sin = torch.randn(1, 3, rot).to(dtype), torch.randn(1, 3, rot).to(dtype)
+        yield ops.rope, (q, k, cos, sin, unsqueeze_dim, path)
+        dq, dk = torch.randn(q.shape).to(dtype), torch.randn(k.shape).to(dtype)
+        yield ops.rope_backward, (dq, dk, None, None, cos, sin, unsqueeze_dim, dtype, dtype, False, False, path)
+        if not path:  # cos and sin with gradients: the twin's
+            yield ops.rope_backward, (dq, dk, q.detach(), k.detach(), cos, sin, unsqueeze_dim, dtype, dtype,
+                                      True, True, path)
+
+
+def glu_cases(dtype, path):
+    gate, up = _t(3, 70, dtype=dtype), _t(3, 70, dtype=dtype)
+    for activation in ("silu", "gelu", "gelu_tanh"):
+        yield ops.glu, (gate, up, activation, path)
+        yield ops.glu_backward, (torch.randn(3, 70).to(dtype), gate.detach(), up.detach(), activation, path)
+
+
+def cross_entropy_cases(dtype, path):
+    logits = _t(2, 3, 50, dtype=dtype)
+    labels = torch.tensor([[1, -100, 7], [49, 0, 3]])
+    for softcap in (None, 4.0):
+        for reduction in ("mean", "sum", "none"):
+            yield ops.cross_entropy, (logits, labels, -100, softcap, reduction, True, path)
+            loss, lse, n_valid = ops.cross_entropy(logits.detach(), labels, -100, softcap, reduction, True, path)
+            yield ops.cross_entropy_backward, (torch.randn(loss.shape), logits.detach(), labels, lse, n_valid,
+                                               -100, softcap, reduction, path)
+    yield ops.cross_entropy, (logits, labels.clamp(min=0), 0, None, "mean", True, path)  # another ignore_index
+
+
+def fused_linear_cross_entropy_cases(dtype, path):
+    h, w, b = _t(2, 3, 8, dtype=dtype), _t(30, 8, dtype=dtype), _t(30, dtype=dtype)
+    labels = torch.tensor([[1, -100, 7], [29, 0, 3]])
+    for bias in (None, b):
+        for softcap, reduction in ((None, "mean"), (3.0, "sum"), (None, "none")):
+            yield ops.fused_linear_cross_entropy, (h, w, bias, labels, -100, softcap, reduction, 4,
+                                                   True, True, bias is not None, True, path)
+        out = ops.fused_linear_cross_entropy(h.detach(), w.detach(), bias, labels, -100, 3.0, "none", 4,
+                                             False, False, False, True, path)
+        yield ops.fused_linear_cross_entropy_backward, (torch.randn(2, 3), h.detach(), w.detach(),
+                                                        None if bias is None else bias.detach(), labels, out[1],
+                                                        -100, 3.0, 4, True, True, bias is not None, path)
+
+
+CASES = {
+    "rms_norm": rms_norm_cases, "rope": rope_cases, "glu": glu_cases, "cross_entropy": cross_entropy_cases,
+    "fused_linear_cross_entropy": fused_linear_cross_entropy_cases,
+}
+EVERY_OP = {"rms_norm", "rms_norm_backward", "rope", "rope_backward", "glu", "glu_backward", "cross_entropy",
+            "cross_entropy_backward", "fused_linear_cross_entropy", "fused_linear_cross_entropy_backward"}
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Kernel outputs NaN-filled, but not between guards: opcheck compares the real outputs'
+    storage offsets with the fake ones' (0), and a guarded buffer starts past its front guard."""
+    import accel_kernels._dispatch as dispatch
+
+    def empty(shape, *, dtype, device):
+        out = torch.empty(shape, dtype=dtype, device=device)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(dispatch, "empty", empty)
+    monkeypatch.setattr(dispatch, "empty_like", lambda t, dtype=None: empty(t.shape, dtype=dtype or t.dtype, device=t.device))
+
+
+def _opcheck_all(op_family, dtype, path, utils):
+    checked = set()
+    for op, args in CASES[op_family](dtype, path):
+        torch.library.opcheck(op, args, test_utils=utils)
+        checked.add(str(op).split(".")[-1])
+    return checked
+
+
+@pytest.mark.usefixtures("nan_outputs")
+@pytest.mark.parametrize("path", [True, False], ids=["triton", "twin"])
+@pytest.mark.parametrize("family", list(CASES))
+def test_opcheck_float32(family, path):
+    checked = _opcheck_all(family, torch.float32, path, QUICK_UTILS)
+    assert checked <= EVERY_OP and checked, checked
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("nan_outputs")
+@pytest.mark.parametrize("path", [True, False], ids=["triton", "twin"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", list(CASES))
+def test_opcheck_every_dtype_with_aot_dispatch(family, dtype, path):
+    _opcheck_all(family, dtype, path, ALL_UTILS)
+
+
+@pytest.mark.usefixtures("nan_outputs")
+def test_opcheck_bfloat16_triton_quick():
+    # one low-precision pass per family in the quick loop (the fake implementations' dtypes)
+    for family in CASES:
+        _opcheck_all(family, torch.bfloat16, True, ("test_faketensor",))
+
+
+def test_every_op_is_registered_with_fake_and_autograd():
+    for name in EVERY_OP:
+        packet = getattr(ops, name)
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), "Meta") or \
+            torch._C._dispatch_has_kernel_for_dispatch_key(packet.default.name(), "CompositeExplicitAutograd")
+    for name in EVERY_OP - {n for n in EVERY_OP if n.endswith("_backward")}:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(getattr(ops, name).default.name(), "Autograd"), name
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile: one node per op, no graph break, eager's numbers
+# --------------------------------------------------------------------------------------------
+
+
+def public_calls():
+    """name -> (function of leaf tensors, inputs): every public function with its options."""
+    labels = torch.tensor([[1, -100, 7], [49, 0, 3]])
+    cos, sin = torch.randn(1, 3, 6), torch.randn(1, 3, 6)
+    return {
+        "rms_norm": (lambda x, w: accel_kernels.rms_norm(x, w, offset=1.0, casting="gemma"),
+                     [_t(2, 3, 40), _t(40)]),
+        "rope": (lambda q, k: accel_kernels.rope(q, k, cos, sin), [_t(2, 4, 3, 8), _t(2, 2, 3, 8)]),
+        "swiglu": (accel_kernels.swiglu, [_t(3, 70), _t(3, 70)]),
+        "geglu": (lambda g, u: accel_kernels.geglu(g, u, approximate="tanh"), [_t(3, 70), _t(3, 70)]),
+        "cross_entropy": (lambda z: accel_kernels.cross_entropy(z, labels, softcap=5.0), [_t(2, 3, 50)]),
+        "fused_linear_cross_entropy": (
+            lambda h, w: accel_kernels.fused_linear_cross_entropy(h, w, labels, reduction="sum", chunk_size=4),
+            [_t(2, 3, 8), _t(50, 8)]),
+    }
+
+
+def _outputs_and_grads(fn, inputs):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return [o.detach() for o in outs] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("path", ["triton", "twin"])
+@pytest.mark.parametrize("name", list(public_calls()))
+def test_compiles_fullgraph_to_our_ops_and_matches_eager(name, path, monkeypatch):
+    import accel_kernels._dispatch as dispatch
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    if path == "twin":
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    fn, inputs = public_calls()[name]
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*[t.detach().requires_grad_() for t in inputs])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    targets = {"forward": [], "backward": []}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            targets[kind] += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    got = _outputs_and_grads(compiled, inputs)
+    expected = _outputs_and_grads(fn, inputs)
+    forward_ops = [t for t in targets["forward"] if t.startswith("accel_kernels.")]
+    backward_ops = [t for t in targets["backward"] if t.startswith("accel_kernels.")]
+    op = "glu" if name in ("swiglu", "geglu") else name
+    assert forward_ops == [f"accel_kernels.{op}.default"], targets["forward"]
+    if name == "fused_linear_cross_entropy":  # "sum": gradients made in the forward, scaled in backward
+        assert backward_ops == [], targets["backward"]
+    else:
+        assert backward_ops == [f"accel_kernels.{op}_backward.default"], targets["backward"]
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_compiled_cpu_label_check_still_raises():
+    labels = torch.tensor([1, 60])
+    compiled = torch.compile(lambda z: accel_kernels.cross_entropy(z, labels), fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="labels contains 60"):
+        compiled(torch.randn(2, 50))
