@@ -27,7 +27,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from . import probe, sites
+from . import compiled_loss, probe, sites
 from .deferred import DeferredLogits, _Head
 from .head import capturing, head_leaf, head_plan
 
@@ -65,18 +65,17 @@ def _labels(model, args, kwargs):
         return None
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling()) or torch.jit.is_tracing()
-
-
 def forward(self, *args, **kwargs):
     """The swapped model forward: the model's own forward, with the head deferred when it pays."""
     state = self.__dict__.get(sites.STATE_ATTR)
     if (state is None or OP not in state.ops or not self.training or kwargs.get("return_dict") is False
-            or _compiling() or _labels(self, args, kwargs) is None):
+            or torch.jit.is_tracing() or _labels(self, args, kwargs) is None):
         return sites.call_inner(self, *args, **kwargs)
     leaf, why = head_plan(self.get_output_embeddings())
+    if torch.compiler.is_compiling():  # dynamo traces this call: compiled_loss.py
+        if leaf is None:
+            return sites.call_inner(self, *args, **kwargs)
+        return compiled_loss.fused_call(self, leaf, args, kwargs)
     if leaf is None:
         state.count_call(f"stood aside: {why}")
         return sites.call_inner(self, *args, **kwargs)
