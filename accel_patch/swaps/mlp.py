@@ -126,7 +126,11 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
         errors = {}
         for order in orders:
             probe.seeded()
-            errors[order] = probe.rel_err(forward_for(GluPlan(names, act, order))(module, x), ref)
+            out = forward_for(GluPlan(names, act, order))(module, x)
+            if not isinstance(ref, torch.Tensor) or out.dtype != ref.dtype:
+                return (f"module returns {getattr(ref, 'dtype', type(ref).__name__)}, the swapped forward "
+                        f"{out.dtype} in {act_dtype}")
+            errors[order] = probe.rel_err(out, ref)  # inf when the shapes differ
     order = min(errors, key=errors.get)
     limit = probe.bound(act_dtype)
     if errors[order] > limit:

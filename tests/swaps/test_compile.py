@@ -5,8 +5,8 @@ compiled static-cache generate, and no more recompiles than stock.
 
 A swap that stood aside under compile (ran the stock forward) would pass the equality tests but
 fail the graph-content ones; a RoPE dispatch dynamo cannot trace (a ContextVar) fails the graph
-break counts. Everything compiles with backend="aot_eager" (no C++ build); every test here but
-the first compiles a whole model, so they are slow.
+break counts. Everything compiles with backend="aot_eager" (no C++ build); the tests
+compile (a few seconds each here), so they are all slow.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def graph_facts(graphs, tokens: int):
     return ops, logits
 
 
+@pytest.mark.slow
 def test_a_swapped_attention_compiles_fullgraph_with_the_rope_kernel_in_it():
     """The RoPE dispatch is traceable: one attention forward, fullgraph, the rope op in the graph."""
     _, twin = pair("llama")
