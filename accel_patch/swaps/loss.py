@@ -12,7 +12,8 @@ gradients), so nothing can be dropped silently. The call's output then carries `
 the full logits were never built (they are, and are returned, when something needed them).
 
 Decided at every call: the model must be in training mode, called with labels, with a plain linear
-head. A LoRA adapter on the head (PEFT may add one after the swap) makes the call stand aside and
+head; on CPU without Triton (the kernel's plain-torch twin) the logits must also be large
+(`CPU_MIN_LOGITS`), since below that stock is faster. A LoRA adapter on the head (PEFT may add one after the swap) makes the call stand aside and
 run stock, so the adapter trains; a `modules_to_save` copy of the head is fused with the copy's own
 weight. Evaluation, calls without labels, and `generate` run the stock forward.
 
@@ -65,13 +66,30 @@ def _labels(model, args, kwargs):
         return None
 
 
+#: On CPU without Triton the fused loss runs its plain-torch twin, which is slower than stock's
+#: F.linear + F.cross_entropy while the logits are small (benchmarks/overhead.py, measured
+#: 2026-12-01: 1.2x at 14-128 tokens x 32000, 0.5-0.8x from about 8M logits up). Below this many
+#: logits (tokens x vocabulary; 32 MiB in float32) such a call runs stock; at and above it, fused.
+CPU_MIN_LOGITS = 1 << 23
+
+
+def _small_on_cpu(leaf, labels) -> bool:
+    from accel_kernels import _dispatch
+
+    return (isinstance(labels, torch.Tensor) and not _dispatch.use_triton(leaf.weight)
+            and labels.numel() * leaf.weight.shape[0] < CPU_MIN_LOGITS)
+
+
 def forward(self, *args, **kwargs):
     """The swapped model forward: the model's own forward, with the head deferred when it pays."""
     state = self.__dict__.get(sites.STATE_ATTR)
+    labels = None
     if (state is None or OP not in state.ops or not self.training or kwargs.get("return_dict") is False
-            or torch.jit.is_tracing() or _labels(self, args, kwargs) is None):
+            or torch.jit.is_tracing() or (labels := _labels(self, args, kwargs)) is None):
         return sites.call_inner(self, *args, **kwargs)
     leaf, why = head_plan(self.get_output_embeddings())
+    if leaf is not None and _small_on_cpu(leaf, labels):
+        leaf, why = None, "small logits on CPU without Triton (stock is faster there)"
     if torch.compiler.is_compiling():  # dynamo traces this call: compiled_loss.py
         if leaf is None:
             return sites.call_inner(self, *args, **kwargs)
