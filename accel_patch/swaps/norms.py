@@ -108,11 +108,11 @@ _forwards: dict[NormVariant, object] = {}
 def forward_for(variant: NormVariant):
     """The swapped forward for one variant: rms_norm of the input with the module's own weight and eps."""
     if variant not in _forwards:
+        from accel_kernels import _dispatch, rms_norm
+
         casting, offset, eps_attr = variant
 
         def forward(self, *args, **kwargs):
-            from accel_kernels import _dispatch, rms_norm
-
             x = sites.the_input(args, kwargs)
             if not _dispatch.use_triton(x):  # CPU without Triton: the stock module is faster than the twin
                 return sites.call_inner(self, *args, **kwargs)
