@@ -25,8 +25,9 @@ fails at every call, i.e. a recompile); the graph itself shows what ran (tests/s
 """
 from __future__ import annotations
 
-import inspect
+import contextlib
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -351,20 +352,12 @@ def fused_loss(me: LogitsStandIn, target, ignore_index: int, reduction: str):
     if factor != 1.0:
         h = h * factor
         b = b * factor if b is not None else None
-    with torch.autocast(head.device_type, enabled=False) if head.autocast else _nothing():
+    with torch.autocast(head.device_type, enabled=False) if head.autocast else contextlib.nullcontext():
         per_token = fused_linear_cross_entropy(h, w, target, bias=b, ignore_index=ignore_index, softcap=softcap,
                                                reduction="none" if reduction == "none" else "sum")
     if reduction == "mean":
         per_token = per_token / (target != ignore_index).sum()  # as stock: 0 tokens give NaN
     return per_token.to(me.dtype)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def capture(module, *args, **kwargs):
@@ -379,7 +372,8 @@ def capture(module, *args, **kwargs):
 
 def without_stand_in(output):
     """The forward's output with stand-ins replaced: by the real logits if something computed
-    them, else by None (removed from a ModelOutput, as transformers does for None fields)."""
+    them, else by None (the field stays in a ModelOutput, set to None: deleting a key of the output
+    inside the trace is one more dict mutation dynamo would have to replay)."""
     if isinstance(output, tuple):
         return type(output)(o.materialize() if isinstance(o, LogitsStandIn) else o for o in output)
     for key in [k for k, v in output.items() if isinstance(v, LogitsStandIn)]:
@@ -389,7 +383,9 @@ def without_stand_in(output):
 
 
 def fused_call(model, leaf, args, kwargs):
-    """The model's own forward with `leaf` (the head's linear layer) returning a stand-in, traced."""
+    """The model's own forward with `leaf` (the head's linear layer) returning a stand-in, traced.
+    The slot is rebound for the call only, with a functools.partial: dynamo cannot build a
+    types.MethodType; it replays the slot's final state (as it was) after the graph."""
     slot = sites.forward_slot(leaf)
     had = slot in leaf.__dict__
     previous = leaf.__dict__.get(slot)

@@ -169,11 +169,16 @@ def test_a_fullgraph_compiled_static_cache_generate_gives_stock_tokens_and_recom
         torch._dynamo.reset()
         counters.clear()
         model.eval()
-        tokens[name] = [static_generate(model, ids), static_generate(model, ids[:, 3:])]  # a shorter prompt
-        graphs[name] = counters["stats"]["unique_graphs"]
+        first = static_generate(model, ids)
+        graphs[name] = [counters["stats"]["unique_graphs"]]
         assert counters["stats"]["calls_captured"] > 0  # generate compiled the forward
+        # a shorter prompt: where stock compiles nothing more, the swapped model must not either
+        no_recompile = name == "twin" and graphs["stock"][0] == graphs["stock"][1]
+        with torch._dynamo.config.patch(error_on_recompile=no_recompile):
+            tokens[name] = [first, static_generate(model, ids[:, 3:])]
+        graphs[name].append(counters["stats"]["unique_graphs"])
     assert all(torch.equal(a, b) for a, b in zip(tokens["twin"], tokens["stock"]))
-    assert graphs["twin"] <= graphs["stock"], graphs
+    assert graphs["twin"][0] <= graphs["stock"][0] and graphs["twin"][1] <= graphs["stock"][1], graphs
 
 
 @pytest.mark.slow
