@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from . import loss, mlp, norms, probe, rope, sites
+from . import compiled_loss, loss, mlp, norms, probe, rope, sites
 from .ops import resolve_ops
 from .report import Refusal, SwapReport
 
@@ -172,6 +172,7 @@ class _Walk:
             self.refuse("", loss.OP, reason)
         else:
             self.swapped(loss.OP, model, loss.forward)
+            compiled_loss.prepare(self.state, leaf)  # the head's forward while torch.compile traces
 
 
 def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:

@@ -382,6 +382,18 @@ def without_stand_in(output):
     return output
 
 
+#: Attribute of the head's linear layer holding its capturing forward, made at swap time.
+CAPTURE_ATTR = "_accel_patch_compiled_capture"
+
+
+def prepare(state, leaf) -> None:
+    """At swap time: the head's capturing forward, made once (recorded in `state`, undone at
+    restore). Where a graph break falls inside the model's forward (stock Mixtral's router-logit
+    capture has one), dynamo guards on the identity of the head's forward: one made per call would
+    fail that guard at every call, a recompile per step."""
+    state.set(leaf, CAPTURE_ATTR, functools.partial(capture, leaf))
+
+
 def fused_call(model, leaf, args, kwargs):
     """The model's own forward with `leaf` (the head's linear layer) returning a stand-in, traced.
     The slot is rebound for the call only, with a functools.partial: dynamo cannot build a
@@ -389,7 +401,10 @@ def fused_call(model, leaf, args, kwargs):
     slot = sites.forward_slot(leaf)
     had = slot in leaf.__dict__
     previous = leaf.__dict__.get(slot)
-    leaf.__dict__[slot] = functools.partial(capture, leaf)
+    forward = leaf.__dict__.get(CAPTURE_ATTR)
+    if not (isinstance(forward, functools.partial) and forward.args[0] is leaf):
+        forward = functools.partial(capture, leaf)  # a head copied after the swap: made per call
+    leaf.__dict__[slot] = forward
     try:
         output = sites.call_inner(model, *args, **kwargs)
     finally:

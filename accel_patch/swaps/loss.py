@@ -57,13 +57,18 @@ _labels_signature: dict[type, inspect.Signature] = {}
 
 
 def _labels(model, args, kwargs):
-    cls = type(model)
-    if cls not in _labels_signature:
-        _labels_signature[cls] = inspect.signature(cls.forward)
+    # keywords first, and the signature cached at swap time (candidate()): nothing here writes
+    # state that a compiled call would guard on (a cache filled by the first call recompiles the next)
     if "labels" in kwargs:
         return kwargs["labels"]
+    if not args:
+        return None
+    cls = type(model)
+    signature = _labels_signature.get(cls)
+    if signature is None:
+        signature = _labels_signature[cls] = inspect.signature(cls.forward)
     try:
-        return _labels_signature[cls].bind(model, *args, **kwargs).arguments.get("labels")
+        return signature.bind(model, *args, **kwargs).arguments.get("labels")
     except TypeError:
         return None
 
@@ -106,8 +111,10 @@ def forward(self, *args, **kwargs):
 
 def candidate(model) -> str | None:
     """None when the model's head and loss can be fused; else why not."""
-    if "labels" not in inspect.signature(type(model).forward).parameters:
+    signature = inspect.signature(type(model).forward)
+    if "labels" not in signature.parameters:
         return "forward takes no labels"
+    _labels_signature.setdefault(type(model), signature)
     head = model.get_output_embeddings()
     if head_leaf(head) is None:
         return f"LM head {type(head).__name__} is not a plain linear layer (quantized or wrapped)"

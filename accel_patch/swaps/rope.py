@@ -49,7 +49,10 @@ class RopePlan(namedtuple("RopePlan", "key cast_back")):
 
 
 class _Depth:
-    depth = 0
+    def __init__(self) -> None:
+        # an instance attribute from the start: dynamo guards on the instance __dict__, and a class
+        # default that the first compiled call's write-back shadows would fail that guard once
+        self.depth = 0
 
 
 class _LocalDepth(threading.local):

@@ -90,8 +90,12 @@ def test_a_swapped_training_forward_has_no_graph_break_and_holds_every_kernel(fa
 
 
 def compiled_step(model, batch, fullgraph=True, **kwargs):
+    """One compiled training step; a second one must reuse the graph (no recompile)."""
     compiled = torch.compile(model, fullgraph=fullgraph, backend="aot_eager")
     loss, grads, out = training_step(compiled, batch, **kwargs)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again, _, _ = training_step(compiled, batch, **kwargs)
+    assert torch.equal(again, loss)
     return loss, {n.replace("_orig_mod.", ""): g for n, g in grads.items()}, out
 
 
@@ -152,7 +156,7 @@ def static_generate(model, ids):
 
     config = CompileConfig(fullgraph=True, backend="aot_eager")
     config._compile_all_devices = True  # transformers compiles generate on CPU only when told
-    return model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static",
+    return model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static",
                           compile_config=config, pad_token_id=0)
 
 
