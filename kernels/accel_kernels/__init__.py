@@ -12,10 +12,15 @@ Layout: a dotted path means one thing. `accel_kernels.<op>` is the function;
 
     ops/<op>.py      one module per op (swiglu.py and geglu.py share ops/_glu.py)
     _triton.py       the one place triton is imported (or found missing); shared Triton helpers
-    _launch.py       launch(): the only way a kernel is launched; recording() of launches
+    _launch.py       launch(): the only way a kernel is launched; recording() and capturing() of
+                     launches
+    _library.py      the torch.library side: every op is torch.ops.accel_kernels.<op> (why
+                     custom_op and not triton_op is written there)
     _dispatch.py     Triton or twin for a tensor (use_triton, interpreting), shared input checks,
                      the output allocator tests poison
     bench/           python -m accel_kernels.bench
+    codegen.py       python -m accel_kernels.codegen: the launches at real model shapes compiled
+                     for sm_80 / sm_90a without a GPU, within register, spill and shared budgets
 
 Every op module has the same parts in the same order, so reading one is reading them all:
 
@@ -24,16 +29,20 @@ Every op module has the same parts in the same order, so reading one is reading 
 2. Host launch: `_forward_triton` / `_backward_triton` choose the grid and allocate outputs
    through `_dispatch.empty`, and launch only through `_launch.launch(kernel, grid, *args, **meta)`,
    which enters the tensors' device guard.
-3. The `torch.autograd.Function` (`_<Op>Function`): `forward(..., triton_path)` and `backward` call
-   the host functions or their twins. A backward that is not differentiable itself starts with
-   `_dispatch.check_first_order(op)`: under create_graph=True it raises rather than let a second
-   derivative silently lose the op (only rms_norm's and rope's twins are differentiable).
+3. The torch.library ops (`torch.ops.accel_kernels.<op>` and `<op>_backward`, see `_library.py`):
+   each implementation calls the host functions or their twins as its `triton_path` argument
+   says; a fake implementation each; the autograd formula (setup_context saves, backward calls
+   the backward op). Every backward starts with `_dispatch.check_first_order(op)`: under
+   create_graph=True it raises rather than let a second derivative silently lose the op (a
+   custom op's backward is opaque to autograd; rms_norm and rope on float64 inputs run their
+   formula in plain torch outside the ops, second derivatives included).
 4. The plain-torch twin: `_forward_torch` / `_backward_torch`, the same signatures as the host
    functions and the same math in plain torch.
 5. Input checks: `_check_inputs`, raising ValueError that names the argument, e.g. "x must be a
    torch.Tensor of shape (..., n), got numpy.ndarray".
 6. The public entry: checks, `triton_path = _dispatch.use_triton(t) and <dtype/size conditions>`,
-   then `_<Op>Function.apply(..., triton_path)`.
+   then `torch.ops.accel_kernels.<op>(..., triton_path)`. Everything it does before the op is
+   traceable by dynamo, so `torch.compile(fullgraph=True)` gives one node per op.
 
 A part an op does not need is a section with a one-line note (fused_linear_cross_entropy has no
 kernels of its own: it runs cross_entropy's row functions on chunks of logits).

@@ -6,7 +6,10 @@
   the kernel's tensor arguments (torch.cuda.device / torch.xpu.device) for the launch;
 - the device check: all tensor arguments of one launch must be on one device;
 - recording: `recording()` lists the kernels launched while it is active, so tests can prove that
-  a swapped model really ran each kernel.
+  a swapped model really ran each kernel;
+- capture: under `capturing()` a launch is recorded with everything it was given (kernel, grid,
+  arguments, meta) and not run, so host code driven by meta tensors of real shapes shows which
+  configurations it launches (`accel_kernels.codegen` compiles them ahead of time for GPUs).
 
 Also here: `cdiv` and `next_power_of_2`, the grid arithmetic of the host functions, so that host
 code needs no triton import.
@@ -14,6 +17,7 @@ code needs no triton import.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Iterator
 
@@ -23,6 +27,22 @@ import torch
 # the lists of the active recordings; appended to under the lock, from any thread
 _recorders: list[list[str]] = []
 _recorders_lock = threading.Lock()
+# the lists of the active captures (same lock): while one is active nothing is launched
+_captures: list[list["Launch"]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch as the host code asked for it (what `capturing()` yields)."""
+
+    kernel: object  # the @jit function
+    grid: tuple
+    args: tuple
+    meta: dict
+
+    @property
+    def name(self) -> str:
+        return _kernel_name(self.kernel)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,6 +69,11 @@ def launch(kernel, grid, *args, **meta) -> None:
         with _recorders_lock:
             for names in _recorders:
                 names.append(name)
+    if _captures:
+        with _recorders_lock:
+            for launches in _captures:
+                launches.append(Launch(kernel, grid, args, dict(meta)))
+        return
     with _device_guard(device):
         kernel[grid](*args, **meta)
 
@@ -75,6 +100,26 @@ def recording() -> Iterator[list[str]]:
         with _recorders_lock:
             # by identity: two recordings with equal contents are still two recordings
             del _recorders[next(i for i, r in enumerate(_recorders) if r is names)]
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[list[Launch]]:
+    """Yield a list that receives every launch made while the block runs, as a `Launch`; none of
+    them runs (their outputs keep whatever their allocation held). Made for host code driven by
+    meta tensors: the shapes, strides and dtypes are real, there is no data and no GPU.
+
+        with accel_kernels._launch.capturing() as launches:
+            rms_norm_module._forward_triton(torch.empty(8192, 4096, device="meta", dtype=torch.bfloat16), ...)
+        [(launch.name, launch.grid, launch.meta) for launch in launches]
+    """
+    launches: list[Launch] = []
+    with _recorders_lock:
+        _captures.append(launches)
+    try:
+        yield launches
+    finally:
+        with _recorders_lock:
+            del _captures[next(i for i, c in enumerate(_captures) if c is launches)]
 
 
 def _kernel_name(kernel) -> str:

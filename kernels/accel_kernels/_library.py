@@ -15,9 +15,10 @@ or lose: the choice between Triton and the plain-torch twin (an argument `triton
 by the public function from the tensors), the device guard and `_launch.recording()` of every
 launch, the outputs' allocator that tests poison, the CPU range check of labels, and launches
 under Triton's CPU interpreter (which Inductor cannot emit). An opaque custom op keeps all of
-that, on torch 2.11 (the GPU image) and 2.13 alike (custom_op, register_fake, register_autograd
-and opcheck have the same API from torch 2.4 on); the cost is that Inductor cannot fuse into or
-around our kernels, which are already fused.
+that. custom_op, register_fake, register_autograd and opcheck have had this API since torch 2.4,
+so torch 2.11 (the GPU image) and 2.13 take the same code (tested here on 2.13; no 2.11 wheel on
+the CPU machine). The cost: Inductor cannot fuse into or around our kernels, which are fused
+already.
 
 Schemas take tensors, bool, int, float, str, Optional of those and torch.dtype: options travel as
 those (casting mode and reduction as str, softcap as float?, ignore_index as int). Outputs never
@@ -76,7 +77,8 @@ def autograd_inside():
     A twin that gets eager's gradients bit for bit by differentiating the module's formula with
     torch.autograd.grad needs them; torch.func.vjp would bring its own, but its wrapper tensors
     break under any TorchDispatchMode (FlopCounterMode, opcheck's checks). Private dispatcher API
-    (torch._C._dispatch_tls_*), present alike in torch 2.4 to 2.13; restored on exit.
+    (torch._C._dispatch_tls_is/set_dispatch_key_excluded, unchanged for years; used here on
+    torch 2.13); the previous state is restored on exit.
     """
     was = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _BELOW_OP_EXCLUDED]
     for key in _BELOW_OP_EXCLUDED:

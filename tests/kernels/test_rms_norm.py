@@ -275,3 +275,14 @@ def test_bad_inputs_name_the_argument(device):
         rms_norm(x, torch.ones(8, device=device), casting="gemma2")
     with pytest.raises(ValueError, match="weight is on meta"):
         rms_norm(x, torch.ones(8, device="meta"))
+
+
+def test_backward_grid_is_what_fits_the_sms(monkeypatch):
+    # the weight-gradient backward needs up to 128 registers a thread: one block of 16 warps fits
+    # a SM, two of 8; the grid asks for as many programs as are resident at once, no more
+    class Properties:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    cuda = torch.device("cuda")
+    assert [rms_norm_module._max_programs(cuda, w) for w in (16, 8, 4)] == [132, 264, 528]

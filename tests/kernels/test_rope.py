@@ -282,3 +282,41 @@ def test_bad_inputs_name_the_argument(device):
         rope(q, k, cos.to("meta"), sin)
     with pytest.raises(ValueError, match="k is on meta but q is on"):
         rope(q, k.to("meta"), cos, sin)
+
+
+HEAD_OFFSETS_PAST_INT32 = r'''
+import torch, accel_kernels
+# a contiguous (B, H, S, D) q at 32 heads x 128 and 600k positions: head h starts h * 76.8M
+# elements in, past 2**31 from head 28 on. Only position 0 is viewed (and touched): the
+# allocation's other pages are never committed.
+S, H, D = 600_000, 32, 128
+q = torch.empty(H * S * D, dtype=torch.bfloat16).as_strided((1, H, 1, D), (H * S * D, S * D, D, 1))
+q.copy_(torch.randn(1, H, 1, D).to(torch.bfloat16))
+k = torch.randn(1, 8, 1, D).to(torch.bfloat16)
+theta = torch.rand(1, 1, D) * 6.3
+cos, sin = theta.cos().to(torch.bfloat16), theta.sin().to(torch.bfloat16)
+with accel_kernels._launch.recording() as launched:
+    q_out, _ = accel_kernels.rope(q, k, cos, sin)
+assert launched == ["_rope_kernel"], launched
+qf = q.float()
+rotated = torch.cat((-qf[..., D // 2:], qf[..., :D // 2]), -1)
+expected = (qf * cos.float().unsqueeze(1) + rotated * sin.float().unsqueeze(1)).to(torch.bfloat16)
+print((q_out.float() - expected.float()).abs().max().item())
+'''
+
+
+@pytest.mark.slow
+def test_head_offsets_past_int32(tmp_path):
+    # int32 h * stride_h wrapped past 2**31 elements (about 541k tokens a sequence at 32 heads x
+    # 128): wild addresses. The interpreter computes offsets in the kernel's int types too, so it
+    # shows the bug (a segfault: hence a process of its own)
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", HEAD_OFFSETS_PAST_INT32], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-2000:]}"
+    # computed in fp32, rounded once: at most an ulp of bf16 from the rounded fp32 formula
+    assert float(proc.stdout.split()[-1]) <= 0.0625

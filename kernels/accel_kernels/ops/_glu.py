@@ -2,7 +2,8 @@
 
 The two ops differ only in the activation and its derivative, so one elementwise kernel pair
 (forward, backward) serves both, selected by the constexpr ACT, and this file holds the parts of
-both op files in the usual order (kernels, host launch, autograd Function, plain-torch twin,
+both op files in the usual order (kernels, host launch, torch.library ops `glu` and
+`glu_backward` with the activation as a str, plain-torch twin,
 checks, entry `gated_unit`); swiglu.py and geglu.py hold their public entries only. Kernels walk
 the flat, contiguous tensor in 1-D blocks and compute in fp32; outputs are in the input dtype.
 

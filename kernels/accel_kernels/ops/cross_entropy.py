@@ -214,7 +214,7 @@ def _backward_triton(x, labels, ignore_index, softcap, lse, scale, grad):
 
 
 # --------------------------------------------------------------------------------------------
-# autograd Function
+# torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
 # --------------------------------------------------------------------------------------------
 
 
@@ -240,11 +240,6 @@ def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
         except RuntimeError:
             pass
     return logits.reshape(-1, vocab)
-
-
-# --------------------------------------------------------------------------------------------
-# torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
-# --------------------------------------------------------------------------------------------
 
 
 @_library.custom_op("cross_entropy")

@@ -1,6 +1,6 @@
 """GeGLU: gelu(gate, approximate) * up, for approximate "none" (erf) and "tanh".
 
-Its kernels, host launch, autograd Function, plain-torch twin and checks live in `_glu.py`, shared
+Its kernels, host launch, torch.library ops, plain-torch twin and checks live in `_glu.py`, shared
 with SwiGLU: the two differ only in the activation. This file is the public entry and the check of
 its one option. The backward is hand-written and recomputes gelu(gate), so only gate and up are
 saved (eager also keeps gelu(gate)).

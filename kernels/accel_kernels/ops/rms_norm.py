@@ -15,9 +15,14 @@ Forward saves x and the per-row 1/rms in float32; backward gives the gradient of
 weight (the weight gradient from per-program partial sums over rows, then one sum).
 
 The plain-torch twin is the module's own formula (`_reference`). Its forward keeps only the
-inputs; its backward recomputes the formula from them and differentiates it with autograd: the
-gradients eager torch gives, bit for bit, without the formula's fp32 intermediates held from
-forward to backward (one more forward of time, as with activation checkpointing).
+inputs; its backward recomputes the formula from them and differentiates it with autograd (inside
+the op, with autograd switched back on: `_library.autograd_inside`): the gradients eager torch
+gives, bit for bit, without the formula's fp32 intermediates held from forward to backward (one
+more forward of time, as with activation checkpointing). float64 inputs skip the op and run the
+formula itself, so that second derivatives through them are exact.
+
+The backward's grid has as many programs as are resident at once (`_max_programs`); its register
+use is checked by `python -m accel_kernels.codegen`.
 """
 from __future__ import annotations
 
@@ -41,8 +46,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_BLOCK_N = 8192
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
-# Registers a thread of the backward kernel takes, rounded up to the allocation granularity
-# (ptxas, sm_80 and sm_90; the codegen check fails if a build needs more than 128 at 16 warps)
+# Registers a thread of the backward kernel may take when its grid is sized (measured: up to 109
+# at 16 warps; the codegen check fails a build over 128 there, the budget of 16 warps)
 _BWD_REGISTERS = 128
 
 
@@ -191,10 +196,11 @@ def _max_programs(device: torch.device, num_warps: int) -> int:
     """How many programs share the backward's rows: as many as are resident at once on CUDA, a
     few elsewhere.
 
-    Per SM, as many as fit its 65536 registers: the backward with the weight gradient needs
-    90-115 registers a thread (`python -m accel_kernels.codegen`), so at 16 warps (512 threads)
-    one block fits an SM, at 8 warps two. A grid of two per SM at 16 warps ran as two waves, the
-    second wave with only half the row tiles' work left per SM.
+    Per SM, as many as fit its 65536 registers at _BWD_REGISTERS a thread: the backward with the
+    weight gradient takes 76-109 (`python -m accel_kernels.codegen`, sm_80 and sm_90a, triton
+    3.9), so at 16 warps (512 threads) one block fits a SM, at 8 warps two. The grid used to ask
+    for two per SM at 16 warps: the second half waited for a second wave, in which each SM ran
+    one program of its share again instead of sharing the rows evenly in one.
     """
     if device.type == "cuda":
         per_sm = max(1, 65536 // (32 * num_warps * _BWD_REGISTERS))
@@ -319,6 +325,8 @@ def _(dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, fo
 
 def _setup_context(ctx, inputs, output):
     x, weight, eps, offset, casting, triton_path, autocast = inputs
+    # x itself (an op's output cannot be a view of its input): a strided x is made contiguous again
+    # in backward, where the old Function saved the forward's copy
     ctx.save_for_backward(x, weight, output[1])
     ctx.options = (eps, offset, casting, triton_path)
     # the twin recomputes the forward in backward: under the forward's autocast

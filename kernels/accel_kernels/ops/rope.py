@@ -9,9 +9,11 @@ outputs are new tensors: q and k are never written. The backward applies the tra
 to the output gradients; the kernel gives cos and sin no gradient (they are position tables, built
 without grad); cos/sin that require grad are sent to the plain-torch twin.
 
-The twin is transformers' formula (`_reference`). Its backward recomputes the formula and
-differentiates it with autograd (the gradients eager torch gives, bit for bit); q and k are kept
-for it only when cos or sin want a gradient, since the rotation is linear in q and k.
+The twin is transformers' formula (`_reference`); its backward is written out: the transposed
+rotation of the output gradients for q and k, and for cos and sin (when they require grad) sums
+over heads of dout * x and dout * rotate_half(x); q and k are kept for it only when cos or sin
+want a gradient, since the rotation is linear in q and k. float64 inputs skip the op and run the
+formula itself, so that second derivatives through them are exact.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SwiGLU: silu(gate) * up, the activation of LlamaMLP (`act_fn(gate_proj(x)) * up_proj(x)`).
 
-Its kernels, host launch, autograd Function, plain-torch twin and checks live in `_glu.py`, shared
+Its kernels, host launch, torch.library ops, plain-torch twin and checks live in `_glu.py`, shared
 with GeGLU: the two differ only in the activation. This file is the public entry. The backward is
 hand-written and recomputes silu(gate), so only gate and up are saved (eager also keeps silu(gate)).
 """
