@@ -196,3 +196,25 @@ def test_a_bystander_of_the_family_compiles_stock_beside_a_swapped_model():
     assert explained.graph_break_count == 0, explained.break_reasons
     assert graph_facts(explained.graphs, 30)[0] == set()
     restore_kernels(twin)
+
+
+@pytest.mark.slow
+def test_dynamic_shapes_and_bf16_autocast_keep_the_fused_loss_under_compile():
+    """Trainer batches padded to their longest row change the length: with dynamic shapes the
+    stand-in's shape arithmetic is symbolic, and autocast casts the head's input as stock's would."""
+    stock, twin = pair("llama", vocab_size=VOCAB)
+    swap_kernels(twin)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager", dynamic=True)
+    batch = padded_batch()
+    for n in (10, 7, 5):
+        short = {k: v[:, :n] for k, v in batch.items()}
+        loss0, grads0, _ = training_step(stock, short)
+        loss1, grads1, out = training_step(compiled, short)
+        grads1 = {k.replace("_orig_mod.", ""): g for k, g in grads1.items()}
+        assert out.logits is None and rel(loss1, loss0) <= 1e-5, n
+        assert max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4, n
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss0, _, _ = training_step(stock, batch)
+        loss1, _, out = training_step(torch.compile(twin, fullgraph=True, backend="aot_eager"), batch)
+    assert out.logits is None and rel(loss1, loss0) <= 1e-3  # bf16 head matmul, as stock's
