@@ -3,6 +3,7 @@
     python benchmarks/e2e.py                 # CPU: tiny Llama, vocab 32000, 2048 tokens, float32
     python benchmarks/e2e.py --json e2e.json # also every figure as JSON
     python benchmarks/e2e.py --device cuda   # GPU: Llama-3.2-1B shape, bf16, full fine-tune and LoRA r=16
+    python benchmarks/e2e.py --compile       # eager and torch.compile (Inductor), stock and swapped, full fine-tune
 
 Each variant (stock, swapped; on GPU also with LoRA) runs in a fresh process: build the model
 from a config (random weights, nothing downloaded) and one batch, run `--warmup` steps, then time
@@ -61,6 +62,8 @@ def child(variant: str, device: str, warmup: int, steps: int) -> dict:
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
     report = accel_patch.swap_kernels(model).summary() if "swapped" in variant else None
     model.train()
+    if "compile" in variant:
+        model = torch.compile(model)  # Inductor; the warm-up steps pay for the compilation
     ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq"]), device=device)
     batch = {"input_ids": ids, "labels": ids}
 
@@ -129,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="steps before timing (default: 1 on CPU, 3 on GPU)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 3 on CPU, 10 on GPU)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--compile", action="store_true",
+                   help="eager and torch.compile (Inductor) of stock and swapped, full fine-tune only")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch
@@ -153,7 +158,10 @@ def main(argv=None) -> int:
     c = shape["config"]
     print(f"Llama: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, vocab {c['vocab_size']}, "
           f"{shape['batch']} x {shape['seq']} tokens, {shape['dtype']}, sdpa; {warmup} warm-up, median of {steps} steps")
-    pairs = [("full", "stock", "swapped")] + ([("LoRA r=16", "stock+lora", "swapped+lora")] if device == "cuda" else [])
+    if args.compile:
+        pairs = [("eager", "stock", "swapped"), ("compiled", "stock+compile", "swapped+compile")]
+    else:
+        pairs = [("full", "stock", "swapped")] + ([("LoRA r=16", "stock+lora", "swapped+lora")] if device == "cuda" else [])
     targets = TARGETS[device]
     results = dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, device=device,
                    shape=shape, torch=torch.__version__, triton=triton.__version__, rows=[])
@@ -173,6 +181,13 @@ def main(argv=None) -> int:
         if swapped.get("swap"):
             print(f"{'':<11}{swapped['swap']}")
         results["rows"].append(dict(run=label, stock=stock, swapped=swapped, **verdict))
+    if args.compile and len(results["rows"]) == 2:
+        eager, compiled = results["rows"]
+        for who in ("stock", "swapped"):
+            e, c = eager[who], compiled[who]
+            if "error" not in e and "error" not in c:
+                print(f"compiled/eager {who}: tokens/s {c['tokens_per_s'] / e['tokens_per_s']:.2f}x, "
+                      f"peak growth {c['peak_growth_mib'] / e['peak_growth_mib']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

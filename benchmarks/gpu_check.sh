@@ -6,14 +6,18 @@
 #
 #   STEPS="versions e2e bench" bash benchmarks/gpu_check.sh            # ~7 min: the GPU figures
 #   STEPS="kernel-tests check unit-tests demo" bash benchmarks/gpu_check.sh   # ~5 min: correctness
+#   STEPS="versions compile" bash benchmarks/gpu_check.sh              # ~6 min: eager vs torch.compile
 #
 # e2e: one training step of stock vs swapped at a Llama-3.2-1B shape, bf16, full and LoRA r=16
-# (benchmarks/e2e.py); bench: python -m accel_kernels.bench --quick; check: accel-patch check.
+# (benchmarks/e2e.py); bench: python -m accel_kernels.bench --quick; check: accel-patch check;
+# compile: the e2e shape eager and compiled (Inductor), stock and swapped, full fine-tune, 2 warm-up
+# steps (they pay for the compilation) and 5 timed ones; then the swapped model's compiled training
+# forward must show no graph break (torch._dynamo.explain).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-"versions e2e bench kernel-tests check unit-tests demo"}
+STEPS=${STEPS:-"versions e2e bench kernel-tests check unit-tests demo"}  # compile: on its own call
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # Import the checkout without installing it: accel_patch from the root, accel_kernels from kernels/.
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
@@ -45,4 +49,20 @@ step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/
 step check && run check 120 python3 -m accel_patch.cli check --json
 step unit-tests && run unit-tests 100 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests --ignore=tests/kernels
 step demo && run demo 45 python3 -m accel_patch.demo --steps 40
+step compile && run compile 420 python3 benchmarks/e2e.py --device cuda --compile --warmup 2 --steps 5 \
+    --json "$OUT/e2e_compile.json"
+step compile && run compile-breaks 120 python3 - <<'PY'
+import torch, torch._dynamo
+from transformers import LlamaConfig, LlamaForCausalLM
+import accel_patch
+config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=8, attn_implementation="sdpa")
+model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
+print(accel_patch.swap_kernels(model).summary())
+ids = torch.randint(0, 32000, (2, 256), device="cuda")
+explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+ops = sorted({str(n.target) for g in explained.graphs for n in g.graph.nodes if str(n.target).startswith("accel_kernels.")})
+print("graph breaks", explained.graph_break_count, "accel_kernels nodes", ops)
+assert explained.graph_break_count == 0 and "accel_kernels.fused_linear_cross_entropy" in ops
+PY
 exit 0

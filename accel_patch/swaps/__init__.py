@@ -7,8 +7,9 @@
 Layout: families.py (what the swap knows, as data), ops.py (which ops a call or
 ACCEL_PATCH_KERNELS asks for), probe.py (the numeric probe and its cache), sites.py (instance
 forwards and the undo log), norms.py / mlp.py / rope.py / loss.py (one op kind each: candidate,
-probe, swapped forward; the loss's deferred-logits tensor is deferred.py and its per-call choice
-of head is head.py), apply.py (the walk over a model), report.py.
+probe, swapped forward; the loss's deferred-logits tensor is deferred.py, its stand-in while
+torch.compile traces is compiled_loss.py, and its per-call choice of head is head.py), apply.py
+(the walk over a model), report.py.
 
 Importing this package imports neither torch nor transformers; a swap does. swaps/ imports
 accel_kernels and at most the core of accel_patch, never patches/, integrations/ or cli/.

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from . import loss, mlp, norms, probe, rope, sites
+from . import compiled_loss, loss, mlp, norms, probe, rope, sites
 from .ops import resolve_ops
 from .report import Refusal, SwapReport
 
@@ -141,10 +141,11 @@ class _Walk:
         self.probe_and_swap(where, rope.OP, module, (fn, shape),
                             lambda: rope.probe_verdict(fn, module, self.config, self.dtype), self.rope_forward)
 
-    def rope_forward(self, fn):
-        """Hold the module global `fn` for this model (once), then the attention forward for it."""
+    def rope_forward(self, plan: rope.RopePlan):
+        """Hold the module global of `plan` for this model (once), then the attention forward for it."""
+        fn = plan.key
         if fn not in self.rope_held:
-            release = rope.interceptions.acquire(fn)
+            release = rope.interceptions.acquire(fn, plan.cast_back)
             self.state.releases.append(release)
             weakref.finalize(self.model, release)  # a swapped model dropped without restore lets go too
             self.rope_held.add(fn)
@@ -171,6 +172,7 @@ class _Walk:
             self.refuse("", loss.OP, reason)
         else:
             self.swapped(loss.OP, model, loss.forward)
+            compiled_loss.prepare(self.state, leaf)  # the head's forward while torch.compile traces
 
 
 def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:

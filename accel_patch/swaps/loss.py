@@ -12,9 +12,12 @@ gradients), so nothing can be dropped silently. The call's output then carries `
 the full logits were never built (they are, and are returned, when something needed them).
 
 Decided at every call: the model must be in training mode, called with labels, with a plain linear
-head. A LoRA adapter on the head (PEFT may add one after the swap) makes the call stand aside and
+head; on CPU without Triton (the kernel's plain-torch twin) the logits must also be large
+(`CPU_MIN_LOGITS`), since below that stock is faster. A LoRA adapter on the head (PEFT may add one after the swap) makes the call stand aside and
 run stock, so the adapter trains; a `modules_to_save` copy of the head is fused with the copy's own
-weight. Evaluation, calls without labels, and `generate` run the stock forward.
+weight. Evaluation, calls without labels, and `generate` run the stock forward. While torch.compile
+traces the call, the head returns compiled_loss.LogitsStandIn instead (same rules; dynamo traces
+it, it cannot trace the tensor subclass).
 
 Here: the swapped model forward, the candidate test and the probe. The deferred tensor and the
 fused loss on it live in deferred.py; which linear layer a call fuses, in head.py.
@@ -27,7 +30,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from . import probe, sites
+from . import compiled_loss, probe, sites
 from .deferred import DeferredLogits, _Head
 from .head import capturing, head_leaf, head_plan
 
@@ -54,29 +57,50 @@ _labels_signature: dict[type, inspect.Signature] = {}
 
 
 def _labels(model, args, kwargs):
-    cls = type(model)
-    if cls not in _labels_signature:
-        _labels_signature[cls] = inspect.signature(cls.forward)
+    # keywords first, and the signature cached at swap time (candidate()): nothing here writes
+    # state that a compiled call would guard on (a cache filled by the first call recompiles the next)
     if "labels" in kwargs:
         return kwargs["labels"]
+    if not args:
+        return None
+    cls = type(model)
+    signature = _labels_signature.get(cls)
+    if signature is None:
+        signature = _labels_signature[cls] = inspect.signature(cls.forward)
     try:
-        return _labels_signature[cls].bind(model, *args, **kwargs).arguments.get("labels")
+        return signature.bind(model, *args, **kwargs).arguments.get("labels")
     except TypeError:
         return None
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling()) or torch.jit.is_tracing()
+#: On CPU without Triton the fused loss runs its plain-torch twin, which is slower than stock's
+#: F.linear + F.cross_entropy while the logits are small (benchmarks/overhead.py, measured
+#: 2026-12-01: 1.2x at 14-128 tokens x 32000, 0.5-0.8x from about 8M logits up). Below this many
+#: logits (tokens x vocabulary; 32 MiB in float32) such a call runs stock; at and above it, fused.
+CPU_MIN_LOGITS = 1 << 23
+
+
+def _small_on_cpu(leaf, labels) -> bool:
+    from accel_kernels import _dispatch
+
+    return (isinstance(labels, torch.Tensor) and not _dispatch.use_triton(leaf.weight)
+            and labels.numel() * leaf.weight.shape[0] < CPU_MIN_LOGITS)
 
 
 def forward(self, *args, **kwargs):
     """The swapped model forward: the model's own forward, with the head deferred when it pays."""
     state = self.__dict__.get(sites.STATE_ATTR)
+    labels = None
     if (state is None or OP not in state.ops or not self.training or kwargs.get("return_dict") is False
-            or _compiling() or _labels(self, args, kwargs) is None):
+            or torch.jit.is_tracing() or (labels := _labels(self, args, kwargs)) is None):
         return sites.call_inner(self, *args, **kwargs)
     leaf, why = head_plan(self.get_output_embeddings())
+    if leaf is not None and _small_on_cpu(leaf, labels):
+        leaf, why = None, "small logits on CPU without Triton (stock is faster there)"
+    if torch.compiler.is_compiling():  # dynamo traces this call: compiled_loss.py
+        if leaf is None:
+            return sites.call_inner(self, *args, **kwargs)
+        return compiled_loss.fused_call(self, leaf, args, kwargs)
     if leaf is None:
         state.count_call(f"stood aside: {why}")
         return sites.call_inner(self, *args, **kwargs)
@@ -87,8 +111,10 @@ def forward(self, *args, **kwargs):
 
 def candidate(model) -> str | None:
     """None when the model's head and loss can be fused; else why not."""
-    if "labels" not in inspect.signature(type(model).forward).parameters:
+    signature = inspect.signature(type(model).forward)
+    if "labels" not in signature.parameters:
         return "forward takes no labels"
+    _labels_signature.setdefault(type(model), signature)
     head = model.get_output_embeddings()
     leaf = head_leaf(head)
     if leaf is None:

@@ -6,6 +6,9 @@ probe checks that it computes that, in float32; then the whole module runs again
 forward in the activation dtype (for a fused projection, both halves' orders are tried). The
 projections are still called as modules, so LoRA and 4-bit layers keep working inside.
 MoE experts stored as 3-D parameters are refused.
+
+Where the kernel cannot run (CPU tensors without Triton's interpreter), the swapped forward calls
+the module's own forward: the twin is slower than the stock MLP there (benchmarks/overhead.py).
 """
 from __future__ import annotations
 
@@ -126,7 +129,11 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
         errors = {}
         for order in orders:
             probe.seeded()
-            errors[order] = probe.rel_err(forward_for(GluPlan(names, act, order))(module, x), ref)
+            out = forward_for(GluPlan(names, act, order), stock_without_triton=False)(module, x)
+            if not isinstance(ref, torch.Tensor) or out.dtype != ref.dtype:
+                return (f"module returns {getattr(ref, 'dtype', type(ref).__name__)}, the swapped forward "
+                        f"{out.dtype} in {act_dtype}")
+            errors[order] = probe.rel_err(out, ref)  # inf when the shapes differ
     order = min(errors, key=errors.get)
     limit = probe.bound(act_dtype)
     if errors[order] > limit:
@@ -135,18 +142,25 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
     return GluPlan(names, act, order)
 
 
-_forwards: dict[GluPlan, object] = {}
+_forwards: dict[tuple, object] = {}
 
 
-def forward_for(plan: GluPlan):
-    """The swapped forward for one plan: the module's own projections around the GLU kernel."""
-    if plan not in _forwards:
+def forward_for(plan: GluPlan, stock_without_triton: bool = True):
+    """The swapped forward for one plan: the module's own projections around the GLU kernel.
+    `stock_without_triton`: where the kernel cannot run, call the module's own forward instead
+    (the probe asks for the kernel's computation itself: False)."""
+    key = (plan, stock_without_triton)
+    if key not in _forwards:
+        from accel_kernels import _dispatch
+
         names, act, order = plan
         if len(names) == 3:
             gate_name, up_name, down_name = names
 
             def forward(self, *args, **kwargs):
                 x = sites.the_input(args, kwargs)
+                if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
+                    return sites.call_inner(self, *args, **kwargs)
                 gate = getattr(self, gate_name)(x)  # gate before up, as stock: same RNG order for dropout
                 up = getattr(self, up_name)(x)
                 return getattr(self, down_name)(glu(act, gate, up))
@@ -156,9 +170,11 @@ def forward_for(plan: GluPlan):
 
             def forward(self, *args, **kwargs):
                 x = sites.the_input(args, kwargs)
+                if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
+                    return sites.call_inner(self, *args, **kwargs)
                 first, second = getattr(self, fused_name)(x).chunk(2, dim=-1)
                 gate, up = (first, second) if gate_first else (second, first)
                 return getattr(self, down_name)(glu(act, gate, up))
 
-        _forwards[plan] = forward
-    return _forwards[plan]
+        _forwards[key] = forward
+    return _forwards[key]

@@ -5,6 +5,11 @@ differ) against `accel_kernels.rms_norm` in each casting variant of families.NOR
 activation dtype, float32 and bfloat16; the variant that matches in all of them is swapped in.
 Per-head and full-width q/k norms and pre/post ("sandwich") norms are norms like any other.
 LayerNorm (mean-centred) has no kernel: refused with the reason.
+
+Where the kernel cannot run (CPU tensors without Triton's interpreter:
+`accel_kernels._dispatch.use_triton` false), the swapped forward calls the module's own forward:
+the plain-torch twin computes the same function, only slower than the stock module there
+(benchmarks/overhead.py).
 """
 from __future__ import annotations
 
@@ -103,12 +108,14 @@ _forwards: dict[NormVariant, object] = {}
 def forward_for(variant: NormVariant):
     """The swapped forward for one variant: rms_norm of the input with the module's own weight and eps."""
     if variant not in _forwards:
+        from accel_kernels import _dispatch, rms_norm
+
         casting, offset, eps_attr = variant
 
         def forward(self, *args, **kwargs):
-            from accel_kernels import rms_norm
-
             x = sites.the_input(args, kwargs)
+            if not _dispatch.use_triton(x):  # CPU without Triton: the stock module is faster than the twin
+                return sites.call_inner(self, *args, **kwargs)
             eps = getattr(self, eps_attr)
             eps = torch.finfo(x.dtype).eps if eps is None else float(eps)  # torch.nn.RMSNorm(eps=None)
             return rms_norm(x, self.weight, eps=eps, offset=offset, casting=casting)

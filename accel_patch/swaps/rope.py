@@ -3,22 +3,35 @@
 Attention forwards call `apply_rotary_pos_emb` through their modeling module's globals, so the
 kernel can only get in by intercepting that global. The interception is shared by every model of
 the family and transparent for those not swapped: the global becomes a dispatcher that runs the
-kernel only inside the forward of an attention module that was swapped (the swapped attention
-forward marks its call in a context variable), and the original function everywhere else, with
-the very same arguments. `interceptions` counts the swapped models holding each global and puts
-the original object back when the last one is restored.
+kernel only inside the forward of an attention module that was swapped, and the original function
+everywhere else, with the very same arguments. `interceptions` counts the swapped models holding
+each global and puts the original object back when the last one is restored.
+
+How the dispatcher knows it is inside a swapped attention forward: a depth counter per global
+(`Gate`), raised by the swapped forward around the stock one. In eager mode the counter is
+thread-local (another thread running a bystander of the family at the same moment sees its own
+depth, 0); while dynamo traces, a plain object's attribute is used instead, which dynamo follows
+as a constant of the trace and guards on (it cannot trace a ContextVar or a `threading.local`):
+the counter is 0 at every entry, so it adds no recompile, and the graph holds the kernel's op.
 
 The probe calls the original function and `accel_kernels.rope` on random q, k, cos, sin with the
-attention's head counts and head dim (full and partial rotary, where the function accepts them).
-Interleaved conventions (Cohere, GLM) differ and are refused.
+attention's head counts and head dim (full and partial rotary, where the function accepts them),
+with cos/sin in q's dtype and in float32 (what rotary embeddings that compute in float32 hand
+over): values, dtypes and shapes must all match. Some families (Olmo, Olmo2) compute in the
+promoted dtype and cast back to q's and k's dtypes; the probe sees that and the site casts back
+too (`RopePlan.cast_back`). Interleaved conventions (Cohere, GLM) differ and are refused.
+
+On CPU without Triton (`accel_kernels._dispatch.use_triton` false) the dispatcher calls the
+original function: the kernel's plain-torch twin computes the same thing more slowly there.
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import sys
+import threading
 from _thread import RLock
+from collections import namedtuple
 
 import torch
 
@@ -26,8 +39,55 @@ from . import families, probe, sites
 
 OP = "rope"
 
-# The dispatchers allowed to run the kernel in the current call: set by swapped attention forwards.
-_ACTIVE: contextvars.ContextVar[frozenset] = contextvars.ContextVar("accel_patch_rope_active", default=frozenset())
+
+
+class RopePlan(namedtuple("RopePlan", "key cast_back")):
+    """key: (modeling module, function name) of the global; cast_back: the function returns q's and
+    k's own dtypes (it casts the promoted result back), so the site casts the kernel's back too."""
+
+    __slots__ = ()
+
+
+class _Depth:
+    def __init__(self) -> None:
+        # an instance attribute from the start: dynamo guards on the instance __dict__, and a class
+        # default that the first compiled call's write-back shadows would fail that guard once
+        self.depth = 0
+
+
+class _LocalDepth(threading.local):
+    depth = 0
+
+
+class Gate:
+    """How many swapped attention forwards of one RoPE global are running: a thread-local count in
+    eager mode, a plain attribute while dynamo traces (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.local = _LocalDepth()
+        self.traced = _Depth()
+
+    def counter(self):
+        return self.traced if _compiling() else self.local
+
+    def is_open(self) -> bool:
+        return self.counter().depth > 0
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+_gates: dict[tuple[str, str], Gate] = {}
+_gates_lock = RLock()
+
+
+def gate(key: tuple[str, str]) -> Gate:
+    """The one gate of a RoPE global (kept for the process, shared by every dispatcher of it)."""
+    with _gates_lock:
+        if key not in _gates:
+            _gates[key] = Gate()
+        return _gates[key]
 
 
 def rope_function(module) -> tuple[str, str] | None:
@@ -59,14 +119,15 @@ class Interceptions:
             module_name, name = key
             return sys.modules[module_name].__dict__[name]
 
-    def acquire(self, key: tuple[str, str]):
-        """Put the dispatcher in place (first holder) and count one more holder; returns a release."""
+    def acquire(self, key: tuple[str, str], cast_back: bool = False):
+        """Put the dispatcher in place (first holder) and count one more holder; returns a release.
+        `cast_back`: the dispatcher returns q's and k's dtypes (the probe's finding for this function)."""
         with self._lock:
             module_name, name = key
             owner = sys.modules[module_name]
             if key not in self._held:
                 original = owner.__dict__[name]
-                dispatcher = _dispatcher(key, original)
+                dispatcher = _dispatcher(key, original, cast_back)
                 owner.__dict__[name] = dispatcher
                 self._held[key] = [original, dispatcher, 0]
             self._held[key][2] += 1
@@ -102,27 +163,49 @@ class Interceptions:
 interceptions = Interceptions()
 
 
-def _dispatcher(key, original):
+def _dispatcher(key, original, cast_back: bool):
+    from accel_kernels import _dispatch
+
     signature = inspect.signature(original)
+    the_gate = gate(key)
     params = list(signature.parameters.values())
     # The first four parameters are q, k, cos, sin whatever their names; `unsqueeze_dim` may be
-    # given; any other argument (old `position_ids`, ...) must be left at its default.
-    tensors = [p.name for p in params[:4]]
+    # given; any other argument (old `position_ids`, ...) must be left at its default. Bound by
+    # hand, not with Signature.bind: dynamo cannot read a signature's mapping proxy once the
+    # trace has mutated a dict, and bind costs microseconds per call in eager.
+    plain = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    names = tuple(p.name for p in params)
+    tensors = names[:4]
     others = {p.name: p.default for p in params[4:] if p.name != "unsqueeze_dim"}
+
+    def bound(args, kwargs):
+        """{name: value} of a call, or None when it is not a plain call of the function."""
+        if not plain or len(args) > len(names):
+            return None
+        given = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in names or name in given:
+                return None
+            given[name] = value
+        return given
 
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
-        if key in _ACTIVE.get():
-            try:
-                given = signature.bind(*args, **kwargs).arguments
-            except TypeError:
-                return original(*args, **kwargs)
-            if (len(tensors) == 4 and given.get("unsqueeze_dim", 1) == 1
+        if the_gate.is_open():
+            given = bound(args, kwargs)
+            if (given is not None and len(tensors) == 4 and all(n in given for n in tensors)
+                    and given.get("unsqueeze_dim", 1) == 1
                     and all(given[n] is d for n, d in others.items() if n in given)):
-                try:
-                    return _kernel(*(given[n] for n in tensors))
-                except (KeyError, ValueError):
-                    pass  # a shape the kernel does not take: the stock function handles it
+                q, k, cos, sin = (given[n] for n in tensors)
+                if isinstance(q, torch.Tensor) and _dispatch.use_triton(q):  # else the original is faster
+                    try:
+                        q_out, k_out = _kernel(q, k, cos, sin)
+                    except ValueError:
+                        pass  # a shape the kernel does not take: the stock function handles it
+                    else:
+                        if cast_back:
+                            return q_out.to(q.dtype), k_out.to(k.dtype)
+                        return q_out, k_out
         return original(*args, **kwargs)
 
     dispatch.__accel_patch_original__ = original
@@ -154,24 +237,40 @@ def head_shape(module, config) -> tuple[int, int, int, tuple[int, ...]]:
     return heads, kv_heads, head_dim, tuple(sorted({r - r % 2 for r in rotary if r and r >= 2}, reverse=True))
 
 
+def _dtypes_returned(out, ref) -> str | None:
+    """Why the kernel's (q, k) differ from the original's in dtype or shape, else None."""
+    if not (isinstance(ref, tuple) and len(ref) == 2 and all(isinstance(r, torch.Tensor) for r in ref)):
+        return f"returns {type(ref).__name__}, not a (q, k) pair of tensors"
+    for name, o, r in zip("qk", out, ref):
+        if o.shape != r.shape:
+            return f"{name} comes back with shape {tuple(r.shape)}, the kernel's with {tuple(o.shape)}"
+        if o.dtype != r.dtype:
+            return f"{name} comes back in {r.dtype}, the kernel's in {o.dtype}"
+    return None
+
+
 def probe_verdict(key, module, config, act_dtype: torch.dtype):
-    """`key` (the function to intercept) when the kernel reproduces it at this attention's
-    shapes, else a refusal reason."""
+    """A `RopePlan` for `key` (the function to intercept) when the kernel reproduces it at this
+    attention's shapes and every dtype combination it will see (values, dtypes and shapes of what
+    it returns), else a refusal reason."""
     heads, kv_heads, head_dim, rotary_dims = head_shape(module, config)
     if not (heads and kv_heads and head_dim):
         return "cannot tell the attention's head counts and head dim"
     original = interceptions.original(key)
     device = probe.module_device(module)
     ran = 0
+    cast_back = None
     with probe.probing(module):
-        for dtype in dict.fromkeys([act_dtype, torch.float32]):
+        # (q/k dtype, cos/sin dtype): the activation dtype with tables in it and in float32, and float32
+        combos = dict.fromkeys([(act_dtype, act_dtype), (act_dtype, torch.float32), (torch.float32, torch.float32)])
+        for dtype, table_dtype in combos:
             # q/k of the full head dim with rotary dim r (partial rotary inside the function), and
             # q/k of dim r (the caller slices the rotary part off first, as Phi and StableLM do)
             for dim, r in {(head_dim, r) for r in rotary_dims} | {(r, r) for r in rotary_dims}:
                 q = probe.randn((2, heads, 5, dim), dtype, device)
                 k = probe.randn((2, kv_heads, 5, dim), dtype, device)
-                cos = probe.randn((2, 5, r), dtype, device)
-                sin = probe.randn((2, 5, r), dtype, device)
+                cos = probe.randn((2, 5, r), table_dtype, device)
+                sin = probe.randn((2, 5, r), table_dtype, device)
                 try:
                     ref = original(q, k, cos, sin)
                 except Exception:
@@ -181,28 +280,43 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
                     out = _kernel(q, k, cos, sin)
                 except ValueError as exc:
                     return f"kernel refused the shapes the function takes: {exc}"
+                if dtype != table_dtype and isinstance(ref, tuple) and len(ref) == 2:
+                    # mixed dtypes: the kernel returns the promoted dtype; the function may cast back
+                    back = all(isinstance(r_, torch.Tensor) and r_.dtype == t.dtype for r_, t in zip(ref, (q, k)))
+                    if cast_back is not None and back != cast_back:
+                        return f"{key[0]}.{key[1]} returns different dtypes for different shapes"
+                    cast_back = back
+                    if back:
+                        out = tuple(o.to(t.dtype) for o, t in zip(out, (q, k)))
+                why = _dtypes_returned(out, ref)
+                if why:
+                    return f"{key[0]}.{key[1]} with q/k in {dtype} and cos/sin in {table_dtype}: {why}"
                 err = max(probe.rel_err(o, s) for o, s in zip(out, ref))
                 limit = probe.bound(dtype)
                 if err > limit:
                     return (f"{key[0]}.{key[1]} differs from rotate-half RoPE in {dtype} (relative error "
                             f"{err:.2e} > {limit:.1e}; interleaved or another convention)")
-    return key if ran else f"{key[1]} could not be called with rotate-half shapes"
+    if not ran:
+        return f"{key[1]} could not be called with rotate-half shapes"
+    return RopePlan(key, bool(cast_back))
 
 
 _forwards: dict[tuple, object] = {}
 
 
 def forward_for(key: tuple[str, str]):
-    """The swapped attention forward: the module's own forward, with the kernel allowed for `key`."""
+    """The swapped attention forward: the module's own forward, with the kernel allowed for `key`
+    (the gate's depth raised around it)."""
     if key not in _forwards:
-        allowed = frozenset([key])
+        the_gate = gate(key)
 
         def forward(self, *args, **kwargs):
-            token = _ACTIVE.set(_ACTIVE.get() | allowed)
+            counter = the_gate.counter()
+            counter.depth += 1
             try:
                 return sites.call_inner(self, *args, **kwargs)
             finally:
-                _ACTIVE.reset(token)
+                counter.depth -= 1
 
         _forwards[key] = forward
     return _forwards[key]
