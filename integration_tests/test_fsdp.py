@@ -22,6 +22,12 @@ FSDP_WORKER = __import__("pathlib").Path(__file__).with_name("fsdp_worker.py")
 MODES = ("fsdp2-untied", "fsdp2-tied", "fsdp1-untied", "fsdp1-tied")
 
 
+# The ranks run the Triton kernels under Triton's CPU interpreter, as the unit tests do: on a CPU
+# without it, a swapped model runs the stock computation below 2**23 logits (swaps/loss.py's
+# CPU_MIN_LOGITS) and these tiny models would never reach the fused loss under test.
+KERNELS_ON_CPU = {"TRITON_INTERPRET": "1"}
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     """Both ranks' results of one torchrun of every mode, and the directory they saved into."""
@@ -29,7 +35,7 @@ def fsdp_runs(tmp_path_factory):
     out = root / "out"
     out.mkdir()
     proc = run(torchrun_cmd(["--out", str(out)], nproc=2, port=free_port(), target=(str(FSDP_WORKER),)),
-               worker_env(root / "hf_home"), root)
+               worker_env(root / "hf_home", **KERNELS_ON_CPU), root)
     require_success([proc])
     ranks = []
     for r in (0, 1):
@@ -38,7 +44,7 @@ def fsdp_runs(tmp_path_factory):
             pytest.fail(f"rank {r} wrote no result\n\n{tails([proc])}")
         ranks.append(json.loads(path.read_text()))
     for res in ranks:
-        assert res["world_size"] == 2 and res["triton_interpret"] is None
+        assert res["world_size"] == 2 and res["triton_interpret"] == KERNELS_ON_CPU["TRITON_INTERPRET"]  # set, not inherited
         broken = {m: v["error"] for m, v in res.items() if isinstance(v, dict) and "error" in v}
         assert not broken, "\n".join(f"{m}: {res[m]['traceback']}" for m in broken)
     return ranks, out
@@ -102,12 +108,12 @@ def test_sharded_and_gathered_checkpoints_are_byte_identical_to_stock(fsdp_runs)
 
 def test_accelerate_launch_fsdp2_on_cpu_is_one_job_with_the_fused_loss(tmp_path, out_dir, home):
     args = ["--out", str(out_dir), "--seed-per-rank"]
-    proc = run(accelerate_fsdp2_cmd(args, nproc=2, port=free_port()), worker_env(home), tmp_path)
+    proc = run(accelerate_fsdp2_cmd(args, nproc=2, port=free_port()), worker_env(home, **KERNELS_ON_CPU), tmp_path)
     # The same job with no kernels swapped (the accelerate patch still on): the stock loss under FSDP2.
     stock_dir = tmp_path / "stock"
     stock_dir.mkdir()
     stock = run(accelerate_fsdp2_cmd(["--out", str(stock_dir), "--seed-per-rank"], nproc=2, port=free_port()),
-                worker_env(home, ACCEL_PATCH_KERNELS="0"), tmp_path / "stock_run")
+                worker_env(home, ACCEL_PATCH_KERNELS="0", **KERNELS_ON_CPU), tmp_path / "stock_run")
     require_success([proc, stock])
     results = read_ranks(out_dir, 2, [proc])
     stock_results = read_ranks(stock_dir, 2, [stock])

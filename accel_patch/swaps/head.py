@@ -92,6 +92,9 @@ def _sharded(weight, module=None) -> str | None:
             return None  # unsharded by the head's own forward and kept until backward
         return ("LM head weight is an FSDP2 shard (DTensor) that its unit reshards right after the "
                 "head's forward, before the loss; stock head")
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return None  # storage is not traceable; a compiled graph reads the parameter dynamo guards on
     try:
         needed = (weight.storage_offset() + weight.numel()) * weight.element_size()
         if weight.numel() == 0 or weight.untyped_storage().nbytes() < needed:
