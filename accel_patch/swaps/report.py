@@ -22,14 +22,18 @@ class SwapReport:
     `refused`: one `Refusal(where, op, reason)` per site left as stock.
     `model`: the class name of the model swapped. `new`: sites swapped by this call (0 when the
     model already had them: swapping twice swaps nothing twice).
+    `calls`: for the ops decided at each call (the fused LoRA sites), op -> outcome -> number of
+    calls so far ("fused", or which other forward ran and why); live: it grows as the model runs.
     """
 
     def __init__(self, model: str, swapped: dict[str, int] | None = None,
-                 refused: list[Refusal] | None = None, new: int = 0) -> None:
+                 refused: list[Refusal] | None = None, new: int = 0,
+                 calls: dict[str, dict[str, int]] | None = None) -> None:
         self.model = model
         self.swapped = dict(swapped or {})
         self.refused = list(refused or [])
         self.new = new
+        self.calls = calls if calls is not None else {}
 
     def __bool__(self) -> bool:
         return bool(self.swapped)
@@ -66,13 +70,17 @@ class SwapReport:
             rows.append((op, str(len(sites)), "refused", f"{where}: {reason}"))
         if len(rows) == 1:
             rows.append(("-", "0", "", "no candidate site found"))
+        for op, outcomes in sorted(self.calls.items(), key=_op_order):
+            for outcome, n in sorted(outcomes.items()):
+                rows.append((op, str(n), "calls", outcome))
         w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
         head = f"kernel swap report for {self.model}"
         return "\n".join([head] + [f"  {a:<{w0}}  {b:>{w1}}  {c:<{w2}}  {d}".rstrip() for a, b, c, d in rows])
 
     def to_dict(self) -> dict:
         return {"model": self.model, "swapped": dict(self.swapped),
-                "refused": [r._asdict() for r in self.refused]}
+                "refused": [r._asdict() for r in self.refused],
+                "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()}}
 
 
 def _op_order(item) -> int:

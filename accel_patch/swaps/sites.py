@@ -32,6 +32,7 @@ class SwapState:
         self._undo: list[tuple[object, str, bool, object, object]] = []
         self.releases: list = []  # callables that release shared interceptions (RoPE globals)
         self.loss_calls: dict[str, int] = {}  # fused / stood aside (and why), counted per call
+        self.calls: dict[str, dict[str, int]] = {}  # fused LoRA sites: op -> outcome -> calls
 
     def set(self, obj, attr: str, value) -> None:
         """obj.attr = value (in obj's own __dict__), remembering what was there."""
