@@ -362,3 +362,36 @@ def test_with_glu_the_fused_lora_mlp_wins_and_runs_the_glu_kernel():
         twin(**padded_batch())
     assert "_glu_forward_kernel" in launched  # no adapter: the glu forward beneath
     assert calls(twin)["lora_mlp"][lora.NO_ADAPTER] == 2
+
+
+# --- Trainer: gradient accumulation and gradient checkpointing --------------------------------
+
+
+@pytest.mark.slow
+def test_trainer_with_accumulation_and_checkpointing_logs_and_learns_as_peft_stock(tmp_path, monkeypatch):
+    from transformers import Trainer, TrainingArguments
+
+    from test_training import Rows
+
+    monkeypatch.setenv("ACCEL_PATCH_KERNELS", "0")  # nothing swapped by the Trainer callback: the twin by hand
+    base = build("llama")
+    stock = peft_model(base, "stock")
+    twin = peft_model(base, "swap-then-peft")
+
+    def train(model, out):
+        args = TrainingArguments(output_dir=str(out), max_steps=2, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, gradient_checkpointing=True,
+                                 gradient_checkpointing_kwargs={"use_reentrant": False},
+                                 learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0, data_seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Rows())
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+    losses0, weights0 = train(stock, tmp_path / "stock")
+    losses1, weights1 = train(twin, tmp_path / "twin")
+    assert len(losses0) == 2 and losses1 == pytest.approx(losses0, rel=1e-5)
+    assert weights0 and max(rel(weights1[n], w) for n, w in weights0.items()) <= 1e-4
+    # 4 micro-batches x 2 layers, each forward run again by checkpointing in backward
+    assert calls(twin) == {op: {"fused": 16} for op in ("lora_mlp", "lora_qkv", "lora_o")}
