@@ -5,10 +5,13 @@
 # call and 15 in all: run it as two calls, the figures first.
 #
 #   STEPS="versions e2e bench" bash benchmarks/gpu_check.sh            # ~7 min: the GPU figures
+#   STEPS="versions lora" bash benchmarks/gpu_check.sh                  # ~4 min: fused LoRA figures
 #   STEPS="kernel-tests check unit-tests demo" bash benchmarks/gpu_check.sh   # ~5 min: correctness
 #
 # e2e: one training step of stock vs swapped at a Llama-3.2-1B shape, bf16, full and LoRA r=16
 # (benchmarks/e2e.py); bench: python -m accel_kernels.bench --quick; check: accel-patch check.
+# lora: one LoRA r=16 step at the Llama-3.2-1B shape, bf16, stock PEFT vs swapped today vs fused
+# LoRA (benchmarks/lora.py), and the same with a 4-bit base where bitsandbytes is installed.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -39,6 +42,14 @@ if step versions; then
     python3 -c "import sys, torch, triton, transformers, accelerate, peft, wrapt; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'wrapt', wrapt.__version__)"
 fi
 step e2e && run e2e 200 python3 benchmarks/e2e.py --device cuda --json "$OUT/e2e.json"
+if step lora; then
+    run lora 240 python3 benchmarks/lora.py --device cuda --steps 5 --json "$OUT/lora.json"
+    if python3 -c "import bitsandbytes" >/dev/null 2>&1; then
+        run qlora 240 python3 benchmarks/lora.py --device cuda --qlora --steps 5 --json "$OUT/qlora.json"
+    else
+        echo "== qlora: skipped (bitsandbytes is not installed in this image)"
+    fi
+fi
 step kernel-tests && run kernel-tests 150 env TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/bench.json"
