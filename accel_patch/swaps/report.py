@@ -52,7 +52,12 @@ class SwapReport:
 
     def short(self) -> str:
         """Sites per op and how many were refused, short enough for a logged value (< 100 chars)."""
-        done = ", ".join(f"{op} {n}" for op, n in sorted(self.swapped.items(), key=_op_order)) or "nothing swapped"
+        ordered = sorted(self.swapped.items(), key=_op_order)
+        parts = [f"{op} {n}" for op, n in ordered if not op.startswith("lora_")]
+        lora = " ".join(f"{op[len('lora_'):]} {n}" for op, n in ordered if op.startswith("lora_"))
+        if lora:  # the three LoRA sites in one part: a 32-layer model's line stays under 100 chars
+            parts.append(f"lora {lora}")
+        done = ", ".join(parts) or "nothing swapped"
         return done + (f"; {len(self.refused)} refused" if self.refused else "")
 
     def _grouped(self) -> list[tuple[tuple[str, str], list[str]]]:

@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 import accel_patch
 from accel_patch import swap_kernels
 from accel_patch.swaps import norms, probe, sites
+from accel_patch.swaps.report import SwapReport
 
 from _models import build, padded_batch, rel, training_step
 
@@ -143,7 +144,10 @@ def test_report_reads_as_a_table_and_one_line():
     done = "glu 2, fused_linear_cross_entropy 1, lora_mlp 2, lora_qkv 2, lora_o 2"
     assert line.startswith(f"CohereForCausalLM: swapped {done}; refused rms_norm x")
     assert report.to_dict()["swapped"] == {"glu": 2, "fused_linear_cross_entropy": 1, "lora_mlp": 2, "lora_qkv": 2, "lora_o": 2}
-    assert report.short() == f"{done}; {len(report.refused)} refused"
+    assert report.short() == f"glu 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2; {len(report.refused)} refused"
+    big = SwapReport("LlamaForCausalLM", {"rms_norm": 65, "rope": 32, "glu": 32, "fused_linear_cross_entropy": 1,
+                                          "lora_mlp": 32, "lora_qkv": 32, "lora_o": 32}, refused=report.refused[:1])
+    assert len(big.short()) < 100, big.short()  # a logged value (AccelPatchCallback)
 
 
 def test_status_has_a_kernels_record_that_counts_swapped_models():
