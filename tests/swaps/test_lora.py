@@ -402,3 +402,16 @@ def test_trainer_with_accumulation_and_checkpointing_logs_and_learns_as_peft_sto
     assert weights0 and max(rel(weights1[n], w) for n, w in weights0.items()) <= 1e-4
     # 4 micro-batches x 2 layers, each forward run again by checkpointing in backward
     assert calls(twin) == {op: {"fused": 16} for op in ("lora_mlp", "lora_qkv", "lora_o")}
+
+
+def test_a_bitsandbytes_8bit_base_is_refused_at_swap_time_with_the_reason(monkeypatch, checkpoint):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("ACCEL_PATCH_KERNELS", "0")
+    model = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    report = swap_kernels(model, "lora")
+    assert not report.swapped
+    reasons = {(r.op, r.reason) for r in report.refused}
+    assert ("lora_mlp", "projection gate_proj is Linear8bitLt: neither a plain nor a bitsandbytes 4-bit linear") in reasons
+    assert {op for op, _ in reasons} == {"lora_mlp", "lora_qkv", "lora_o"}
