@@ -14,7 +14,6 @@ import torch
 
 from . import lora, loss, mlp, norms, probe, rope, sites
 from .ops import resolve_ops
-from . import families
 from .report import Refusal, SwapReport
 
 log = logging.getLogger("accel_patch")
@@ -142,27 +141,27 @@ class _Walk:
         attention_ops = [op for op in ops if op in (lora.QKV_OP, lora.O_OP)]
         if attention_ops:
             found = lora.attention_candidate(module)
-            if isinstance(found, str):
-                for op in attention_ops:
-                    self.refuse(where, op, found)
-            elif found is not None:
-                inputs, out = found
-                if out is None and lora.O_OP in attention_ops:
-                    self.refuse(where, lora.O_OP, "no output projection (" + "/".join(families.LORA_ATTENTION_OUTPUTS) + ")")
-                    attention_ops.remove(lora.O_OP)
-                if not attention_ops:
-                    return
-                names = inputs + ((out,) if out else ())
+            if found is None:
+                return
+            inputs, out, reasons = found
+            for op in [op for op in attention_ops if op in reasons]:
+                self.refuse(where, op, reasons[op])
+                attention_ops.remove(op)
+            if not attention_ops:
+                return
+            groups = [inputs] * (lora.QKV_OP in attention_ops) + [(out,)] * (lora.O_OP in attention_ops)
+            names = tuple(n for g in groups for n in g)
 
-                def run():
-                    verdict = lora.probe_linears(module, self.dtype, inputs)
-                    if verdict is True and out is not None:
-                        verdict = lora.probe_linears(module, self.dtype, (out,))
-                    return verdict
+            def run():
+                verdict = True
+                for group in groups:
+                    if verdict is True:
+                        verdict = lora.probe_linears(module, self.dtype, group)
+                return verdict
 
-                self.probe_and_install(where, tuple(attention_ops), module, lora.structure(module, names), run,
-                                       lambda _: (lora.attention_forward,
-                                                  lora.Site(attention_ops, (inputs, out), None, self.state.calls)))
+            self.probe_and_install(where, tuple(attention_ops), module, lora.structure(module, names), run,
+                                   lambda _: (lora.attention_forward,
+                                              lora.Site(attention_ops, (inputs, out), None, self.state.calls)))
 
     def probe_and_install(self, where, ops, module, structure, run, forward) -> None:
         """probe_and_swap for a LoRA site: `forward(verdict)` gives (function, Site); the site

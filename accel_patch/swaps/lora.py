@@ -368,8 +368,8 @@ def mlp_candidate(module):
 
 
 def attention_candidate(module):
-    """(input projection names, output projection name or None) of an attention block, a refusal
-    reason, or None for anything else."""
+    """(input projection names, output projection name or None, {op: refusal reason}) of an
+    attention block (an op absent from the dict can be swapped), or None for anything else."""
     children = dict(module.named_children())
     for inputs in families.LORA_ATTENTION_INPUTS:
         if all(isinstance(children.get(n), torch.nn.Module) for n in inputs):
@@ -377,12 +377,16 @@ def attention_candidate(module):
     else:
         return None
     out = next((n for n in families.LORA_ATTENTION_OUTPUTS if isinstance(children.get(n), torch.nn.Module)), None)
-    for name in inputs + ((out,) if out else ()):
-        if layer_kind(children[name]) is None:
-            proj = children[name]
-            base = proj.get_base_layer() if _is_lora_layer(proj) else proj
-            return f"projection {name} is {type(base).__name__}: neither a plain nor a bitsandbytes 4-bit linear"
-    return inputs, out
+    reasons = {}
+    if out is None:
+        reasons[O_OP] = "no output projection (" + "/".join(families.LORA_ATTENTION_OUTPUTS) + ")"
+    for op, names in ((QKV_OP, inputs), (O_OP, (out,) if out else ())):
+        for name in names:
+            if op not in reasons and layer_kind(children[name]) is None:
+                proj = children[name]
+                base = proj.get_base_layer() if _is_lora_layer(proj) else proj
+                reasons[op] = f"projection {name} is {type(base).__name__}: neither a plain nor a bitsandbytes 4-bit linear"
+    return inputs, out, reasons
 
 
 def structure(module, names) -> tuple:

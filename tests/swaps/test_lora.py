@@ -427,3 +427,15 @@ def test_a_bitsandbytes_8bit_base_is_refused_at_swap_time_with_the_reason(monkey
     reasons = {(r.op, r.reason) for r in report.refused}
     assert ("lora_mlp", "projection gate_proj is Linear8bitLt: neither a plain nor a bitsandbytes 4-bit linear") in reasons
     assert {op for op, _ in reasons} == {"lora_mlp", "lora_qkv", "lora_o"}
+
+
+def test_an_attention_with_a_quantized_output_projection_still_fuses_its_qkv():
+    model = get_peft_model(copy.deepcopy(build("llama")), LoraConfig(**ALL_LINEAR))
+    attn = model.base_model.model.model.layers[0].self_attn
+    old = attn.o_proj.base_layer
+    attn.o_proj.base_layer = Int8Like(old.in_features, old.out_features, bias=False)
+    report = swap_kernels(model, "lora")
+    assert report.swapped == {"lora_mlp": 2, "lora_qkv": 2, "lora_o": 1}
+    (refused,) = report.refused
+    assert refused == ("model.layers.0.self_attn", "lora_o",
+                       "projection o_proj is Int8Like: neither a plain nor a bitsandbytes 4-bit linear")
