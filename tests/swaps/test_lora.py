@@ -345,6 +345,8 @@ def test_restore_puts_back_the_same_objects_and_adapters_save_the_same_bytes(tmp
 def test_a_deep_copy_of_a_swapped_model_is_restored_whole():
     twin = peft_model(build("llama"), "peft-then-swap")
     copied = copy.deepcopy(twin)
+    layers = copied.base_model.model.model.layers
+    layers[1].extra = copy.deepcopy(layers[0].mlp)  # a copy made after the swap, as modules_to_save does
     restore_kernels(copied)
     assert not any(sites.is_swapped(m) for m in copied.modules())
     left = {(n, a) for n, m in copied.named_modules() for a in m.__dict__ if a.startswith("_accel_patch")}
