@@ -72,7 +72,7 @@ class Site:
 
 class Proj(namedtuple("Proj", "weight bias kind adapted scale peft_cast")):
     """weight: the base weight (a Params4bit for kind "4bit"); adapted: whether A and B follow in
-    the function's inputs; scale: PEFT's scaling; peft_cast: how PEFT adds a adapter of another
+    the function's inputs; scale: PEFT's scaling; peft_cast: how PEFT adds an adapter of another
     dtype ("promote": add in the promoted dtype, then cast back (lora.Linear); "cast": cast the
     adapter's output first (lora.bnb.Linear4bit))."""
 
