@@ -5,6 +5,7 @@
 # call and 15 in all: run it as two calls, the figures first.
 #
 #   STEPS="versions e2e bench" bash benchmarks/gpu_check.sh            # ~7 min: the GPU figures
+#   STEPS="versions lora" bash benchmarks/gpu_check.sh                  # ~4 min: fused LoRA figures
 #   STEPS="kernel-tests check unit-tests demo" bash benchmarks/gpu_check.sh   # ~5 min: correctness
 #   STEPS="versions compile" bash benchmarks/gpu_check.sh              # ~6 min: eager vs torch.compile
 #
@@ -13,6 +14,8 @@
 # compile: the e2e shape eager and compiled (Inductor), stock and swapped, full fine-tune, 2 warm-up
 # steps (they pay for the compilation) and 5 timed ones; then the swapped model's compiled training
 # forward must show no graph break (torch._dynamo.explain).
+# lora: one LoRA r=16 step at the Llama-3.2-1B shape, bf16, stock PEFT vs swapped today vs fused
+# LoRA (benchmarks/lora.py), and the same with a 4-bit base where bitsandbytes is installed.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -43,6 +46,14 @@ if step versions; then
     python3 -c "import sys, torch, triton, transformers, accelerate, peft, wrapt; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'wrapt', wrapt.__version__)"
 fi
 step e2e && run e2e 200 python3 benchmarks/e2e.py --device cuda --json "$OUT/e2e.json"
+if step lora; then
+    run lora 240 python3 benchmarks/lora.py --device cuda --steps 5 --json "$OUT/lora.json"
+    if python3 -c "import bitsandbytes" >/dev/null 2>&1; then
+        run qlora 240 python3 benchmarks/lora.py --device cuda --qlora --steps 5 --json "$OUT/qlora.json"
+    else
+        echo "== qlora: skipped (bitsandbytes is not installed in this image)"
+    fi
+fi
 step kernel-tests && run kernel-tests 150 env TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/bench.json"

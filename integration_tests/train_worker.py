@@ -99,8 +99,9 @@ def load_model(args):
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        model = get_peft_model(model, LoraConfig(
-            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+        targets = ["q_proj", "v_proj"] if args.lora_targets == "qv" else [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
     return model, info
 
 
@@ -178,6 +179,8 @@ def train(args):
         "topology": {k: getattr(topo, k, None) for k in (
             "world_size", "rank", "local_rank", "local_world_size", "num_nodes", "device_type",
             "device_count", "launcher", "single_device")},
+        # per-call outcomes of the fused LoRA sites (swapped by the load hook, before PEFT)
+        "lora_calls": _lora_calls(trainer.model) if accel else None,
         "status": [{"name": r.name, "state": r.state, "reason": r.reason}
                    for r in (accel.status() if accel else [])],
     }
@@ -186,6 +189,13 @@ def train(args):
         json.dump(result, f, indent=1, default=str)
     print(f"[worker rank {rank}] {result['distributed_type']} loss {losses[0]:.3f} -> {losses[-1]:.3f}",
           flush=True)
+
+
+def _lora_calls(model):
+    from accel_patch.swaps import apply, sites
+
+    state = apply.unwrap(model).__dict__.get(sites.STATE_ATTR)
+    return state.calls if state is not None else None
 
 
 def save_checkpoint(path):
@@ -205,6 +215,8 @@ def main(argv=None):
     p.add_argument("--checkpoint", help="from_pretrained this directory instead of building from a config")
     p.add_argument("--device-map", default="auto", help="device_map passed to from_pretrained")
     p.add_argument("--qlora", action="store_true", help="4-bit load + LoRA (needs --checkpoint)")
+    p.add_argument("--lora-targets", choices=("qv", "all"), default="qv",
+                   help="--qlora adapts q,v (qv) or q,k,v,o,gate,up,down (all)")
     p.add_argument("--save-checkpoint", metavar="DIR")
     p.add_argument("--without-import", action="store_true", help="never import accel_patch in this script")
     args = p.parse_args(argv)

@@ -177,7 +177,7 @@ def _kernels(answer: str) -> str | None:
         return "all"
     if answer in ("none", "no", "off"):
         return "none"
-    ops = [families.OP_ALIASES.get(o, o) for o in answer.split(",") if o]
+    ops = [name for o in answer.split(",") if o for name in families.expand(o)]
     return ",".join(dict.fromkeys(ops)) if ops and all(o in KERNEL_OPS for o in ops) else None
 
 

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from . import compiled_loss, loss, mlp, norms, probe, rope, sites
+from . import compiled_loss, lora, loss, mlp, norms, probe, rope, sites
 from .ops import resolve_ops
 from .report import Refusal, SwapReport
 
@@ -100,17 +100,87 @@ class _Walk:
             self.swapped(op, module, forward(verdict))
 
     def run(self) -> None:
-        for where, module in self.model.named_modules():
-            if module is self.model or sites.is_swapped(module):
+        lora_ops = [op for op in lora.OPS if op in self.todo]
+        for where, module in list(self.model.named_modules()):
+            if module is self.model:
                 continue
-            if "rms_norm" in self.todo:
-                self.norm(where, module)
-            if "glu" in self.todo:
-                self.glu(where, module)
-            if "rope" in self.todo:
-                self.rope(where, module)
+            if not sites.is_swapped(module):
+                if "rms_norm" in self.todo:
+                    self.norm(where, module)
+                if "glu" in self.todo:
+                    self.glu(where, module)
+                if "rope" in self.todo:
+                    self.rope(where, module)
+            if lora_ops:  # on top of glu / rope, installed just before (lora.py: which wins)
+                self.lora(where, module, lora_ops)
         if "fused_linear_cross_entropy" in self.todo:
             self.loss()
+
+    def lora(self, where, module, ops) -> None:
+        there = lora.op_of(module)
+        if there in lora.OPS:  # a LoRA site from an earlier call: it reads its ops at call time
+            site = module.__dict__[lora.SITE_ATTR]
+            for op in ops:
+                if op not in site.ops and (op == lora.MLP_OP) == (there == lora.MLP_OP):
+                    if op != lora.O_OP or site.names[1] is not None:
+                        site.ops.add(op)
+                        self.state.counts[op] = self.state.counts.get(op, 0) + 1
+            return
+        if lora.MLP_OP in ops:
+            found = lora.mlp_candidate(module)
+            if isinstance(found, str):
+                self.refuse(where, lora.MLP_OP, found)
+            elif found is not None:
+                names, act = found
+                act_fn = mlp.activation(module)
+                structure = (lora.structure(module, names), type(act_fn), getattr(act_fn, "approximate", None))
+                self.probe_and_install(where, (lora.MLP_OP,), module, structure,
+                                       lambda: lora.probe_mlp(module, self.dtype, names, act),
+                                       lambda plan: (lora.mlp_forward, lora.Site((lora.MLP_OP,), names, plan, self.state.calls)))
+                return
+        attention_ops = [op for op in ops if op in (lora.QKV_OP, lora.O_OP)]
+        if attention_ops:
+            found = lora.attention_candidate(module)
+            if found is None:
+                return
+            inputs, out, reasons = found
+            for op in [op for op in attention_ops if op in reasons]:
+                self.refuse(where, op, reasons[op])
+                attention_ops.remove(op)
+            if not attention_ops:
+                return
+            groups = [inputs] * (lora.QKV_OP in attention_ops) + [(out,)] * (lora.O_OP in attention_ops)
+            names = tuple(n for g in groups for n in g)
+
+            def run():
+                verdict = True
+                for group in groups:
+                    if verdict is True:
+                        verdict = lora.probe_linears(module, self.dtype, group)
+                return verdict
+
+            self.probe_and_install(where, tuple(attention_ops), module, lora.structure(module, names), run,
+                                   lambda _: (lora.attention_forward,
+                                              lora.Site(attention_ops, (inputs, out), None, self.state.calls)))
+
+    def probe_and_install(self, where, ops, module, structure, run, forward) -> None:
+        """probe_and_swap for a LoRA site: `forward(verdict)` gives (function, Site); the site
+        goes on top of what the module runs now and counts once per op it serves."""
+        device = probe.module_device(module)
+        if device is None or device.type == "meta":
+            for op in ops:
+                self.refuse(where, op, "no materialized weights (meta device): nothing to probe")
+            return
+        verdict = _verdict((ops[0], type(module), self.dtype, device.type, structure), run)
+        if isinstance(verdict, str):
+            for op in ops:
+                self.refuse(where, op, verdict)
+            return
+        func, site = forward(verdict)
+        lora.install(self.state, module, sites.signed(func, type(module), ops[0]), site)
+        for op in ops:
+            self.state.counts[op] = self.state.counts.get(op, 0) + 1
+        self.new += 1
 
     def norm(self, where, module) -> None:
         eps_attr = norms.candidate(module)
@@ -196,7 +266,8 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
         new = walk.new
     else:
         new = 0
-    report = SwapReport(type(target).__name__, state.counts, state.refused, new=new, head=state.head)
+    report = SwapReport(type(target).__name__, state.counts, state.refused, new=new, head=state.head,
+                        calls=state.calls)
     if todo:
         _history.record(target, report)
         if report.swapped or report.refused:
@@ -221,14 +292,20 @@ def _restore(target) -> list[str]:
     # carry the swapped forward without an undo entry: put their stock forward back too.
     for module in target.modules():
         for slot in ("forward", "_old_forward"):
-            bound = module.__dict__.get(slot)
-            if getattr(getattr(bound, "__func__", None), sites.MARK, None) is None:
-                continue
-            inner = module.__dict__.pop(sites.INNER_ATTR, None)
-            if inner is not None:
-                module.__dict__[slot] = inner
-            else:
-                del module.__dict__[slot]
+            while True:  # a LoRA site may sit on top of another swap's forward
+                bound = module.__dict__.get(slot)
+                op = getattr(getattr(bound, "__func__", None), sites.MARK, None)
+                if op is None:
+                    break
+                if op in lora.OPS:
+                    module.__dict__.pop(lora.SITE_ATTR, None)
+                    inner = module.__dict__.pop(lora.INNER_ATTR, None)
+                else:
+                    inner = module.__dict__.pop(sites.INNER_ATTR, None)
+                if inner is not None:
+                    module.__dict__[slot] = inner
+                else:
+                    del module.__dict__[slot]
     return kept
 
 

@@ -9,10 +9,17 @@ else is refused by the probe, with the reason.
 from __future__ import annotations
 
 #: Op names accepted by `swap_kernels(ops=...)` and ACCEL_PATCH_KERNELS, in report order.
-OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
+OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy", "lora_mlp", "lora_qkv", "lora_o")
 #: Other spellings users write for the same op.
 OP_ALIASES = {"swiglu": "glu", "geglu": "glu", "flce": "fused_linear_cross_entropy",
               "cross_entropy": "fused_linear_cross_entropy", "rmsnorm": "rms_norm"}
+#: Names that stand for several ops.
+OP_GROUPS = {"lora": ("lora_mlp", "lora_qkv", "lora_o")}
+
+
+def expand(name: str) -> tuple[str, ...]:
+    """The op names one name the user wrote stands for (an alias or a group), unchecked."""
+    return OP_GROUPS.get(name) or (OP_ALIASES.get(name, name),)
 
 # --- RMSNorm -------------------------------------------------------------------------------
 #: Attribute that holds a norm's epsilon (LlamaRMSNorm: variance_epsilon; Gemma, torch: eps).
@@ -38,6 +45,12 @@ ACTIVATION_NAMES = {
     "fastgeluactivation": "gelu_tanh", "accurategeluactivation": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
 }
+
+# --- fused LoRA (lora.py) -----------------------------------------------------------------
+#: Input projections of an attention block, one group read from the same x (q/k/v or fused).
+LORA_ATTENTION_INPUTS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",), ("query_key_value",))
+#: Its output projection.
+LORA_ATTENTION_OUTPUTS = ("o_proj", "dense", "out_proj")
 
 # --- RoPE ----------------------------------------------------------------------------------
 #: Module-level functions that attention forwards call by name to apply rotate-half RoPE.

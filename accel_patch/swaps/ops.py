@@ -26,12 +26,12 @@ def resolve_ops(ops) -> tuple[str, ...]:
         raise ValueError(f"ops must be None, a comma-separated string or a list of op names among "
                          f"{', '.join(families.OPS)}, got {ops!r}") from None
     chosen = set()
-    for name in filter(None, names):
-        name = families.OP_ALIASES.get(name, name)
-        if name not in families.OPS:
-            raise ValueError(f"unknown kernel op {name!r}: choose from {', '.join(families.OPS)} "
-                             f"(also {', '.join(sorted(families.OP_ALIASES))})")
-        chosen.add(name)
+    for written in filter(None, names):
+        for name in families.expand(written):
+            if name not in families.OPS:
+                raise ValueError(f"unknown kernel op {name!r}: choose from {', '.join(families.OPS)} "
+                                 f"(also {', '.join(sorted({**families.OP_ALIASES, **families.OP_GROUPS}))})")
+            chosen.add(name)
     return tuple(op for op in families.OPS if op in chosen)
 
 

@@ -24,15 +24,19 @@ class SwapReport:
     model already had them: swapping twice swaps nothing twice). `head`: when a trainer installed
     its own LM head on the model (TRL's `add_fused_lm_head`), whose head runs its training calls:
     "TRL's", or "accel-patch's fused loss in TRL's place"; None otherwise.
+    `calls`: for the ops decided at each call (the fused LoRA sites), op -> outcome -> number of
+    calls so far ("fused", or which other forward ran and why); live: it grows as the model runs.
     """
 
     def __init__(self, model: str, swapped: dict[str, int] | None = None,
-                 refused: list[Refusal] | None = None, new: int = 0, head: str | None = None) -> None:
+                 refused: list[Refusal] | None = None, new: int = 0, head: str | None = None,
+                 calls: dict[str, dict[str, int]] | None = None) -> None:
         self.model = model
         self.swapped = dict(swapped or {})
         self.refused = list(refused or [])
         self.new = new
         self.head = head
+        self.calls = calls if calls is not None else {}
 
     def __bool__(self) -> bool:
         return bool(self.swapped)
@@ -53,7 +57,12 @@ class SwapReport:
 
     def short(self) -> str:
         """Sites per op and how many were refused, short enough for a logged value (< 100 chars)."""
-        done = ", ".join(f"{op} {n}" for op, n in sorted(self.swapped.items(), key=_op_order)) or "nothing swapped"
+        ordered = sorted(self.swapped.items(), key=_op_order)
+        parts = [f"{op} {n}" for op, n in ordered if not op.startswith("lora_")]
+        lora = " ".join(f"{op[len('lora_'):]} {n}" for op, n in ordered if op.startswith("lora_"))
+        if lora:  # the three LoRA sites in one part: a 32-layer model's line stays under 100 chars
+            parts.append(f"lora {lora}")
+        done = ", ".join(parts) or "nothing swapped"
         head = {None: "", "TRL's": "; LM head: TRL's"}.get(self.head, "; LM head: ours, in TRL's place")
         return done + (f"; {len(self.refused)} refused" if self.refused else "") + head
 
@@ -72,13 +81,17 @@ class SwapReport:
             rows.append((op, str(len(sites)), "refused", f"{where}: {reason}"))
         if len(rows) == 1:
             rows.append(("-", "0", "", "no candidate site found"))
+        for op, outcomes in sorted(self.calls.items(), key=_op_order):
+            for outcome, n in sorted(outcomes.items()):
+                rows.append((op, str(n), "calls", outcome))
         w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
         head = f"kernel swap report for {self.model}"
         return "\n".join([head] + [f"  {a:<{w0}}  {b:>{w1}}  {c:<{w2}}  {d}".rstrip() for a, b, c, d in rows])
 
     def to_dict(self) -> dict:
         return {"model": self.model, "swapped": dict(self.swapped),
-                "refused": [r._asdict() for r in self.refused], "head": self.head}
+                "refused": [r._asdict() for r in self.refused], "head": self.head,
+                "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()}}
 
 
 def _op_order(item) -> int:

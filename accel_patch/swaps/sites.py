@@ -33,6 +33,7 @@ class SwapState:
         self.releases: list = []  # callables that release shared interceptions (RoPE globals)
         self.loss_calls: dict[str, int] = {}  # fused / stood aside (and why), counted per call
         self.head: str | None = None  # whose LM head a trainer's own head calls run (TRL's), when it installed one
+        self.calls: dict[str, dict[str, int]] = {}  # fused LoRA sites: op -> outcome -> calls
 
     def set(self, obj, attr: str, value) -> None:
         """obj.attr = value (in obj's own __dict__), remembering what was there."""

@@ -1,0 +1,296 @@
+"""One LoRA r=16 training step (q, k, v, o, gate, up, down adapted): stock PEFT, swapped today (the
+kernel ops and the fused loss, without the LoRA ops), and swapped with fused LoRA.
+
+    python benchmarks/lora.py                  # CPU: hidden 1024, inter 2816, 4 layers, vocab 32000, 2048 tokens, fp32
+    python benchmarks/lora.py --quick          # CPU, smaller: hidden 512, 2 layers, vocab 8000, 512 tokens
+    python benchmarks/lora.py --qlora          # the same with a bitsandbytes 4-bit (nf4) base
+    python benchmarks/lora.py --device cuda    # GPU: Llama-3.2-1B shape, bf16 (add --qlora where bitsandbytes is)
+    python benchmarks/lora.py --json lora.json # also every figure as JSON
+
+Each variant's memory is measured in a fresh process (random weights from a config, nothing downloaded; a 4-bit
+base is saved once to a temporary directory and loaded quantized), without TRITON_INTERPRET.
+
+- tokens/s: tokens of the batch / median step time (forward + backward; the optimizer is the same
+  for all and left out), the three variants timed round-robin in one process (the machine's load
+  then changes for all alike); memory is measured in a fresh process per variant.
+- peak memory growth: on GPU, max_memory_allocated() during a step minus what was allocated
+  before it; on CPU, the rise of the process's peak RSS over the first step.
+- saved bytes per layer: what autograd keeps for backward during the forward of one decoder
+  layer and of its MLP (torch.autograd.graph.saved_tensors_hooks; parameters and their 4-bit
+  packs excluded, each storage counted once), beside the MLP's theoretical minimum: x plus the
+  gate and up pre-activations.
+- ratios: fused LoRA / swapped today (and / stock) for memory, tokens/s ratio for speed; the CPU
+  targets (peak growth <= 0.85x of swapped today, time <= 1.0x) print PASS or MISS beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "cpu": dict(config=dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048),
+                batch=1, seq=2048, dtype="float32"),
+    "quick": dict(config=dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+                              num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512),
+                  batch=1, seq=512, dtype="float32"),
+    # Llama-3.2-1B: hidden 2048, 16 layers, 32 query / 8 key-value heads of 64, vocab 128256, tied.
+    "cuda": dict(config=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                             max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0),
+                 batch=4, seq=2048, dtype="bfloat16"),
+}
+VARIANTS = ("stock", "swapped today", "fused LoRA")
+TODAY_OPS = "rms_norm,rope,glu,fused_linear_cross_entropy"
+# fused LoRA against swapped today on CPU; against stock PEFT on GPU (the issue's targets)
+TARGETS = {"cpu": dict(memory=0.85, time=1.0, against="swapped today"),
+           "cuda": dict(memory=0.6, time=1 / 1.5, against="stock")}
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def build(shape_name: str, device: str, qlora: bool, checkpoint: str | None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = SHAPES[shape_name]
+    dtype = getattr(torch, shape["dtype"])
+    if qlora:
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        return LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=quant, dtype=dtype,
+                                                device_map={"": device}, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape["config"], attn_implementation="sdpa")
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype)
+
+
+def saved_bytes(model, batch) -> dict:
+    """Bytes autograd saves in the forward of decoder layer 0 and of its MLP (one storage once)."""
+    import torch
+
+    layer = model.get_base_model().model.layers[0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where = []
+    seen: dict[str, dict[int, int]] = {"layer": {}, "mlp": {}}
+
+    def pack(t):
+        if where:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                for tag in where:
+                    seen[tag][ptr] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = []
+    for tag, module in (("layer", layer), ("mlp", layer.mlp)):
+        hooks.append(module.register_forward_pre_hook(lambda m, a, tag=tag: where.append(tag)))
+        hooks.append(module.register_forward_hook(lambda m, a, o, tag=tag: where.remove(tag)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    return {tag: sum(d.values()) for tag, d in seen.items()}
+
+
+def prepared(variant: str, shape_name: str, device: str, qlora: bool, checkpoint: str | None):
+    """(model, batch, swap report or None) of one variant."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import accel_patch
+
+    shape = SHAPES[shape_name]
+    model = build(shape_name, device, qlora, checkpoint)
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(**LORA))
+    report = None
+    if variant != "stock":
+        report = accel_patch.swap_kernels(model, TODAY_OPS if variant == "swapped today" else None)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["config"]["vocab_size"], (shape["batch"], shape["seq"]), generator=gen).to(device)
+    return model, {"input_ids": ids, "labels": ids}, report
+
+
+def step(model, batch) -> None:
+    loss = model(**batch).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkpoint: str | None, warmup: int) -> dict:
+    """Peak growth of one step and saved bytes per layer, for one variant in a fresh process."""
+    import torch
+
+    model, batch, report = prepared(variant, shape_name, device, qlora, checkpoint)
+    if device == "cuda":
+        for _ in range(warmup):
+            step(model, batch)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(model, batch)
+        torch.cuda.synchronize()
+        growth = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        step(model, batch)  # the first step sets the high-water mark: its rise is the step's peak growth
+        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    saved = saved_bytes(model, batch)
+    shape = SHAPES[shape_name]
+    c = shape["config"]
+    tokens = shape["batch"] * shape["seq"]
+    element = torch.finfo(getattr(torch, shape["dtype"])).bits // 8
+    return dict(variant=variant, peak_growth_mib=growth,
+                saved_layer_mib=saved["layer"] / 2**20, saved_mlp_mib=saved["mlp"] / 2**20,
+                mlp_minimum_mib=tokens * (c["hidden_size"] + 2 * c["intermediate_size"]) * element / 2**20,
+                calls=(report.calls if report is not None else None),
+                swap=(report.summary() if report is not None else None))
+
+
+def timing_child(shape_name: str, device: str, qlora: bool, checkpoint: str | None, warmup: int, steps: int) -> dict:
+    """Median step time of every variant, timed round-robin in one process: on a shared machine a
+    change of load then hits all variants alike."""
+    import torch
+
+    if device == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    runs = {v: prepared(v, shape_name, device, qlora, checkpoint)[:2] for v in VARIANTS}
+    times = {v: [] for v in VARIANTS}
+    for i in range(warmup + steps):
+        for v, (model, batch) in runs.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(model, batch)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times[v].append(time.perf_counter() - t0)
+    return {v: statistics.median(t) for v, t in times.items()}
+
+
+def run_child(what: str, shape_name, device, qlora, checkpoint, warmup, steps) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS")}
+    env["ACCEL_PATCH_KERNELS"] = "0"  # the 4-bit load: swapped (or not) by the variant, after PEFT
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--shape", shape_name,
+           "--device", device, "--warmup", str(warmup), "--steps", str(steps)]
+    if qlora:
+        cmd += ["--qlora", "--checkpoint", checkpoint]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return dict(variant=what, error=f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}")
+
+
+def save_base(shape_name: str, path: str) -> None:
+    import torch
+
+    model = build(shape_name, "cpu", False, None)
+    model.to(torch.float32).save_pretrained(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    p.add_argument("--quick", action="store_true", help="the smaller CPU shape")
+    p.add_argument("--qlora", action="store_true", help="a bitsandbytes 4-bit (nf4) base")
+    p.add_argument("--warmup", type=int, default=None, help="steps before timing (default: 1 on CPU, 3 on GPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: 2 on CPU, 10 on GPU)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shape_name = args.shape or ("cuda" if device == "cuda" else ("quick" if args.quick else "cpu"))
+    warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" else 1)
+    steps = args.steps if args.steps is not None else (10 if device == "cuda" else 2)
+    if warmup < 1 or steps < 1:
+        p.error(f"--warmup and --steps must be >= 1, got {warmup} and {steps}")
+    if args.child == "timing":
+        print(json.dumps(timing_child(shape_name, device, args.qlora, args.checkpoint, warmup, steps)))
+        return 0
+    if args.child:
+        print(json.dumps(memory_child(args.child, shape_name, device, args.qlora, args.checkpoint, warmup)))
+        return 0
+
+    import peft
+    import transformers
+
+    shape = SHAPES[shape_name]
+    machine = (torch.cuda.get_device_name() if device == "cuda"
+               else f"CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
+    c = shape["config"]
+    print(f"accel-patch fused LoRA step, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {machine}, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}")
+    print(f"Llama: hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
+          f"vocab {c['vocab_size']}, {shape['batch']} x {shape['seq']} tokens, {shape['dtype']}"
+          f"{' 4-bit nf4 base' if args.qlora else ''}, LoRA r=16 on q,k,v,o,gate,up,down; "
+          f"{warmup} warm-up, median of {steps} steps")
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if args.qlora:
+            checkpoint = os.path.join(tmp, "base")
+            save_base(shape_name, checkpoint)
+        rows = [run_child(v, shape_name, device, args.qlora, checkpoint, warmup, steps) for v in VARIANTS]
+        timed = run_child("timing", shape_name, device, args.qlora, checkpoint, warmup, steps)
+    for r in rows:
+        if "error" in timed:
+            r.setdefault("error", "timing: " + timed["error"])
+        elif "error" not in r:
+            r["step_s"] = timed[r["variant"]]
+            r["tokens_per_s"] = shape["batch"] * shape["seq"] / r["step_s"]
+    print(f"\n{'variant':<15}{'tokens/s':>10}{'step s':>9}{'peak growth MiB':>17}{'saved/layer MiB':>17}"
+          f"{'saved/MLP MiB':>15}{'MLP minimum MiB':>17}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<15}FAILED: {r['error']}")
+        else:
+            print(f"{r['variant']:<15}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_growth_mib']:>17.0f}"
+                  f"{r['saved_layer_mib']:>17.1f}{r['saved_mlp_mib']:>15.1f}{r['mlp_minimum_mib']:>17.1f}")
+    byname = {r["variant"]: r for r in rows}
+    fused = byname["fused LoRA"]
+    target = TARGETS[device]
+    verdicts = {}
+    if not any("error" in r for r in rows):
+        for against in ("swapped today", "stock"):
+            other = byname[against]
+            memory = fused["peak_growth_mib"] / other["peak_growth_mib"]
+            t = fused["step_s"] / other["step_s"]
+            line = f"fused LoRA / {against}: peak growth {memory:.2f}x, time {t:.2f}x, tokens/s {1 / t:.2f}x"
+            if against == target["against"]:
+                verdicts = dict(memory_ratio=memory, time_ratio=t,
+                                memory_verdict="PASS" if memory <= target["memory"] else "MISS",
+                                time_verdict="PASS" if t <= target["time"] else "MISS")
+                line += (f"  (targets: <= {target['memory']:.2f}x {verdicts['memory_verdict']}, "
+                         f"time <= {target['time']:.2f}x {verdicts['time_verdict']})")
+            print(line)
+        print(f"fused LoRA calls: {fused['calls']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, device=device,
+                           shape=shape, qlora=args.qlora, torch=torch.__version__, rows=rows, **verdicts), f, indent=1)
+    return 0 if verdicts and "MISS" not in verdicts.values() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

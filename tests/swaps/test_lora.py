@@ -1,0 +1,443 @@
+"""Fused LoRA (accel_patch/swaps/lora.py): a training step equals PEFT stock, family by family, in
+both swap orders, LoRA and QLoRA; every fall-back runs PEFT's forward and is counted; the probe
+refuses a broken backward; the swap is reversible and changes nothing the user saves."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import accel_patch
+from accel_patch import restore_kernels, swap_kernels
+from accel_patch.swaps import lora, ops, probe, sites
+
+from _models import build, padded_batch, rel, training_step
+from test_peft_and_checkpoints import assert_same_files
+
+ALL_LINEAR = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules="all-linear")
+LORA_OPS = "lora_mlp,lora_qkv,lora_o"
+
+
+def peft_model(base, order, ops_=None, **config):
+    model = copy.deepcopy(base)
+    torch.manual_seed(3)  # the same adapter initialisation in every order
+    if order == "swap-then-peft":
+        swap_kernels(model, ops_)
+        return get_peft_model(model, LoraConfig(**{**ALL_LINEAR, **config}))
+    model = get_peft_model(model, LoraConfig(**{**ALL_LINEAR, **config}))
+    if order == "peft-then-swap":
+        swap_kernels(model, ops_)
+    return model
+
+
+def calls(model) -> dict:
+    return accel_patch.swaps.apply.unwrap(model).__dict__[sites.STATE_ATTR].calls
+
+
+def assert_step_equals_stock(stock, twin, batch=None):
+    batch = batch or padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert grads0 and grads1.keys() == grads0.keys()
+    assert rel(loss1, loss0) <= 1e-5, (loss1, loss0)
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, (worst, rel(grads1[worst], grads0[worst]))
+
+
+# (family, layers with a gated MLP): mixtral's experts are 3-D (refused), gpt_neox's MLP is not gated.
+GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "cohere"}
+QUICK = {("llama", "swap-then-peft"), ("phi3", "peft-then-swap")}
+
+
+@pytest.mark.parametrize("family, order", [
+    (f, o) if (f, o) in QUICK else pytest.param(f, o, marks=pytest.mark.slow)
+    for f in sorted(GATED | {"mixtral", "gpt_neox"}) for o in ("swap-then-peft", "peft-then-swap")])
+def test_a_lora_training_step_equals_peft_stock_in_float32(family, order):
+    base = build(family)
+    stock = peft_model(base, "stock")
+    twin = peft_model(base, order)
+    assert_step_equals_stock(stock, twin)
+    layers = base.config.num_hidden_layers
+    expected = {"lora_qkv": {"fused": layers}, "lora_o": {"fused": layers}}
+    if family in GATED:
+        expected["lora_mlp"] = {"fused": layers}
+    assert calls(twin) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma", "phi3"])
+def test_a_bfloat16_lora_step_is_as_close_to_float64_as_stock(family):
+    """bf16 base, float32 adapters (PEFT's default autocast_adapter_dtype): within stock's own error."""
+    reference = peft_model(build(family, torch.float64), "stock")
+    base = build(family, torch.bfloat16)
+    stock = peft_model(base, "stock")
+    twin = peft_model(base, "peft-then-swap")
+    adapters = [p for n, p in twin.named_parameters() if "lora_A" in n]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)  # the mixed-dtype path
+    batch = padded_batch()
+    loss_ref, grads_ref, _ = training_step(reference, batch)
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert rel(loss1, loss_ref) <= 1.5 * rel(loss0, loss_ref) + 2e-3
+    names = sorted(grads_ref)
+    flat = {k: torch.cat([g[n].double().flatten() for n in names]) for k, g in (("ref", grads_ref), ("stock", grads0), ("twin", grads1))}
+    assert rel(flat["twin"], flat["ref"]) <= 1.5 * rel(flat["stock"], flat["ref"]) + 2e-3
+    # Per tensor, the small adapter gradients of a tiny bf16 model are rounding noise: the kernels
+    # without LoRA ops already reach 2.2x stock's error on a q_proj.lora_A here (2026-12-01).
+    for name, ref in grads_ref.items():
+        assert rel(grads1[name], ref) <= 3 * rel(grads0[name], ref) + 2e-3, name
+    assert calls(twin)["lora_mlp"] == {"fused": base.config.num_hidden_layers}
+
+
+# --- what the fused MLP saves for backward --------------------------------------------------
+
+
+def test_the_fused_mlp_saves_only_x_gate_and_up():
+    base = build("llama")
+    model = peft_model(base, "peft-then-swap")
+    mlp_ = model.base_model.model.model.layers[0].mlp
+    x = torch.randn(2, 5, base.config.hidden_size, requires_grad=True)
+    params = {p.data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mlp_(x)
+    inter = base.config.intermediate_size
+    assert sum(saved) == 10 * (base.config.hidden_size + 2 * inter) * 4, saved
+    # nothing kept beside save_for_backward: every tensor the node holds is a parameter
+    held = [v for v in vars(out.grad_fn).values() if isinstance(v, torch.Tensor)]
+    held += [t for v in vars(out.grad_fn).values() if isinstance(v, tuple)
+             for item in v for t in (item if isinstance(item, tuple) else (item,)) if isinstance(t, torch.Tensor)]
+    assert type(out.grad_fn).__name__ == "_LoraMLPFunctionBackward"
+    assert all(t.data_ptr() in params for t in held), [tuple(t.shape) for t in held]
+
+
+# --- QLoRA ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    build("llama").save_pretrained(path)
+    return path
+
+
+def qlora(checkpoint, monkeypatch, kernels):
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    monkeypatch.setenv("ACCEL_PATCH_KERNELS", kernels)  # the load hook swaps these: swap before PEFT
+    model = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=quant)
+    monkeypatch.delenv("ACCEL_PATCH_KERNELS")
+    return model
+
+
+@pytest.mark.parametrize("order", ["swap-then-peft", pytest.param("peft-then-swap", marks=pytest.mark.slow)])
+def test_qlora_on_cpu_trains_as_stock_with_the_4bit_base_dequantized_inside(monkeypatch, checkpoint, order):
+    pytest.importorskip("bitsandbytes")
+    stock = qlora(checkpoint, monkeypatch, "0")
+    twin = qlora(checkpoint, monkeypatch, "lora" if order == "swap-then-peft" else "0")
+    assert type(twin.model.layers[0].mlp.gate_proj).__name__ == "Linear4bit"
+    packed = [(p, p.detach().clone()) for p in twin.parameters()]
+    torch.manual_seed(3)
+    stock = get_peft_model(stock, LoraConfig(**ALL_LINEAR))
+    torch.manual_seed(3)
+    twin = get_peft_model(twin, LoraConfig(**ALL_LINEAR))
+    if order == "peft-then-swap":
+        swap_kernels(twin, LORA_OPS)
+    assert_step_equals_stock(stock, twin)
+    assert calls(twin) == {op: {"fused": 2} for op in ("lora_mlp", "lora_qkv", "lora_o")}
+    assert all(torch.equal(p, value) for p, value in packed)  # the 4-bit weights are never modified
+
+
+# --- decided at call time: every fall-back runs PEFT's forward and is counted ------------------
+
+
+FALLBACKS = {
+    # name: (LoraConfig overrides, change after get_peft_model, outcome counted for the MLP)
+    "dropout in training": ({"lora_dropout": 0.1}, None, "PEFT's forward: dropout > 0 in training"),
+    "DoRA": ({"use_dora": True}, None, "PEFT's forward: a LoRA variant (DoraLinearVariant, e.g. DoRA)"),
+    "lora_bias": ({"lora_bias": True}, None, "PEFT's forward: lora_bias"),
+    "two active adapters": ({}, "two_adapters", "PEFT's forward: more than one active adapter (default, second)"),
+    "fan_in_fan_out": ({}, "fan_in_fan_out", "PEFT's forward: fan_in_fan_out"),
+    "mixed dtypes": ({}, "float64_adapter", "PEFT's forward: mixed dtypes (input torch.float32, adapter torch.float64/torch.float64)"),
+    "other base layer": ({}, "int8_like_base", "PEFT's forward: base layer Int8Like is neither a plain nor a bitsandbytes 4-bit linear"),
+}
+
+
+class Int8Like(torch.nn.Linear):
+    """Stands for a quantized base the fused path cannot compute (bitsandbytes 8-bit, GPTQ, ...)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _change(model, what):
+    mlps = [m for n, m in model.named_modules() if n.endswith("mlp")]
+    if what == "two_adapters":
+        torch.manual_seed(4)
+        model.add_adapter("second", LoraConfig(**ALL_LINEAR))
+        model.base_model.set_adapter(["default", "second"])
+    elif what == "fan_in_fan_out":
+        for m in mlps:
+            m.up_proj.fan_in_fan_out = True
+    elif what == "float64_adapter":
+        for m in mlps:
+            m.up_proj.lora_A["default"].double()  # PEFT then computes that adapter in float64
+            m.up_proj.lora_B["default"].double()
+    elif what == "int8_like_base":
+        for m in mlps:
+            old = m.up_proj.base_layer
+            new = Int8Like(old.in_features, old.out_features, bias=False)
+            new.weight = old.weight
+            m.up_proj.base_layer = new
+
+
+QUICK_FALLBACKS = {"dropout in training", "other base layer"}
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK_FALLBACKS else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(FALLBACKS)])
+def test_each_fall_back_runs_pefts_forward_for_that_call_and_is_counted(name):
+    config, change, outcome = FALLBACKS[name]
+    base = build("llama")
+    stock = peft_model(base, "stock", **config)
+    twin = peft_model(base, "swap-then-peft", **config)
+    for m in (stock, twin):
+        _change(m, change)
+    batch = padded_batch()
+    torch.manual_seed(5)
+    loss0, grads0, _ = training_step(stock, batch)
+    torch.manual_seed(5)  # the same dropout masks
+    loss1, grads1, _ = training_step(twin, batch)
+    assert grads1.keys() == grads0.keys()
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4
+    assert calls(twin)["lora_mlp"] == {outcome: 2}, calls(twin)
+
+
+@pytest.mark.slow
+def test_dropout_is_a_fall_back_only_in_training():
+    base = build("llama")
+    stock, twin = peft_model(base, "stock", lora_dropout=0.1), peft_model(base, "swap-then-peft", lora_dropout=0.1)
+    batch = padded_batch()
+    stock.eval(), twin.eval()
+    with torch.no_grad():
+        assert rel(twin(**batch).logits, stock(**batch).logits) <= 1e-5
+    assert calls(twin)["lora_mlp"] == {"fused": 2}
+
+
+def test_an_adapter_disabled_merged_switched_or_removed_after_the_swap_is_seen_at_the_next_call():
+    base = build("llama")
+    stock, twin = peft_model(base, "stock"), peft_model(base, "swap-then-peft")
+    batch = padded_batch()
+    with stock.disable_adapter(), twin.disable_adapter(), torch.no_grad():  # off: the module's forward
+        assert rel(twin(**batch).loss, stock(**batch).loss) <= 1e-5
+    assert calls(twin)["lora_mlp"] == {lora.NO_ADAPTER: 2}
+    for m in (stock, twin):  # a second adapter, switched to
+        torch.manual_seed(4)
+        m.add_adapter("second", LoraConfig(**ALL_LINEAR))
+        m.set_adapter("second")
+    assert_step_equals_stock(stock, twin)
+    assert calls(twin)["lora_mlp"] == {lora.NO_ADAPTER: 2, "fused": 2}
+    for m in (stock, twin):
+        m.merge_adapter()
+    stock.eval(), twin.eval()
+    with torch.no_grad():
+        assert rel(twin(**batch).logits, stock(**batch).logits) <= 1e-5
+    assert calls(twin)["lora_mlp"][lora.NO_ADAPTER] == 4
+    for m in (stock, twin):
+        m.unmerge_adapter()
+        m.delete_adapter("second")
+        m.set_adapter("default")
+    assert_step_equals_stock(stock, twin)
+    assert calls(twin)["lora_mlp"]["fused"] == 4
+
+
+@pytest.mark.slow
+def test_autocast_runs_pefts_forward_and_is_counted():
+    base = build("llama")
+    stock, twin = peft_model(base, "stock"), peft_model(base, "peft-then-swap", ops_="lora")
+    batch = padded_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_step_equals_stock(stock, twin, batch)
+    assert calls(twin)["lora_mlp"] == {"PEFT's forward: autocast is on": 2}
+
+
+@pytest.mark.slow
+def test_a_base_layer_the_fused_path_cannot_compute_is_refused_at_swap_time():
+    base = build("llama")
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(**ALL_LINEAR))
+    mlp0 = model.base_model.model.model.layers[0].mlp
+    old = mlp0.down_proj.base_layer
+    mlp0.down_proj.base_layer = Int8Like(old.in_features, old.out_features, bias=False)
+    report = swap_kernels(model, "lora")
+    refused = [r for r in report.refused if r.op == "lora_mlp"]
+    assert [r.where for r in refused] == ["model.layers.0.mlp"]
+    assert "projection down_proj is Int8Like: neither a plain nor a bitsandbytes 4-bit linear" in refused[0].reason
+    assert report.swapped["lora_mlp"] == 1
+
+
+# --- the probe checks gradients: a broken backward is refused ---------------------------------
+
+
+@pytest.fixture
+def fresh_probes():
+    probe.cache.clear()
+    yield
+    probe.cache.clear()
+
+
+def _drop_dB(original):
+    def broken(dy, x, p, A, B, dx):
+        dx, dA, dB = original(dy, x, p, A, B, dx)
+        return dx, dA, None if dB is None else torch.zeros_like(dB)
+    return broken
+
+
+@pytest.mark.parametrize("mutation, op, expect", [
+    ("drop dB", "lora_mlp", ".B relative error"),
+    pytest.param("drop dB", "lora_qkv", ".B relative error", marks=pytest.mark.slow),
+    pytest.param("swap gate and up in backward", "lora_mlp", "relative error", marks=pytest.mark.slow),
+])
+def test_the_probe_refuses_a_broken_backward(monkeypatch, fresh_probes, mutation, op, expect):
+    if mutation == "drop dB":
+        monkeypatch.setattr(lora, "proj_backward", _drop_dB(lora.proj_backward))
+    else:
+        original = lora.glu_backward
+        monkeypatch.setattr(lora, "glu_backward", lambda act, dh, gate, up: original(act, dh, up, gate))
+    model = peft_model(build("llama"), "peft-then-swap", ops_="lora")
+    report = swap_kernels(model, "lora")
+    refused = [r for r in report.refused if r.op == op]
+    assert len(refused) == 2 and "differs from PEFT's LoRA" in refused[0].reason and expect in refused[0].reason
+    assert op not in report.swapped
+
+
+# --- reversible; nothing saved changes --------------------------------------------------------
+
+
+def test_restore_puts_back_the_same_objects_and_adapters_save_the_same_bytes(tmp_path):
+    base = build("llama")
+    stock = peft_model(base, "stock")
+    twin = peft_model(base, "stock")
+    before = {n: dict(m.__dict__) for n, m in twin.named_modules()}
+    swap_kernels(twin)
+    stock.save_pretrained(tmp_path / "stock")
+    twin.save_pretrained(tmp_path / "twin")
+    assert_same_files(tmp_path / "stock", tmp_path / "twin")
+    training_step(twin, padded_batch())
+    assert restore_kernels(twin)
+    after = {n: dict(m.__dict__) for n, m in twin.named_modules()}
+    assert before.keys() == after.keys()
+    for name, d in before.items():
+        assert after[name].keys() == d.keys(), name
+        for key in ("forward", "_old_forward", lora.SITE_ATTR, lora.INNER_ATTR):
+            assert after[name].get(key) is d.get(key), (name, key)
+
+
+@pytest.mark.slow
+def test_a_deep_copy_of_a_swapped_model_is_restored_whole():
+    twin = peft_model(build("llama"), "peft-then-swap")
+    copied = copy.deepcopy(twin)
+    layers = copied.base_model.model.model.layers
+    layers[1].extra = copy.deepcopy(layers[0].mlp)  # a copy made after the swap, as modules_to_save does
+    restore_kernels(copied)
+    assert not any(sites.is_swapped(m) for m in copied.modules())
+    left = {(n, a) for n, m in copied.named_modules() for a in m.__dict__ if a.startswith("_accel_patch")}
+    assert not left, sorted(left)  # the LoRA site's data and the forward it sat on are gone too
+
+
+# --- names and the glu interplay --------------------------------------------------------------
+
+
+def test_lora_names_are_accepted_everywhere_ops_are_chosen():
+    from accel_patch.integrations import config_entry
+
+    assert ops.resolve_ops("lora") == ("lora_mlp", "lora_qkv", "lora_o")
+    assert ops.resolve_ops(["glu", "lora_o"]) == ("glu", "lora_o")
+    assert ops.ops_from_env({"ACCEL_PATCH_KERNELS": "rms_norm,lora"}) == ("rms_norm", "lora_mlp", "lora_qkv", "lora_o")
+    assert config_entry._kernels("swiglu, lora") == "glu,lora_mlp,lora_qkv,lora_o"
+    with pytest.raises(ValueError, match="'lora_up'"):
+        ops.resolve_ops("lora_up")
+
+
+def test_with_glu_the_fused_lora_mlp_wins_and_runs_the_glu_kernel():
+    from accel_kernels import _launch
+
+    twin = peft_model(build("llama"), "swap-then-peft", ops_="glu,lora_mlp")
+    with _launch.recording() as launched:
+        training_step(twin, padded_batch())
+    assert {"_glu_forward_kernel", "_glu_backward_kernel"} <= set(launched)
+    assert calls(twin) == {"lora_mlp": {"fused": 2}}
+    report = swap_kernels(twin)  # asking again: counts both and the calls so far
+    assert report.swapped["glu"] == 2 and report.swapped["lora_mlp"] == 2
+    assert "lora_mlp" in str(report) and "fused" in str(report)
+    with twin.disable_adapter(), _launch.recording() as launched, torch.no_grad():
+        twin(**padded_batch())
+    assert "_glu_forward_kernel" in launched  # no adapter: the glu forward beneath
+    assert calls(twin)["lora_mlp"][lora.NO_ADAPTER] == 2
+
+
+# --- Trainer: gradient accumulation and gradient checkpointing --------------------------------
+
+
+@pytest.mark.slow
+def test_trainer_with_accumulation_and_checkpointing_logs_and_learns_as_peft_stock(tmp_path, monkeypatch):
+    from transformers import Trainer, TrainingArguments
+
+    from test_training import Rows
+
+    monkeypatch.setenv("ACCEL_PATCH_KERNELS", "0")  # nothing swapped by the Trainer callback: the twin by hand
+    base = build("llama")
+    stock = peft_model(base, "stock")
+    twin = peft_model(base, "swap-then-peft")
+
+    def train(model, out):
+        args = TrainingArguments(output_dir=str(out), max_steps=2, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, gradient_checkpointing=True,
+                                 gradient_checkpointing_kwargs={"use_reentrant": False},
+                                 learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0, data_seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Rows())
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+    losses0, weights0 = train(stock, tmp_path / "stock")
+    losses1, weights1 = train(twin, tmp_path / "twin")
+    assert len(losses0) == 2 and losses1 == pytest.approx(losses0, rel=1e-5)
+    assert weights0 and max(rel(weights1[n], w) for n, w in weights0.items()) <= 1e-4
+    # 4 micro-batches x 2 layers, each forward run again by checkpointing in backward
+    assert calls(twin) == {op: {"fused": 16} for op in ("lora_mlp", "lora_qkv", "lora_o")}
+
+
+@pytest.mark.slow
+def test_a_bitsandbytes_8bit_base_is_refused_at_swap_time_with_the_reason(monkeypatch, checkpoint):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("ACCEL_PATCH_KERNELS", "0")
+    model = LlamaForCausalLM.from_pretrained(checkpoint, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    report = swap_kernels(model, "lora")
+    assert not report.swapped
+    reasons = {(r.op, r.reason) for r in report.refused}
+    assert ("lora_mlp", "projection gate_proj is Linear8bitLt: neither a plain nor a bitsandbytes 4-bit linear") in reasons
+    assert {op for op, _ in reasons} == {"lora_mlp", "lora_qkv", "lora_o"}
+
+
+def test_an_attention_with_a_quantized_output_projection_still_fuses_its_qkv():
+    model = get_peft_model(copy.deepcopy(build("llama")), LoraConfig(**ALL_LINEAR))
+    attn = model.base_model.model.model.layers[0].self_attn
+    old = attn.o_proj.base_layer
+    attn.o_proj.base_layer = Int8Like(old.in_features, old.out_features, bias=False)
+    report = swap_kernels(model, "lora")
+    assert report.swapped == {"lora_mlp": 2, "lora_qkv": 2, "lora_o": 1}
+    (refused,) = report.refused
+    assert refused == ("model.layers.0.self_attn", "lora_o",
+                       "projection o_proj is Int8Like: neither a plain nor a bitsandbytes 4-bit linear")
