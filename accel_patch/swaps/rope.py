@@ -262,7 +262,11 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
     cast_back = None
     with probe.probing(module):
         # (q/k dtype, cos/sin dtype): the activation dtype with tables in it and in float32, and float32
-        combos = dict.fromkeys([(act_dtype, act_dtype), (act_dtype, torch.float32), (torch.float32, torch.float32)])
+        # and always one half-precision mix: whether the function casts back is a property of the
+        # function, and the dispatcher (one per global, shared by every model of the family) must
+        # know it even when the first model swapped runs in float32
+        combos = dict.fromkeys([(act_dtype, act_dtype), (act_dtype, torch.float32), (torch.float32, torch.float32),
+                                (torch.bfloat16, torch.float32)])
         for dtype, table_dtype in combos:
             # q/k of the full head dim with rotary dim r (partial rotary inside the function), and
             # q/k of dim r (the caller slices the rotary part off first, as Phi and StableLM do)

@@ -100,3 +100,21 @@ def test_the_probe_finds_which_families_cast_back(family, cast_back):
     attn = model.model.layers[0].self_attn
     verdict = rope.probe_verdict(rope.rope_function(attn), attn, model.config, torch.bfloat16)
     assert isinstance(verdict, rope.RopePlan) and verdict.cast_back is cast_back
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_float32_model_swapped_first_does_not_decide_the_dtype_for_a_half_one(dtype):
+    # One dispatcher serves every model of the family: the first model swapped (here float32,
+    # still alive) must not fix it to return the promoted dtype for a half-precision model after it.
+    first = build("olmo2", torch.float32)
+    swap_kernels(first, ops="rope")
+    model = build("olmo2", dtype)
+    swap_kernels(model, ops="rope")
+    key = (type(model.model.layers[0].self_attn).__module__, "apply_rotary_pos_emb")
+    q, k = torch.randn(2, 4, 5, 16).to(dtype), torch.randn(2, 2, 5, 16).to(dtype)
+    cos, sin = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    want = rope.interceptions.original(key)(q, k, cos, sin)
+    got = call_swapped(key, q, k, cos, sin)
+    assert [g.dtype for g in got] == [w.dtype for w in want] == [dtype, dtype]
+    restore_kernels(model)
+    restore_kernels(first)
