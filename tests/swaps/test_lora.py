@@ -441,3 +441,17 @@ def test_an_attention_with_a_quantized_output_projection_still_fuses_its_qkv():
     (refused,) = report.refused
     assert refused == ("model.layers.0.self_attn", "lora_o",
                        "projection o_proj is Int8Like: neither a plain nor a bitsandbytes 4-bit linear")
+
+
+def test_a_model_without_lora_layers_takes_the_sites_fast_path(monkeypatch):
+    # No PEFT layer under a site: one dict check, the module's own forward, nothing counted, and
+    # the fused LoRA plan is never looked for (what keeps benchmarks/overhead.py within 1.1x).
+    twin = build("llama")
+    report = swap_kernels(twin)
+    assert {"lora_mlp", "lora_qkv", "lora_o"} <= set(report.swapped)
+    monkeypatch.setattr(lora, "_plan", lambda *a: pytest.fail("a site without LoRA layers planned a fused call"))
+    stock = build("llama")
+    loss0, _, _ = training_step(stock, padded_batch())
+    loss1, _, _ = training_step(twin, padded_batch())
+    assert rel(loss1, loss0) <= 1e-5
+    assert calls(twin) == {}
