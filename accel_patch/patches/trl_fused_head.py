@@ -32,15 +32,17 @@ a model already given our head sends every call to TRL's once its kernels are re
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import logging
 import sys
-import types
 
 from ..core import registry
 
-log = logging.getLogger("accel_patch")
+
+
+def _log():
+    import logging  # not at import: `import accel_patch` stays cheap (logging and inspect cost ~9 ms)
+
+    return logging.getLogger("accel_patch")
+
 
 SWITCH = "ACCEL_PATCH_TRL"
 PARAMETERS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
@@ -66,6 +68,8 @@ class TrlFusedHeadPatch(registry.Patch):
         self.last_ops = None  # the ops of the last model TRL gave a head: the reference model gets the same
 
     def check(self, module) -> str | None:
+        import inspect
+
         fn = getattr(module, "add_fused_lm_head", None)
         if fn is None:
             return "trl.trainer.utils has no add_fused_lm_head: TRL's trainers call the model's own forward"
@@ -82,6 +86,8 @@ class TrlFusedHeadPatch(registry.Patch):
         return None
 
     def install(self, module) -> None:
+        import inspect
+
         original = module.__dict__["add_fused_lm_head"]
         self.output_class = module.FusedCausalLMOutput
         signature = inspect.signature(original)
@@ -97,7 +103,7 @@ class TrlFusedHeadPatch(registry.Patch):
             except Exception as exc:  # TRL's head stays as TRL installed it
                 registry.set_state(self.name, registry.FAILED, f"taking TRL's LM head's place failed, TRL's head runs: "
                                    f"{type(exc).__name__}: {exc}")
-                log.warning("accel_patch: taking TRL's LM head's place failed, TRL's head runs: %s: %s",
+                _log().warning("accel_patch: taking TRL's LM head's place failed, TRL's head runs: %s: %s",
                             type(exc).__name__, exc)
             return result
 
@@ -122,10 +128,12 @@ class TrlFusedHeadPatch(registry.Patch):
 
 def _trl_modules(besides):
     return [m for name, m in list(sys.modules.items())
-            if (name == "trl" or name.startswith("trl.")) and m is not besides and isinstance(m, types.ModuleType)]
+            if (name == "trl" or name.startswith("trl.")) and m is not besides and isinstance(m, type(sys))]
 
 
 def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp32, outputs) -> None:
+    import types
+
     from ..swaps import sites, swap_kernels
     from ..swaps.loss import OP
     from ..swaps.ops import ops_from_env
@@ -153,13 +161,13 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
         state.refused.append(_refusal(f"TRL's fused LM head runs (add_fused_lm_head outputs={outputs}: TRL's "
                                       f"own loss; accel-patch's head knows {sorted(KNOWN_OUTPUTS)})"))
         state.head = TRLS
-        log.info("accel_patch: %s: TRL's fused LM head runs (outputs %s), not accel-patch's fused loss",
+        _log().info("accel_patch: %s: TRL's fused LM head runs (outputs %s), not accel-patch's fused loss",
                  type(model).__name__, outputs)
         return
     model.__dict__["forward"] = types.MethodType(_our_head(patch, model, trl_forward, temperature,
                                                            cast_lm_head_to_fp32, outputs), model)
     state.head = OURS
-    log.info("accel_patch: %s: %s (TRL's add_fused_lm_head, outputs %s)", type(model).__name__, OURS, outputs)
+    _log().info("accel_patch: %s: %s (TRL's add_fused_lm_head, outputs %s)", type(model).__name__, OURS, outputs)
 
 
 def _refusal(reason: str):
@@ -171,6 +179,8 @@ def _refusal(reason: str):
 
 def _our_head(patch, model, trl_forward, temperature, fp32, outputs):
     """The forward in front of TRL's: fused calls through accel-patch's loss when it can run."""
+    import functools
+
     config = model.config.get_text_config()
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = _logit_scale(config)
