@@ -2,7 +2,8 @@
 # The prepared calls on a lent GPU machine (its image has torch, triton, transformers, accelerate,
 # peft and wrapt, no bitsandbytes, and no network). Logs and JSON figures go to $OUT (or ./out).
 # Each step has its own time limit so one hang cannot eat the lease. A lease gives 10 minutes a
-# call and 15 in all: run it as two calls, the figures first.
+# call and 15 in all, the machine's start included: the four calls below do not all fit in one
+# lease; run the first and one other (the next lease takes the rest), the figures first.
 #
 #   STEPS="versions e2e bench" bash benchmarks/gpu_check.sh            # ~7 min: the GPU figures
 #   STEPS="versions lora" bash benchmarks/gpu_check.sh                  # ~4 min: fused LoRA figures
