@@ -57,6 +57,7 @@ def ours(trainer):
     return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AccelPatchCallback)]
 
 
+@pytest.mark.slow  # over 2 s: a subprocess or a Trainer run
 def test_a_stock_trainer_swaps_a_constructed_model_and_logs_throughput_and_memory(tmp_path):
     model = tiny_llama()
     assert not sites.is_swapped(model.model.norm)  # built by its constructor: not swapped by the load hook

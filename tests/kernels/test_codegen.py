@@ -111,6 +111,7 @@ print(n)
 '''
 
 
+@pytest.mark.slow  # over 2 s: a subprocess or a Trainer run
 def test_specialization_rule_is_the_jit_binders():
     # the rule is what codegen falls back on where triton has no binder API: it must agree with it
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -95,6 +95,7 @@ sys.meta_path.insert(0, BlockTriton())
 '''
 
 
+@pytest.mark.slow  # over 2 s: a subprocess or a Trainer run
 def test_every_op_runs_its_twin_without_triton(tmp_path):
     # pyproject installs triton on Linux only; TRITON_INTERPRET=1 asks for kernels that cannot exist
     code = BLOCK_TRITON + r'''
@@ -119,6 +120,7 @@ def test_a_launch_without_triton_says_why(monkeypatch):
         accel_kernels._launch.launch(kernel, (1,), torch.zeros(1))
 
 
+@pytest.mark.slow  # over 2 s: a subprocess or a Trainer run
 def test_interpreter_mode_is_the_one_at_import(tmp_path):
     # kernels defined for the GPU (no TRITON_INTERPRET at import) never meet CPU tensors, even once
     # the variable appears later, as when a test conftest sets it in a process that already imported
