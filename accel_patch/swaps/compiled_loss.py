@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import sites
+from .deferred import fusable_cross_entropy
 
 _DTYPE_METHODS = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16, "double": torch.float64}
 
@@ -316,19 +317,8 @@ def _cross_entropy(args, kwargs):
         if name in a:
             return NotImplemented
         a[name] = value
-    me, target = a.get("input"), a.get("target")
-    if not isinstance(me, LogitsStandIn) or not isinstance(target, torch.Tensor):
-        return NotImplemented
-    if a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None:
-        return NotImplemented
-    if a.get("label_smoothing", 0.0) != 0.0 or me.dim() != 2 or target.shape != me.shape[:1]:
-        return NotImplemented
-    if target.dtype not in (torch.int64, torch.int32) or target.device != me.device:
-        return NotImplemented
-    reduction = a.get("reduction", "mean")
-    if reduction not in ("mean", "sum", "none"):
-        return NotImplemented
-    return fused_loss(me, target, a.get("ignore_index", -100), reduction)
+    fusable = fusable_cross_entropy(a, LogitsStandIn)
+    return NotImplemented if fusable is None else fused_loss(*fusable)
 
 
 def fused_loss(me: LogitsStandIn, target, ignore_index: int, reduction: str):

@@ -257,24 +257,35 @@ def _h_getitem(func, args, kwargs):
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
+def fusable_cross_entropy(a: dict, kind: type):
+    """(logits, target, ignore_index, reduction) when `F.cross_entropy` with the bound arguments
+    `a` is one the fused kernel computes exactly (logits of type `kind`: DeferredLogits here, the
+    compile path's stand-in in compiled_loss.py), else None: stock cross-entropy then runs."""
+    me, target = a.get("input"), a.get("target")
+    if not isinstance(me, kind) or isinstance(target, kind) or not isinstance(target, torch.Tensor):
+        return None
+    if a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None:
+        return None
+    if a.get("label_smoothing", 0.0) != 0.0 or me.dim() != 2 or target.shape != me.shape[:1]:
+        return None
+    if target.dtype not in (torch.int64, torch.int32) or target.device != me.device:
+        return None
+    reduction = a.get("reduction", "mean")
+    if reduction not in ("mean", "sum", "none"):
+        return None
+    return me, target, a.get("ignore_index", -100), reduction
+
+
 def _h_cross_entropy(func, args, kwargs):
     try:
         a = _CE_SIGNATURE.bind(*args, **kwargs).arguments
     except TypeError:
         return NotImplemented
-    me, target = a.get("input"), a.get("target")
-    if not isinstance(me, DeferredLogits) or isinstance(target, DeferredLogits) or not isinstance(target, torch.Tensor):
+    fusable = fusable_cross_entropy(a, DeferredLogits)
+    if fusable is None:
         return NotImplemented
-    if a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None:
-        return NotImplemented
-    if a.get("label_smoothing", 0.0) != 0.0 or me.dim() != 2 or target.shape != me.shape[:1]:
-        return NotImplemented
-    if target.dtype not in (torch.int64, torch.int32) or target.device != me.device:
-        return NotImplemented
-    reduction = a.get("reduction", "mean")
-    if reduction not in ("mean", "sum", "none"):
-        return NotImplemented
-    loss = fused_loss(me, target, a.get("ignore_index", -100), reduction)
+    me = fusable[0]
+    loss = fused_loss(*fusable)
     if loss is NotImplemented:
         return NotImplemented
     me._head.state.count_call("fused")
