@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import sites
-from .deferred import fusable_cross_entropy
+from .deferred import fusable_cross_entropy, materialized
 
 _DTYPE_METHODS = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16, "double": torch.float64}
 
@@ -290,13 +290,7 @@ def _replay(x, name, args, kwargs):
 
 
 def _real(obj):
-    if isinstance(obj, LogitsStandIn):
-        return obj.materialize()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_real(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _real(v) for k, v in obj.items()}
-    return obj
+    return materialized(obj, LogitsStandIn)
 
 
 def _fallback(name, me, *args):

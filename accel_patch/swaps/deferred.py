@@ -102,14 +102,20 @@ class DeferredLogits(torch.Tensor):
         raise RuntimeError(f"accel_patch: DeferredLogits reached {func} without being computed; please report this")
 
 
-def _real(obj):
-    if isinstance(obj, DeferredLogits):
+def materialized(obj, kind: type):
+    """`obj` with every deferred logits of type `kind` in it (nested in lists, tuples and dicts)
+    replaced by its real logits: DeferredLogits here, the compile path's stand-in there."""
+    if isinstance(obj, kind):
         return obj.materialize()
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_real(o) for o in obj)
+        return type(obj)(materialized(o, kind) for o in obj)
     if isinstance(obj, dict):
-        return {k: _real(v) for k, v in obj.items()}
+        return {k: materialized(v, kind) for k, v in obj.items()}
     return obj
+
+
+def _real(obj):
+    return materialized(obj, DeferredLogits)
 
 
 # Calls that only read a tensor's metadata: answered from the deferred tensor's own shape, dtype

@@ -256,40 +256,19 @@ class _LoraLinearsFunction(torch.autograd.Function):
         return (dx.view(x.shape), None, *_adapter_grads(projs, grads))
 
 
-# The activation: accel_kernels' GLU forward (public entry), and its backward through one adapter
-# function, so that moving to the op's torch.library form later changes one line.
-_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-
-
+# The activation: accel_kernels' GLU forward (public entry) and its registered backward op, which
+# takes the Triton kernel or its plain-torch twin as the forward does.
 def glu_forward(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return mlp.glu(act, gate, up)
 
 
 def glu_backward(act: str, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
-    """(dgate, dup) of act(gate) * up: the GLU kernel's backward on the Triton path, else the
-    derivative in plain torch (fp32, float64 kept)."""
+    """(dgate, dup) of act(gate) * up: `torch.ops.accel_kernels.glu_backward`, on the Triton path
+    where the forward takes it (float64 runs the twin, as the public entry does)."""
     from accel_kernels import _dispatch
 
-    if _dispatch.use_triton(gate) and gate.dtype != torch.float64:
-        from accel_kernels.ops import _glu
-
-        return _glu._backward_triton(dh, gate, up, _ACT_CODE[act])
-    ct = torch.float64 if gate.dtype == torch.float64 else torch.float32
-    g, u, d = gate.to(ct), up.to(ct), dh.to(ct)
-    if act == "gelu":
-        cdf = torch.mul(g, 0.7071067811865476).erf_().add_(1.0).mul_(0.5)
-        da = torch.square(g).mul_(-0.5).exp_().mul_(0.3989422804014327).mul_(g).add_(cdf)
-        a = cdf.mul_(g)
-    else:
-        if act == "silu":
-            s = torch.sigmoid(g)
-            da = torch.mul(g, s)  # g s dz with dz = 1
-        else:  # tanh-GELU: g * sigmoid(z), z = 2 sqrt(2/pi) (g + 0.044715 g^3)
-            s = torch.square(g).mul_(0.044715).add_(1.0).mul_(g).mul_(1.5957691216057308).sigmoid_()
-            da = torch.square(g).mul_(0.134145).add_(1.0).mul_(1.5957691216057308).mul_(s).mul_(g)
-        da.addcmul_(da, s, value=-1.0).add_(s)  # s + g s (1 - s) dz
-        a = s.mul_(g)
-    return da.mul_(u).mul_(d).to(gate.dtype), a.mul_(d).to(up.dtype)
+    triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64
+    return torch.ops.accel_kernels.glu_backward(dh, gate, up, act, triton_path)
 
 
 class _LoraMLPFunction(torch.autograd.Function):
