@@ -111,7 +111,7 @@ class _Walk:
                     self.glu(where, module)
                 if "rope" in self.todo:
                     self.rope(where, module)
-            if lora_ops:  # on top of glu / rope, installed just before (lora.py: which wins)
+            if lora_ops:  # on top of glu / rope, installed just before (swaps/lora/: which wins)
                 self.lora(where, module, lora_ops)
         if "fused_linear_cross_entropy" in self.todo:
             self.loss()

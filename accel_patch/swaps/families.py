@@ -46,7 +46,7 @@ ACTIVATION_NAMES = {
     "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
 }
 
-# --- fused LoRA (lora.py) -----------------------------------------------------------------
+# --- fused LoRA (lora/) -----------------------------------------------------------------
 #: Input projections of an attention block, one group read from the same x (q/k/v or fused).
 LORA_ATTENTION_INPUTS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",), ("query_key_value",))
 #: Its output projection.

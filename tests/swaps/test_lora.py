@@ -1,4 +1,4 @@
-"""Fused LoRA (accel_patch/swaps/lora.py): a training step equals PEFT stock, family by family, in
+"""Fused LoRA (accel_patch/swaps/lora/): a training step equals PEFT stock, family by family, in
 both swap orders, LoRA and QLoRA; every fall-back runs PEFT's forward and is counted; the probe
 refuses a broken backward; the swap is reversible and changes nothing the user saves."""
 from __future__ import annotations
@@ -308,10 +308,10 @@ def _drop_dB(original):
 ])
 def test_the_probe_refuses_a_broken_backward(monkeypatch, fresh_probes, mutation, op, expect):
     if mutation == "drop dB":
-        monkeypatch.setattr(lora, "proj_backward", _drop_dB(lora.proj_backward))
+        monkeypatch.setattr(lora.functions, "proj_backward", _drop_dB(lora.functions.proj_backward))
     else:
-        original = lora.glu_backward
-        monkeypatch.setattr(lora, "glu_backward", lambda act, dh, gate, up: original(act, dh, up, gate))
+        original = lora.functions.glu_backward
+        monkeypatch.setattr(lora.functions, "glu_backward", lambda act, dh, gate, up: original(act, dh, up, gate))
     model = peft_model(build("llama"), "peft-then-swap", ops_="lora")
     report = swap_kernels(model, "lora")
     refused = [r for r in report.refused if r.op == op]
@@ -449,7 +449,7 @@ def test_a_model_without_lora_layers_takes_the_sites_fast_path(monkeypatch):
     twin = build("llama")
     report = swap_kernels(twin)
     assert {"lora_mlp", "lora_qkv", "lora_o"} <= set(report.swapped)
-    monkeypatch.setattr(lora, "_plan", lambda *a: pytest.fail("a site without LoRA layers planned a fused call"))
+    monkeypatch.setattr(lora.sites, "_plan", lambda *a: pytest.fail("a site without LoRA layers planned a fused call"))
     stock = build("llama")
     loss0, _, _ = training_step(stock, padded_batch())
     loss1, _, _ = training_step(twin, padded_batch())

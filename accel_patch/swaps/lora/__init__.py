@@ -1,0 +1,40 @@
+"""Fused LoRA: a gated MLP, the q/k/v projections and the output projection whose layers are PEFT
+LoRA layers, each computed as one autograd function with a backward derived by hand.
+
+    y = x W^T (+ b) + s (x A^T) B^T          every projection (W plain, or bitsandbytes 4-bit)
+    out = down(act(gate(x)) * up(x))         the MLP: saves x, gate and up, nothing else
+
+Sites (found by structure, proved by a probe, per instance and reversible like every swap):
+
+- `lora_mlp`: a gated MLP (mlp.candidate: split gate/up/down or fused gate_up, SiLU or GELU).
+  Its forward becomes `_LoraMLPFunction`: the base matmuls stay torch, each adapter's small
+  matmuls are `addmm_`-ed into the base result, the activation is accel_kernels' GLU (the Triton
+  kernel on GPU), and backward recomputes `act(gate) * up` for the down adapter instead of saving
+  it. A 4-bit base weight is dequantized by bitsandbytes' own `dequantize_4bit` in forward and
+  again in backward; nothing dequantized is kept between them.
+- `lora_qkv`: the input projections of an attention block (q/k/v with any subset adapted and
+  GQA widths, or one fused qkv). The attention's own forward still runs; for that call the
+  projections' forwards are bound so that the first one called computes all of them from x in
+  one `_LoraLinearsFunction` (x read and saved once) and the others return their share.
+- `lora_o`: the attention's output projection, the same function with one projection.
+
+Decided at every call, so the swap may come before or after `get_peft_model`, and an adapter
+added, removed, disabled, merged or switched later is seen at the next call. What the fused
+path cannot reproduce runs PEFT's own forward for that call and is counted (`SwapState.calls`,
+`SwapReport.calls`): dropout > 0 in training, a LoRA variant (DoRA), more than one active
+adapter, `lora_bias`, `fan_in_fan_out`, 8-bit or other quantized bases, mixed dtypes, autocast,
+a trainable base weight, hooks on a projection, extra arguments. A call with no active adapter
+runs what was there before (the `glu` kernel forward when that op was swapped too, else stock).
+
+Which wins with `glu`: both install on the MLP; `lora_mlp` sits on top and runs its fused
+function whenever an adapter is active, and the `glu` forward beneath it otherwise. Ask for
+`glu`/`rope` in the same call as (or before) the LoRA ops: a module already carrying a LoRA
+forward is not swapped again.
+
+One file per job: plans.py (which calls the fused path computes; candidates), functions.py (the
+math and its autograd), probe.py (verification at swap time), sites.py (the swapped forwards).
+"""
+from .functions import fused_linears, fused_mlp
+from .plans import MLP_OP, O_OP, OPS, QKV_OP, attention_candidate, mlp_candidate, structure
+from .probe import probe_linears, probe_mlp
+from .sites import FUSED, INNER_ATTR, NO_ADAPTER, SITE_ATTR, Site, attention_forward, install, mlp_forward, op_of

@@ -1,0 +1,182 @@
+"""The LoRA sites' forwards, decided at every call: the fused function when an adapter is active
+and the call reproducible, else the forward beneath (PEFT's), counted either way."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .. import sites
+from .functions import fused_linears, fused_mlp
+from .plans import MLP_OP, O_OP, QKV_OP, projection
+
+#: Instance attribute holding a site's call-time data (`Site`).
+SITE_ATTR = "_accel_patch_lora_site"
+#: Instance attribute holding the forward a LoRA site replaced (rope's or glu's swapped forward,
+#: an accelerate wrapper), which its fall-back calls. Separate from sites.INNER_ATTR, which the
+#: forward beneath may itself use.
+INNER_ATTR = "_accel_patch_lora_inner"
+
+FUSED = "fused"
+NO_ADAPTER = "no active LoRA adapter: the module's forward"
+
+
+class Site:
+    """What a LoRA site's forward reads at call time: its ops, projection names, the GLU plan of an
+    MLP, and the call counts it adds to (the model's SwapState.calls)."""
+
+    def __init__(self, ops, names, glu_plan, calls) -> None:
+        self.ops, self.names, self.glu_plan, self.calls = set(ops), names, glu_plan, calls
+
+    def count(self, op: str, outcome: str) -> None:
+        per_op = self.calls.setdefault(op, {})
+        per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling()) or torch.jit.is_tracing()
+
+
+def call_inner(module, *args, **kwargs):
+    """The forward a LoRA site replaced (another swap's, or the class's)."""
+    inner = module.__dict__.get(INNER_ATTR)
+    if inner is None:
+        return type(module).forward(module, *args, **kwargs)
+    return inner(*args, **kwargs)
+
+
+def _plan(projections, x):
+    """(projs, adapters) for the modules `projections` on `x`, NO_ADAPTER, or a fall-back reason."""
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast is on"
+    projs, adapters = [], []
+    for m in projections:
+        found = projection(m, x)
+        if isinstance(found, str):
+            return found
+        projs.append(found[0])
+        adapters += found[1]
+    return (projs, adapters) if adapters else NO_ADAPTER
+
+
+def _any_lora_layer(module, names) -> bool:
+    """Whether any of the named children is a PEFT LoRA layer: the one check a site makes on a model
+    that has none (two dict lookups a projection), so that the sites cost nothing measurable on
+    models without adapters (`benchmarks/overhead.py`). Such calls are not counted."""
+    children = module._modules
+    for name in names:
+        child = children.get(name)
+        if child is not None and "lora_A" in child._modules:
+            return True
+    return False
+
+
+def _outcome(reason: str) -> str:
+    return reason if reason == NO_ADAPTER else f"PEFT's forward: {reason}"
+
+
+def mlp_forward(self, *args, **kwargs):
+    """The swapped gated MLP: one fused LoRA function when an adapter is active and reproducible."""
+    site = self.__dict__.get(SITE_ATTR)
+    if site is None or _compiling() or not _any_lora_layer(self, site.glu_plan[0]):
+        return call_inner(self, *args, **kwargs)
+    x = sites.the_input(args, kwargs)
+    names, act, order = site.glu_plan
+    found = _plan([getattr(self, n) for n in names], x) if isinstance(x, torch.Tensor) else "input is not a tensor"
+    if isinstance(found, str):
+        site.count(MLP_OP, _outcome(found))
+        return call_inner(self, *args, **kwargs)
+    site.count(MLP_OP, FUSED)
+    projs, adapters = found
+    return fused_mlp(x, projs, adapters, act, order == "gate_up")
+
+
+class _Bound:
+    """For one attention call: the projections' forwards bound to the fused functions."""
+
+    def __init__(self, site, module) -> None:
+        self.site, self.module = site, module
+        self.stash: dict[str, torch.Tensor] = {}
+        self.stash_x = None
+        self.decided: dict[str, object] = {}
+        self.slots: list = []
+
+    def bind(self, name: str, group: tuple[str, ...], op: str) -> None:
+        child = getattr(self.module, name)
+        slot = sites.forward_slot(child)
+        had = slot in child.__dict__
+        previous = child.__dict__.get(slot)
+        original = previous if had else types.MethodType(type(child).forward, child)
+        call = self
+
+        def forward(m, *args, **kwargs):
+            return call.run(name, group, op, original, args, kwargs)
+
+        self.slots.append((child, slot, had, previous))
+        child.__dict__[slot] = types.MethodType(forward, child)
+
+    def run(self, name, group, op, original, args, kwargs):
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            self.site.count(op, _outcome("extra arguments to a projection"))
+            return original(*args, **kwargs)
+        x = args[0]
+        if name in self.stash and self.stash_x is x:
+            return self.stash.pop(name)
+        found = _plan([getattr(self.module, n) for n in group], x)
+        if isinstance(found, str):
+            if self.decided.get(group) != found:  # count a group once per call
+                self.decided[group] = found
+                self.site.count(op, _outcome(found))
+            return original(x)
+        self.site.count(op, FUSED)
+        outs = fused_linears(x, *found)
+        self.stash = {n: o for n, o in zip(group, outs) if n != name}
+        self.stash_x = x
+        return outs[group.index(name)]
+
+    def __enter__(self):
+        inputs, out = self.site.names
+        if QKV_OP in self.site.ops:
+            for name in inputs:
+                self.bind(name, inputs, QKV_OP)
+        if O_OP in self.site.ops and out is not None:
+            self.bind(out, (out,), O_OP)
+        return self
+
+    def __exit__(self, *exc):
+        while self.slots:
+            child, slot, had, previous = self.slots.pop()
+            if had:
+                child.__dict__[slot] = previous
+            else:
+                child.__dict__.pop(slot, None)
+        self.stash.clear()
+        return False
+
+
+def attention_forward(self, *args, **kwargs):
+    """The swapped attention: its own forward, with the LoRA projections fused for this call."""
+    site = self.__dict__.get(SITE_ATTR)
+    if site is None or _compiling():
+        return call_inner(self, *args, **kwargs)
+    inputs, out = site.names
+    if not _any_lora_layer(self, (*inputs, out) if out is not None else inputs):
+        return call_inner(self, *args, **kwargs)
+    with _Bound(site, self):
+        return call_inner(self, *args, **kwargs)
+
+
+def op_of(module) -> str | None:
+    """The op whose forward a module runs now (the MARK of its bound forward), None when stock."""
+    bound = module.__dict__.get(sites.forward_slot(module))
+    return getattr(getattr(bound, "__func__", None), sites.MARK, None)
+
+
+def install(state, module, func, site: Site) -> None:
+    """Bind `func` as the module's forward on top of whatever is there (kept in INNER_ATTR)."""
+    slot = sites.forward_slot(module)
+    if slot in module.__dict__:
+        state.set(module, INNER_ATTR, module.__dict__[slot])
+    state.set(module, SITE_ATTR, site)
+    state.set(module, slot, types.MethodType(func, module))
