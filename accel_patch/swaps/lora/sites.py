@@ -1,7 +1,18 @@
 """The LoRA sites' forwards, decided at every call: the fused function when an adapter is active
-and the call reproducible, else the forward beneath (PEFT's), counted either way."""
+and the call reproducible, else the forward beneath (PEFT's), counted either way.
+
+Under torch.compile the same code is traced (no stand-aside): dynamo guards on what the plan reads
+(the adapters, their flags, dtypes, hooks), so the graph holds the fused functions where eager would
+run them, and a change that eager would see at the next call fails a guard and recompiles. The
+attention's projections are rebound for the call with `functools.partial` (dynamo cannot build a
+`types.MethodType`), and put back before it returns; dynamo replays the final state, which is the
+state before the call. A compiled call is counted when dynamo traces it, not when the graph runs
+(per-call counting inside a graph is a guard that fails at every call): `calls` then holds
+"compiled: <outcome>" once per site per compiled graph, what the graph computes at every call
+of it (a change that would give another outcome fails a guard and is traced, and counted, anew)."""
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -20,6 +31,9 @@ INNER_ATTR = "_accel_patch_lora_inner"
 FUSED = "fused"
 NO_ADAPTER = "no active LoRA adapter: the module's forward"
 
+#: Prefix of the outcomes counted while torch.compile traces a site (once per compiled graph).
+COMPILED = "compiled: "
+
 
 class Site:
     """What a LoRA site's forward reads at call time: its ops, projection names, the GLU plan of an
@@ -31,6 +45,21 @@ class Site:
     def count(self, op: str, outcome: str) -> None:
         per_op = self.calls.setdefault(op, {})
         per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+@torch.compiler.assume_constant_result
+def _count_traced(site: Site, op: str, outcome: str) -> bool:
+    """Count a call while dynamo traces it: dynamo runs this at trace time and keeps only its
+    result, so the count is one per compiled graph, not per call, and adds no guard."""
+    site.count(op, COMPILED + outcome)
+    return True
+
+
+def _count(site: Site, op: str, outcome: str) -> None:
+    if _compiling():
+        _count_traced(site, op, outcome)
+    else:
+        site.count(op, outcome)
 
 
 def _compiling() -> bool:
@@ -79,15 +108,15 @@ def _outcome(reason: str) -> str:
 def mlp_forward(self, *args, **kwargs):
     """The swapped gated MLP: one fused LoRA function when an adapter is active and reproducible."""
     site = self.__dict__.get(SITE_ATTR)
-    if site is None or _compiling() or not _any_lora_layer(self, site.glu_plan[0]):
+    if site is None or not _any_lora_layer(self, site.glu_plan[0]):
         return call_inner(self, *args, **kwargs)
     x = sites.the_input(args, kwargs)
     names, act, order = site.glu_plan
     found = _plan([getattr(self, n) for n in names], x) if isinstance(x, torch.Tensor) else "input is not a tensor"
     if isinstance(found, str):
-        site.count(MLP_OP, _outcome(found))
+        _count(site, MLP_OP, _outcome(found))
         return call_inner(self, *args, **kwargs)
-    site.count(MLP_OP, FUSED)
+    _count(site, MLP_OP, FUSED)
     projs, adapters = found
     return fused_mlp(x, projs, adapters, act, order == "gate_up")
 
@@ -107,18 +136,14 @@ class _Bound:
         slot = sites.forward_slot(child)
         had = slot in child.__dict__
         previous = child.__dict__.get(slot)
-        original = previous if had else types.MethodType(type(child).forward, child)
-        call = self
-
-        def forward(m, *args, **kwargs):
-            return call.run(name, group, op, original, args, kwargs)
-
+        original = previous if had else functools.partial(type(child).forward, child)
         self.slots.append((child, slot, had, previous))
-        child.__dict__[slot] = types.MethodType(forward, child)
+        # a functools.partial, not a bound method: dynamo cannot build a types.MethodType
+        child.__dict__[slot] = functools.partial(self.run, name, group, op, original)
 
-    def run(self, name, group, op, original, args, kwargs):
+    def run(self, name, group, op, original, *args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-            self.site.count(op, _outcome("extra arguments to a projection"))
+            _count(self.site, op, _outcome("extra arguments to a projection"))
             return original(*args, **kwargs)
         x = args[0]
         if name in self.stash and self.stash_x is x:
@@ -127,9 +152,9 @@ class _Bound:
         if isinstance(found, str):
             if self.decided.get(group) != found:  # count a group once per call
                 self.decided[group] = found
-                self.site.count(op, _outcome(found))
+                _count(self.site, op, _outcome(found))
             return original(x)
-        self.site.count(op, FUSED)
+        _count(self.site, op, FUSED)
         outs = fused_linears(x, *found)
         self.stash = {n: o for n, o in zip(group, outs) if n != name}
         self.stash_x = x
@@ -158,7 +183,7 @@ class _Bound:
 def attention_forward(self, *args, **kwargs):
     """The swapped attention: its own forward, with the LoRA projections fused for this call."""
     site = self.__dict__.get(SITE_ATTR)
-    if site is None or _compiling():
+    if site is None:
         return call_inner(self, *args, **kwargs)
     inputs, out = site.names
     if not _any_lora_layer(self, (*inputs, out) if out is not None else inputs):
