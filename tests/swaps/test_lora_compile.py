@@ -2,14 +2,12 @@
 graph break, a fullgraph training step equal to PEFT stock in eager mode, no recompile on the next
 call, in both swap orders; a change after compiling (adapters disabled) is seen; and the fused
 backward's saving is kept in the compiled graph (less saved for backward than the compiled step
-without the LoRA ops). Compiled with backend="aot_eager" (no C++ build); all slow.
+without the LoRA ops); QLoRA (a bitsandbytes 4-bit base) compiles fused too. Compiled with backend="aot_eager" (no C++ build); all slow.
 
 A site that stood aside while compiling (the forward beneath) passes the equality tests but not the
 counts ("compiled: fused": the site was traced fused) nor the saved-bytes ordering.
 """
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -17,11 +15,11 @@ import torch._dynamo
 from peft import LoraConfig, get_peft_model
 from torch._dynamo.backends.common import aot_autograd
 
-from accel_patch import restore_kernels, swap_kernels
+from accel_patch import restore_kernels
 from accel_patch.swaps import lora
 
 from _models import build, padded_batch, rel, training_step
-from test_lora import ALL_LINEAR, calls, peft_model
+from test_lora import ALL_LINEAR, calls, checkpoint, peft_model, qlora  # noqa: F401 (checkpoint: a fixture)
 
 pytestmark = pytest.mark.slow
 COMPILED_FUSED = lora.COMPILED + lora.FUSED
@@ -103,3 +101,19 @@ def test_peft_then_swap_compiles_fullgraph_fused_as_stock_and_saves_less_than_wi
     _, _, saved = compiled_step(without, padded_batch())
     # the fused backward's saving is kept in the compiled graph (0.40x here, 2026-12-01)
     assert fused <= 0.8 * saved, (fused, saved)
+
+
+def test_qlora_compiles_fullgraph_fused_as_stock(monkeypatch, checkpoint):
+    """A bitsandbytes 4-bit base (nf4, float32 compute), swapped at load: its dequantize is a
+    registered op of bitsandbytes, traced into the graph inside the fused functions."""
+    pytest.importorskip("bitsandbytes")
+    stock, twin = qlora(checkpoint, monkeypatch, "0"), qlora(checkpoint, monkeypatch, "lora")
+    torch.manual_seed(3)
+    stock = get_peft_model(stock, LoraConfig(**ALL_LINEAR))
+    torch.manual_seed(3)
+    twin = get_peft_model(twin, LoraConfig(**ALL_LINEAR))
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = compiled_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+    assert calls(twin) == {op: {COMPILED_FUSED: 2} for op in lora.OPS}
