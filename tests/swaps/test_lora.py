@@ -111,12 +111,10 @@ def test_the_fused_mlp_saves_only_x_gate_and_up():
         out = mlp_(x)
     inter = base.config.intermediate_size
     assert sum(saved) == 10 * (base.config.hidden_size + 2 * inter) * 4, saved
-    # nothing kept beside save_for_backward: every tensor the node holds is a parameter
-    held = [v for v in vars(out.grad_fn).values() if isinstance(v, torch.Tensor)]
-    held += [t for v in vars(out.grad_fn).values() if isinstance(v, tuple)
-             for item in v for t in (item if isinstance(item, tuple) else (item,)) if isinstance(t, torch.Tensor)]
-    assert type(out.grad_fn).__name__ == "_LoraMLPFunctionBackward"
-    assert all(t.data_ptr() in params for t in held), [tuple(t.shape) for t in held]
+    # nothing kept beside save_for_backward: the op's node holds only its spec and a flag
+    node = out.grad_fn.next_functions[0][0]
+    assert type(node).__name__ == "GeneratedBackwardFor_accel_patch_lora_mlp_defaultBackward"
+    assert not [k for k, v in vars(node).items() if isinstance(v, (torch.Tensor, tuple, list, dict))]
 
 
 # --- QLoRA ------------------------------------------------------------------------------------
@@ -162,7 +160,6 @@ def test_qlora_on_cpu_trains_as_stock_with_the_4bit_base_dequantized_inside(monk
 
 FALLBACKS = {
     # name: (LoraConfig overrides, change after get_peft_model, outcome counted for the MLP)
-    "dropout in training": ({"lora_dropout": 0.1}, None, "PEFT's forward: dropout > 0 in training"),
     "DoRA": ({"use_dora": True}, None, "PEFT's forward: a LoRA variant (DoraLinearVariant, e.g. DoRA)"),
     "lora_bias": ({"lora_bias": True}, None, "PEFT's forward: lora_bias"),
     "two active adapters": ({}, "two_adapters", "PEFT's forward: more than one active adapter (default, second)"),
@@ -200,7 +197,7 @@ def _change(model, what):
             m.up_proj.base_layer = new
 
 
-QUICK_FALLBACKS = {"dropout in training", "other base layer"}
+QUICK_FALLBACKS = {"lora_bias", "other base layer"}
 
 
 @pytest.mark.parametrize("name", [n if n in QUICK_FALLBACKS else pytest.param(n, marks=pytest.mark.slow)
@@ -220,17 +217,6 @@ def test_each_fall_back_runs_pefts_forward_for_that_call_and_is_counted(name):
     assert grads1.keys() == grads0.keys()
     assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4
     assert calls(twin)["lora_mlp"] == {outcome: 2}, calls(twin)
-
-
-@pytest.mark.slow
-def test_dropout_is_a_fall_back_only_in_training():
-    base = build("llama")
-    stock, twin = peft_model(base, "stock", lora_dropout=0.1), peft_model(base, "swap-then-peft", lora_dropout=0.1)
-    batch = padded_batch()
-    stock.eval(), twin.eval()
-    with torch.no_grad():
-        assert rel(twin(**batch).logits, stock(**batch).logits) <= 1e-5
-    assert calls(twin)["lora_mlp"] == {"fused": 2}
 
 
 def test_an_adapter_disabled_merged_switched_or_removed_after_the_swap_is_seen_at_the_next_call():
@@ -261,16 +247,6 @@ def test_an_adapter_disabled_merged_switched_or_removed_after_the_swap_is_seen_a
 
 
 @pytest.mark.slow
-def test_autocast_runs_pefts_forward_and_is_counted():
-    base = build("llama")
-    stock, twin = peft_model(base, "stock"), peft_model(base, "peft-then-swap", ops_="lora")
-    batch = padded_batch()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert_step_equals_stock(stock, twin, batch)
-    assert calls(twin)["lora_mlp"] == {"PEFT's forward: autocast is on": 2}
-
-
-@pytest.mark.slow
 def test_a_base_layer_the_fused_path_cannot_compute_is_refused_at_swap_time():
     base = build("llama")
     model = get_peft_model(copy.deepcopy(base), LoraConfig(**ALL_LINEAR))
@@ -295,8 +271,8 @@ def fresh_probes():
 
 
 def _drop_dB(original):
-    def broken(dy, x, p, A, B, dx):
-        dx, dA, dB = original(dy, x, p, A, B, dx)
+    def broken(dy, x, m, t, dx):
+        dx, dA, dB = original(dy, x, m, t, dx)
         return dx, dA, None if dB is None else torch.zeros_like(dB)
     return broken
 

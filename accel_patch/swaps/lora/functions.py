@@ -1,95 +1,189 @@
-"""The fused functions: one autograd function for a gated MLP whose projections are LoRA
-layers, one for projections reading the same input (q/k/v, or the output projection alone),
-with backward derived by hand (2-D math; the adapter tensors come in as (A, B) pairs)."""
+"""The fused functions, as custom ops: one for a gated MLP whose projections are LoRA layers, one
+for projections reading the same input (q/k/v, or the output projection alone), each with a
+backward op derived by hand (2-D math; the adapter tensors come in as (A, B) pairs).
+
+    y = x W^T (+ b) + s (drop(x) A^T) B^T     every projection (W plain, or bitsandbytes 4-bit)
+    out = down(act(gate(x)) * up(x))          the MLP: saves x, gate, up and the dropout masks
+
+Ops (namespace `accel_patch_lora`, see _library in accel_kernels for the pattern): `linears`,
+`linears_backward`, `mlp`, `mlp_backward`, each with a fake implementation, the forward ones with
+a registered autograd formula, so that dynamo sees one node per call (fullgraph) and AOTAutograd
+keeps what backward saves as small as eager does. Inside an op autocast and autograd are off: the
+dtypes of every step come in explicitly (`plans.dtypes`, from the autocast state captured at the
+call), and backward replays them. Tensors go in as one flat list and a `spec` string says what
+each is (which projection, bias, adapter, dropout mask, 4-bit quant state) and the dtypes; a 4-bit
+weight comes as its packed tensor and quant state tensors, dequantized by bitsandbytes' own op
+inside, in forward and again in backward, never kept.
+
+Dropout is drawn outside the ops (the ops stay deterministic): for each adapted projection with
+p > 0, `F.dropout` of a ones tensor of the shape, dtype and device of what PEFT's dropout sees, in
+PEFT's order, so the same RNG draws give the same mask; only its bool form (1 byte/element) goes
+in and is kept for backward.
+"""
 from __future__ import annotations
 
+import functools
+from collections import namedtuple
+
 import torch
+import torch.nn.functional as F
 
 from .. import mlp
-from .plans import Proj
+from .plans import Dtypes, Proj, dtypes
+
+NAMESPACE = "accel_patch_lora"
+
+_DTYPE_CODES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
-def base_weight(p: Proj, dtype: torch.dtype) -> torch.Tensor:
-    """The base weight in `dtype`: a 4-bit one dequantized by bitsandbytes (a temporary, dropped
-    by the caller after its matmul)."""
-    if p.kind == "4bit":
-        import bitsandbytes.functional as bnbf
+class Meta(namedtuple("Meta", "kind bias adapted scale p dt out_features quant")):
+    """A projection as an op reads it from the spec: dt is its `plans.Dtypes`; quant, for a 4-bit
+    weight, (shape, blocksize, quant_type, nested state's blocksize or 0)."""
 
-        return bnbf.dequantize_4bit(p.weight.data, p.weight.quant_state).to(dtype)
-    return p.weight
+    __slots__ = ()
 
-
-def proj_forward(x: torch.Tensor, p: Proj, A, B) -> torch.Tensor:
-    """x W^T + b + s (x A^T) B^T, adding the adapter as PEFT does for its dtypes."""
-    w = base_weight(p, x.dtype)
-    bias = p.bias.to(x.dtype) if p.bias is not None else None
-    y = torch.nn.functional.linear(x, w, bias)
-    del w
-    if not p.adapted:
-        return y
-    if A.dtype == y.dtype:
-        return y.addmm_(x @ A.t(), B.t(), alpha=p.scale)
-    t = x.to(A.dtype) @ A.t()
-    if p.peft_cast == "promote":
-        return torch.addmm(y.to(A.dtype), t, B.t(), alpha=p.scale).to(y.dtype)
-    return y.add_(torch.mm(t, B.t()).mul_(p.scale).to(y.dtype))
+    @property
+    def n_tensors(self) -> int:
+        n = 1 + self.bias + 2 * self.adapted + (self.p > 0)
+        if self.quant is not None:
+            n += 4 if self.quant[3] else 1
+        return n
 
 
-def proj_backward(dy: torch.Tensor, x: torch.Tensor, p: Proj, A, B, dx: torch.Tensor | None):
-    """(dx accumulated, dA, dB) of proj_forward for output gradient dy and input x."""
-    w = base_weight(p, dy.dtype)
-    dx = dy @ w if dx is None else dx.addmm_(dy, w)
-    del w
-    if not p.adapted:
-        return dx, None, None
-    dya = dy.to(A.dtype)
-    xa = x.to(A.dtype)
-    u = dya @ B  # (n, r)
-    dB = (dya.t() @ (xa @ A.t())).mul_(p.scale)
-    dA = (u.t() @ xa).mul_(p.scale)
-    if A.dtype == dx.dtype:
-        dx.addmm_(u, A, alpha=p.scale)
-    else:
-        dx.add_(torch.mm(u, A).mul_(p.scale).to(dx.dtype))
-    return dx, dA, dB
+# --------------------------------------------------------------------------------------------
+# The spec: what the flat tensor list holds, as one string (a schema-able constant)
+# --------------------------------------------------------------------------------------------
 
 
-def _adapter_pairs(projs, adapters):
-    """Per projection, its (A, B) from the flat adapter inputs, or (None, None)."""
-    it = iter(adapters)
-    return [(next(it), next(it)) if p.adapted else (None, None) for p in projs]
+def _encode(p: Proj, x_dtype: torch.dtype, adapter_dtype, out_features: int, quant) -> str:
+    dt = dtypes(p, x_dtype, adapter_dtype)
+    codes = ".".join(_DTYPE_CODES[d] for d in dt)
+    head = f"{p.kind},{int(p.bias is not None)},{int(p.adapted)},{p.scale!r},{p.dropout!r},{codes},{out_features}"
+    if quant is None:
+        return head
+    shape, blocksize, quant_type, nested = quant
+    return f"{head},{shape[0]},{shape[1]},{blocksize},{quant_type},{nested}"
 
 
-def _adapter_grads(projs, grads):
-    out = []
-    for p, (dA, dB) in zip(projs, grads):
-        if p.adapted:
-            out += [dA, dB]
+@functools.lru_cache(maxsize=256)
+def parse(spec: str) -> tuple:
+    """(projection Metas, extra fields) from a spec string (`_encode`d projections joined by "|",
+    then the op's own fields after ";")."""
+    projs, _, extra = spec.partition(";")
+    metas = []
+    for item in projs.split("|"):
+        f = item.split(",")
+        dt = Dtypes(*(_CODE_DTYPES[c] for c in f[5].split(".")))
+        quant = None if len(f) == 7 else ((int(f[7]), int(f[8])), int(f[9]), f[10], int(f[11]))
+        metas.append(Meta(f[0], f[1] == "1", f[2] == "1", float(f[3]), float(f[4]), dt, int(f[6]), quant))
+    return tuple(metas), tuple(extra.split(",")) if extra else ()
+
+
+def _split(metas, tensors):
+    """Per projection, its dict of tensors (weight, bias, A, B, mask, absmax, absmax2, code2, offset)."""
+    out, i = [], 0
+    for m in metas:
+        names = ["weight"] + ["bias"] * m.bias + ["A", "B"] * m.adapted + ["mask"] * (m.p > 0)
+        if m.quant is not None:
+            names += ["absmax", "absmax2", "code2", "offset"] if m.quant[3] else ["absmax"]
+        out.append(dict(zip(names, tensors[i:i + len(names)])))
+        i += len(names)
     return out
 
 
-class _LoraLinearsFunction(torch.autograd.Function):
-    """Projections reading the same x (q, k, v; or the output projection alone): saves x once."""
+def _inputs(x_dtype, p: Proj, adapters, mask):
+    """(spec item, tensors) of projection p for an input of x_dtype."""
+    A, B = adapters if p.adapted else (None, None)
+    w = p.weight
+    if p.kind == "4bit":
+        qs = w.quant_state
+        nested = qs.state2.blocksize if qs.nested else 0
+        quant = (tuple(qs.shape), qs.blocksize, qs.quant_type, nested)
+        extra = [qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [qs.absmax]
+        tensors, out_f = [w.data], qs.shape[0]
+    else:
+        quant, extra, tensors, out_f = None, [], [w], w.shape[0]
+    tensors += [p.bias] * (p.bias is not None) + [A, B] * p.adapted + [mask] * (mask is not None) + extra
+    return _encode(p, x_dtype, None if A is None else A.dtype, out_f, quant), tensors
 
-    @staticmethod
-    def forward(ctx, x, projs, *adapters):
-        x2 = x.reshape(-1, x.shape[-1])
-        pairs = _adapter_pairs(projs, adapters)
-        outs = tuple(proj_forward(x2, p, A, B).view(*x.shape[:-1], -1) for p, (A, B) in zip(projs, pairs))
-        ctx.save_for_backward(x, *adapters)
-        ctx.projs = projs
-        return outs
 
-    @staticmethod
-    def backward(ctx, *douts):
-        x, *adapters = ctx.saved_tensors
-        projs = ctx.projs
-        x2 = x.reshape(-1, x.shape[-1])
-        dx, grads = None, []
-        for p, (A, B), dout in zip(projs, _adapter_pairs(projs, adapters), douts):
-            dx, dA, dB = proj_backward(dout.reshape(-1, dout.shape[-1]), x2, p, A, B, dx)
-            grads.append((dA, dB))
-        return (dx.view(x.shape), None, *_adapter_grads(projs, grads))
+# --------------------------------------------------------------------------------------------
+# Math (runs inside the ops: no autograd, no autocast; every dtype explicit)
+# --------------------------------------------------------------------------------------------
+
+
+def base_weight(m: Meta, t: dict) -> torch.Tensor:
+    """The base weight in the base matmul's dtype: a 4-bit one dequantized by bitsandbytes' op
+    (as its gemm does; a temporary, dropped by the caller after its matmul)."""
+    if m.quant is None:
+        return t["weight"].to(m.dt.base)
+    shape, blocksize, quant_type, nested = m.quant
+    absmax = t["absmax"]
+    if nested:
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
+            absmax, t["absmax2"], t["code2"], nested, torch.float32) + t["offset"]
+    return torch.ops.bitsandbytes.dequantize_4bit.default(t["weight"], absmax, blocksize, quant_type, list(shape), m.dt.base)
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def drop(v: torch.Tensor, mask: torch.Tensor | None, p: float, backward: bool = False) -> torch.Tensor:
+    """v times the dropout noise of `mask`, bit for bit as `F.dropout` multiplies (and its backward):
+    CPU multiplies by `mask.div(1 - p)` in v's dtype; CUDA's fused kernel by 1/(1-p) in float32."""
+    if mask is None:
+        return v
+    mask = mask.reshape(v.shape)
+    if v.device.type in ("cuda", "xpu"):  # native_dropout's scale: 1/(1-p) of float32 (1-p); its backward's: of (1-p)
+        scale = _f32(1.0 / (1.0 - p) if backward else 1.0 / _f32(1.0 - p))
+        return (v.float() * mask).mul_(scale).to(v.dtype)
+    return v * mask.to(v.dtype).div_(1 - p)
+
+
+def proj_forward(x: torch.Tensor, m: Meta, t: dict) -> torch.Tensor:
+    """PEFT's forward of one projection on 2-D x: base(x) + s * B(A(drop(x))), in m.dt's dtypes."""
+    dt = m.dt
+    w = base_weight(m, t)
+    bias = t["bias"].to(dt.base) if m.bias else None
+    y = F.linear(x.to(dt.base), w, bias).to(dt.result)
+    del w
+    if not m.adapted:
+        return y
+    A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
+    xl = drop(x.to(dt.lora_in), t.get("mask"), m.p).to(dt.lora)
+    if dt.add == dt.lora == dt.result:
+        return y.addmm_(xl @ A.t(), B.t(), alpha=m.scale).to(dt.out)
+    lora = torch.mm(xl @ A.t(), B.t()).mul_(m.scale).to(dt.add)
+    return y.to(dt.add).add_(lora).to(dt.out)
+
+
+def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx):
+    """(dx, dA, dB) of proj_forward for output gradient dy and 2-D input x, replaying the forward's
+    dtypes. dx: None (the first term), the running sum in x's dtype (added to in place), or False
+    (x needs no gradient: the base's dx matmul is skipped, as autograd skips it)."""
+    dt = m.dt
+    d_add = dy.to(dt.add)
+    if dx is not False:
+        w = base_weight(m, t)
+        db = (d_add.to(dt.result).to(dt.base) @ w).to(x.dtype)
+        del w
+        dx = db if dx is None else dx.add_(db)
+        del db
+    if not m.adapted:
+        return dx, None, None
+    A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
+    mask = t.get("mask")
+    g = d_add.to(dt.lora)
+    xl = drop(x.to(dt.lora_in), mask, m.p).to(dt.lora)
+    u = (g @ B).mul_(m.scale)  # (n, r)
+    dB = (g.t() @ (xl @ A.t())).mul_(m.scale).to(t["B"].dtype)
+    dA = (u.t() @ xl).to(t["A"].dtype)
+    del xl, g
+    if dx is not False:
+        dx.add_(drop((u @ A).to(dt.lora_in), mask, m.p, backward=True).to(x.dtype))
+    return dx, dA, dB
 
 
 # The activation: accel_kernels' GLU forward (public entry) and its registered backward op, which
@@ -107,56 +201,234 @@ def glu_backward(act: str, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
     return torch.ops.accel_kernels.glu_backward(dh, gate, up, act, triton_path)
 
 
-class _LoraMLPFunction(torch.autograd.Function):
-    """down(act(gate(x)) * up(x)) with LoRA on any of the projections; saves x, gate and up.
+# --------------------------------------------------------------------------------------------
+# The ops: forward, backward, fake implementations, autograd formula
+# --------------------------------------------------------------------------------------------
 
-    projs: (gate, up, down), or (gate_up, down) with `gate_first` saying the fused order."""
 
-    @staticmethod
-    def forward(ctx, x, projs, act, gate_first, *adapters):
-        x2 = x.reshape(-1, x.shape[-1])
-        pairs = _adapter_pairs(projs, adapters)
-        if len(projs) == 3:
-            gate = proj_forward(x2, projs[0], *pairs[0])
-            up = proj_forward(x2, projs[1], *pairs[1])
-        else:
-            first, second = proj_forward(x2, projs[0], *pairs[0]).chunk(2, dim=-1)
-            gate, up = (first, second) if gate_first else (second, first)
+def _custom_op(name: str):
+    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
+
+
+def _rows(x: torch.Tensor):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _n_rows(x: torch.Tensor):
+    n = 1
+    for d in x.shape[:-1]:
+        n = n * d
+    return n
+
+
+def _adapter_grads(metas, grads) -> list:
+    """The gradient list of the flat tensor input: dA, dB at each adapter's place, None elsewhere."""
+    out, it = [], iter(grads)
+    for m in metas:
+        for name in _split([m], [None] * m.n_tensors)[0]:
+            out.append(next(it) if name in ("A", "B") else None)
+    return out
+
+
+def _grad_fakes(metas, ts) -> list:
+    return [t[name].new_empty(t[name].shape) for m, t in zip(metas, ts) if m.adapted for name in ("A", "B")]
+
+
+@_custom_op("linears")
+def _linears_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    """Each projection of `spec` on x (2-D outputs): PEFT's LoRA forward, fused."""
+    metas, _ = parse(spec)
+    x2 = _rows(x)
+    return [proj_forward(x2, m, t) for m, t in zip(metas, _split(metas, tensors))]
+
+
+@_linears_op.register_fake
+def _(x, tensors, spec):
+    metas, _ = parse(spec)
+    return [x.new_empty((_n_rows(x), m.out_features), dtype=m.dt.out) for m in metas]
+
+
+@_custom_op("linears_backward")
+def _linears_backward_op(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor], spec: str,
+                         need_dx: bool) -> list[torch.Tensor]:
+    """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
+    metas, _ = parse(spec)
+    x2 = _rows(x)
+    dx, grads = (None if need_dx else False), []
+    for m, t, dout in zip(metas, _split(metas, tensors), douts):
+        dx, dA, dB = proj_backward(dout, x2, m, t, dx)
+        if m.adapted:
+            grads += [dA, dB]
+    return [dx.view(x.shape) if need_dx else x.new_empty(0)] + grads
+
+
+@_linears_backward_op.register_fake
+def _(douts, x, tensors, spec, need_dx):
+    metas, _ = parse(spec)
+    return [x.new_empty(x.shape) if need_dx else x.new_empty(0)] + _grad_fakes(metas, _split(metas, tensors))
+
+
+def _linears_setup(ctx, inputs, output):
+    x, tensors, spec = inputs
+    ctx.save_for_backward(x, *tensors)
+    ctx.spec, ctx.need_dx = spec, x.requires_grad
+
+
+def _linears_backward(ctx, douts):
+    x, *tensors = ctx.saved_tensors
+    metas, _ = parse(ctx.spec)
+    douts = [d if d is not None else x.new_zeros((_n_rows(x), m.out_features), dtype=m.dt.out)
+             for d, m in zip(douts, metas)]
+    grads = torch.ops.accel_patch_lora.linears_backward(douts, x, tensors, ctx.spec, ctx.need_dx)
+    return (grads[0] if ctx.need_dx else None), _adapter_grads(metas, grads[1:]), None
+
+
+_linears_op.register_autograd(_linears_backward, setup_context=_linears_setup)
+
+
+@_custom_op("mlp")
+def _mlp_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(down(act(gate(x)) * up(x)) as 2-D, gate, up) for the projections of `spec` (gate, up, down;
+    or gate_up, down, where the second output is gate_up whole and the third an empty tensor)."""
+    metas, (act, gate_first) = parse(spec)
+    ts = _split(metas, tensors)
+    x2 = _rows(x)
+    if len(metas) == 3:
+        gate = proj_forward(x2, metas[0], ts[0])
+        up = proj_forward(x2, metas[1], ts[1])
         h = glu_forward(act, gate, up)
-        out = proj_forward(h, projs[-1], *pairs[-1])
-        del h
-        ctx.save_for_backward(x, gate, up, *adapters)
-        ctx.projs, ctx.act, ctx.gate_first = projs, act, gate_first
-        return out.view(*x.shape[:-1], -1)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, gate, up, *adapters = ctx.saved_tensors
-        projs, act = ctx.projs, ctx.act
-        pairs = _adapter_pairs(projs, adapters)
-        x2, d2 = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
-        down, (Ad, Bd) = projs[-1], pairs[-1]
-        # the down adapter needs its input: recomputed, never saved
-        h = glu_forward(act, gate, up) if down.adapted else None
-        dh, dAd, dBd = proj_backward(d2, h, down, Ad, Bd, None)
-        del h
-        dgate, dup = glu_backward(act, dh, gate, up)
-        del dh
-        if len(projs) == 3:
-            dx, dAg, dBg = proj_backward(dgate, x2, projs[0], *pairs[0], None)
-            dx, dAu, dBu = proj_backward(dup, x2, projs[1], *pairs[1], dx)
-            grads = [(dAg, dBg), (dAu, dBu), (dAd, dBd)]
-        else:
-            dgu = torch.cat((dgate, dup) if ctx.gate_first else (dup, dgate), dim=-1)
-            del dgate, dup
-            dx, dA, dB = proj_backward(dgu, x2, projs[0], *pairs[0], None)
-            grads = [(dA, dB), (dAd, dBd)]
-        return (dx.view(x.shape), None, None, None, *_adapter_grads(projs, grads))
+    else:
+        gate = proj_forward(x2, metas[0], ts[0])  # gate_up whole
+        up = x.new_empty(0)
+        h = glu_forward(act, *_halves(gate, gate_first == "1"))
+    out = proj_forward(h, metas[-1], ts[-1])
+    return out, gate, up
 
 
-def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
-    return _LoraMLPFunction.apply(x, tuple(projs), act, gate_first, *adapters)
+def _halves(gate_up: torch.Tensor, gate_first: bool):
+    first, second = gate_up.chunk(2, dim=-1)
+    return (first, second) if gate_first else (second, first)
+
+
+@_mlp_op.register_fake
+def _(x, tensors, spec):
+    metas, _ = parse(spec)
+    n = _n_rows(x)
+    gate = x.new_empty((n, metas[0].out_features), dtype=metas[0].dt.out)
+    up = x.new_empty((n, metas[1].out_features), dtype=metas[1].dt.out) if len(metas) == 3 else x.new_empty(0)
+    return x.new_empty((n, metas[-1].out_features), dtype=metas[-1].dt.out), gate, up
+
+
+@_custom_op("mlp_backward")
+def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                     tensors: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
+    """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
+    metas, (act, gate_first) = parse(spec)
+    ts = _split(metas, tensors)
+    fused = len(metas) == 2
+    if fused:
+        gate, up = _halves(gate, gate_first == "1")
+    down = metas[-1]
+    # the down adapter needs its input: recomputed, never saved (else only its dtype is read)
+    h = glu_forward(act, gate, up) if down.adapted else gate
+    dh, dAd, dBd = proj_backward(dout, h, down, ts[-1], None)
+    del h
+    dgate, dup = glu_backward(act, dh, gate, up)
+    del dh
+    x2 = _rows(x)
+    dx = None if need_dx else False
+    if not fused:
+        dx, dAg, dBg = proj_backward(dgate, x2, metas[0], ts[0], dx)
+        dx, dAu, dBu = proj_backward(dup, x2, metas[1], ts[1], dx)
+        grads = [(dAg, dBg), (dAu, dBu), (dAd, dBd)]
+    else:
+        dgu = torch.cat((dgate, dup) if gate_first == "1" else (dup, dgate), dim=-1)
+        del dgate, dup
+        dx, dA, dB = proj_backward(dgu, x2, metas[0], ts[0], dx)
+        grads = [(dA, dB), (dAd, dBd)]
+    flat = [g for m, pair in zip(metas, grads) if m.adapted for g in pair]
+    return [dx.view(x.shape) if need_dx else x.new_empty(0)] + flat
+
+
+@_mlp_backward_op.register_fake
+def _(dout, x, gate, up, tensors, spec, need_dx):
+    metas, _ = parse(spec)
+    return [x.new_empty(x.shape) if need_dx else x.new_empty(0)] + _grad_fakes(metas, _split(metas, tensors))
+
+
+def _mlp_setup(ctx, inputs, output):
+    x, tensors, spec = inputs
+    _, gate, up = output
+    ctx.save_for_backward(x, gate, up, *tensors)
+    ctx.spec, ctx.need_dx = spec, x.requires_grad
+
+
+def _mlp_backward(ctx, dout, _dgate, _dup):
+    x, gate, up, *tensors = ctx.saved_tensors
+    metas, _ = parse(ctx.spec)
+    grads = torch.ops.accel_patch_lora.mlp_backward(dout, x, gate, up, tensors, ctx.spec, ctx.need_dx)
+    return (grads[0] if ctx.need_dx else None), _adapter_grads(metas, grads[1:]), None
+
+
+_mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Entries: dropout drawn here, in PEFT's order; everything else in the ops
+# --------------------------------------------------------------------------------------------
+
+
+def _adapter_pairs(projs, adapters):
+    """Per projection, its (A, B) from the flat adapter inputs, or (None, None)."""
+    it = iter(adapters)
+    return [(next(it), next(it)) if p.adapted else (None, None) for p in projs]
+
+
+def dropout_mask(shape, like: torch.Tensor | None, p: Proj, x_dtype, A, device):
+    """The bool mask PEFT's dropout would draw now on the adapter input of projection p (shape,
+    dtype and device of what its `nn.Dropout` sees), or None when no dropout applies."""
+    if not p.adapted or p.dropout == 0:
+        return None
+    dtype = dtypes(p, x_dtype, A.dtype).lora_in
+    ones = torch.ones_like(like, dtype=dtype) if like is not None else torch.ones(shape, dtype=dtype, device=device)
+    return F.dropout(ones, p.dropout, True) != 0
 
 
 def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
-    return _LoraLinearsFunction.apply(x, tuple(projs), *adapters)
+    """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
+    items, tensors = [], []
+    for p, (A, B) in zip(projs, _adapter_pairs(projs, adapters)):
+        mask = dropout_mask(None, x, p, x.dtype, A, x.device)
+        item, ts = _inputs(x.dtype, p, (A, B), mask)
+        items.append(item)
+        tensors += ts
+    outs = torch.ops.accel_patch_lora.linears(x, tensors, "|".join(items))
+    return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
+
+
+def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
+    saving x, gate, up and the dropout masks."""
+    projs = tuple(projs)
+    pairs = _adapter_pairs(projs, adapters)
+    first = projs[0]
+    gate_dtype = dtypes(first, x.dtype, pairs[0][0].dtype if first.adapted else None).out
+    inter = _out_features(first) // (2 if len(projs) == 2 else 1)
+    items, tensors = [], []
+    for i, (p, (A, B)) in enumerate(zip(projs, pairs)):
+        is_down = i == len(projs) - 1
+        in_dtype = gate_dtype if is_down else x.dtype
+        if is_down:
+            mask = dropout_mask((*x.shape[:-1], inter), None, p, in_dtype, A, x.device)
+        else:
+            mask = dropout_mask(None, x, p, in_dtype, A, x.device)
+        item, ts = _inputs(in_dtype, p, (A, B), mask)
+        items.append(item)
+        tensors += ts
+    spec = "|".join(items) + f";{act},{int(gate_first)}"
+    out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _out_features(p: Proj) -> int:
+    return p.weight.quant_state.shape[0] if p.kind == "4bit" else p.weight.shape[0]

@@ -13,13 +13,42 @@ MLP_OP, QKV_OP, O_OP = "lora_mlp", "lora_qkv", "lora_o"
 OPS = (MLP_OP, QKV_OP, O_OP)
 
 
-class Proj(namedtuple("Proj", "weight bias kind adapted scale peft_cast")):
-    """weight: the base weight (a Params4bit for kind "4bit"); adapted: whether A and B follow in
-    the function's inputs; scale: PEFT's scaling; peft_cast: how PEFT adds an adapter of another
-    dtype ("promote": add in the promoted dtype, then cast back (lora.Linear); "cast": cast the
-    adapter's output first (lora.bnb.Linear4bit))."""
+class Proj(namedtuple("Proj", "weight bias kind compute adapted scale dropout autocast lora_cast peft_cast")):
+    """One projection of one call, as PEFT computes it.
+
+    weight: the base weight (a Params4bit for kind "4bit"); compute: the dtype the base matmul runs
+    in (autocast's, the weight's, or a 4-bit layer's compute dtype); adapted: whether A and B follow
+    in the function's inputs; scale: PEFT's scaling; dropout: the p of the adapter's dropout this
+    call (0.0: none, e.g. in eval mode); autocast: the autocast dtype in force for the input's
+    device at the call (None: off), under which the adapter's matmuls run; lora_cast: whether PEFT
+    casts the input to the adapter's dtype before dropout; peft_cast: how PEFT adds the adapter's
+    output ("promote": in the promoted dtype, then back to the base result's dtype (lora.Linear);
+    "cast": the adapter's output cast to the base result's dtype first (lora.bnb.Linear4bit);
+    "none": in the promoted dtype, kept (lora.bnb.Linear4bit under CUDA autocast))."""
 
     __slots__ = ()
+
+
+class Dtypes(namedtuple("Dtypes", "base result lora_in lora add out")):
+    """The dtypes of one projection's computation for an input dtype (`dtypes`): base matmul,
+    base result, the adapter's input (what dropout sees), the adapter's matmuls, the sum, the output."""
+
+    __slots__ = ()
+
+
+def dtypes(p: Proj, x_dtype: torch.dtype, adapter_dtype: torch.dtype | None) -> Dtypes:
+    """What PEFT's forward computes in, for projection `p` on an input of `x_dtype` (autocast,
+    where on, runs every matmul in its dtype, as `F.linear` does under it)."""
+    base = p.autocast or p.compute
+    result = x_dtype if p.kind == "4bit" else base
+    if not p.adapted:
+        return Dtypes(base, result, x_dtype, result, result, result)
+    lora_in = adapter_dtype if p.lora_cast else x_dtype
+    lora = p.autocast or adapter_dtype
+    promoted = torch.promote_types(result, lora)
+    if p.peft_cast == "cast":
+        return Dtypes(base, result, lora_in, lora, result, result)
+    return Dtypes(base, result, lora_in, lora, promoted, result if p.peft_cast == "promote" else promoted)
 
 
 def _is_lora_layer(m) -> bool:
@@ -53,9 +82,41 @@ def _hooked(m) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or "_hf_hook" in m.__dict__)
 
 
+_AUTOCASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts (not float64)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype in force for `device_type`, None when autocast is off there."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _dropout_p(dropout) -> float | str:
+    """The p PEFT's dropout applies this call (0.0 in eval mode), or a refusal reason."""
+    if isinstance(dropout, torch.nn.Identity):
+        return 0.0
+    if type(dropout) is not torch.nn.Dropout:
+        return f"dropout module {type(dropout).__name__}"
+    if not dropout.training or dropout.p == 0:
+        return 0.0
+    if dropout.inplace or not 0 < dropout.p < 1:
+        return f"dropout p={dropout.p}{' in place' if dropout.inplace else ''}"
+    return float(dropout.p)
+
+
+def _compute_4bit(base, x: torch.Tensor) -> torch.dtype:
+    """The dtype bitsandbytes' Linear4bit computes in for `x` (its first call sets it from a
+    float32 or bfloat16 input: `set_compute_type`)."""
+    if not getattr(base, "compute_type_is_set", True) and x.dtype in (torch.float32, torch.bfloat16):
+        return x.dtype
+    return getattr(base, "compute_dtype", None) or x.dtype
+
+
 def projection(m, x: torch.Tensor):
     """(Proj, (A, B) or ()) for this call of projection `m` on input `x`, or the reason the fused
     path cannot reproduce it (PEFT's own forward runs)."""
+    p = 0.0
     if _is_lora_layer(m):
         base = m.get_base_layer()
         adapter = None
@@ -77,11 +138,9 @@ def projection(m, x: torch.Tensor):
                 return "lora_bias"
             if getattr(m, "fan_in_fan_out", False):
                 return "fan_in_fan_out"
-            dropout = m.lora_dropout[adapter]
-            if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training:
-                return "dropout > 0 in training"
-            if not isinstance(dropout, (torch.nn.Dropout, torch.nn.Identity)):
-                return f"dropout module {type(dropout).__name__}"
+            p = _dropout_p(m.lora_dropout[adapter])
+            if isinstance(p, str):
+                return p
         if _hooked(m):
             return "hooks on a projection"
     else:
@@ -94,21 +153,41 @@ def projection(m, x: torch.Tensor):
     weight, bias = base.weight, base.bias
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         return "a trainable base weight"
-    compute = weight.dtype if kind == "plain" else (getattr(base, "compute_dtype", None) or x.dtype)
-    if x.dtype != compute or (bias is not None and bias.dtype != compute and kind == "plain"):
-        return f"mixed dtypes (input {x.dtype}, base {compute})"
     if weight.device != x.device:
         return f"input on {x.device}, weight on {weight.device}"
+    autocast = autocast_dtype(x.device.type)
+    if kind == "plain":
+        compute = weight.dtype
+        if autocast is None and (x.dtype != compute or (bias is not None and bias.dtype != compute)):
+            return f"mixed dtypes (input {x.dtype}, base {compute})"
+    else:
+        compute = _compute_4bit(base, x)
+    if autocast is not None:
+        floats = [x, bias] if kind == "4bit" else [x, weight, bias]
+        odd = next((t.dtype for t in floats if t is not None and t.dtype not in _AUTOCASTABLE), None)
+        if odd is not None:
+            return f"{odd} under autocast"
     if adapter is None:
-        return Proj(weight, bias, kind, False, 0.0, None), ()
+        return Proj(weight, bias, kind, compute, False, 0.0, 0.0, autocast, False, None), ()
     A, B = m.lora_A[adapter].weight, m.lora_B[adapter].weight
     if m.lora_A[adapter].bias is not None or m.lora_B[adapter].bias is not None:
         return "lora_bias"
-    if A.dtype != B.dtype or (A.dtype != x.dtype and not (A.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16))):
+    if A.dtype != B.dtype:
         return f"mixed dtypes (input {x.dtype}, adapter {A.dtype}/{B.dtype})"
-    if A.dtype != x.dtype and not getattr(m, "cast_input_dtype_enabled", True):
-        return f"mixed dtypes (input {x.dtype}, adapter {A.dtype}, input casting disabled)"
-    return Proj(weight, bias, kind, True, float(m.scaling[adapter]), "cast" if kind == "4bit" else "promote"), (A, B)
+    cast_enabled = getattr(m, "cast_input_dtype_enabled", True)
+    if kind == "4bit":  # lora.bnb.Linear4bit casts only outside CUDA autocast (`torch.is_autocast_enabled()`)
+        converts = not torch.is_autocast_enabled()
+        lora_cast, peft_cast = cast_enabled and converts, "cast" if converts else "none"
+    else:
+        lora_cast, peft_cast = cast_enabled, "promote"
+    if autocast is None:
+        if A.dtype != x.dtype and not (A.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)):
+            return f"mixed dtypes (input {x.dtype}, adapter {A.dtype}/{B.dtype})"
+        if A.dtype != x.dtype and not lora_cast:
+            return f"mixed dtypes (input {x.dtype}, adapter {A.dtype}, input casting disabled)"
+    elif A.dtype not in _AUTOCASTABLE:
+        return f"{A.dtype} under autocast"
+    return Proj(weight, bias, kind, compute, True, float(m.scaling[adapter]), p, autocast, lora_cast, peft_cast), (A, B)
 
 
 # --------------------------------------------------------------------------------------------

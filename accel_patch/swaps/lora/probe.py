@@ -2,13 +2,18 @@
 formula on the module's own base layers, in each dtype the model will see."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import mlp, probe
 from .functions import fused_linears, fused_mlp
-from .plans import Proj, _is_lora_layer, base_kind
+from .plans import Proj, _compute_4bit, _is_lora_layer, base_kind
 
 PROBE_RANK = 4
+
+
+PROBE_DROPOUT = 0.25
 
 
 def _probe_adapters(layers, dtype, device):
@@ -29,34 +34,52 @@ def _layer_shape(base) -> tuple[int, int]:
     return tuple(base.weight.shape)
 
 
-def _ref_projection(base, A, B, s, x, dtype):
-    """PEFT's lora.Linear formula around the base layer's own forward (in a float32 probe of a
-    lower-precision layer: its weights upcast)."""
+def _base_tensors(base, dtype):
+    """(weight, bias) as the probe computes a plain base in `dtype` (a float32 probe of a
+    lower-precision layer upcasts its weights); a 4-bit base's own."""
     if base_kind(base) == "4bit" or base.weight.dtype == dtype:
-        y = base(x)
-    else:
-        bias = None if base.bias is None else base.bias.to(dtype)
-        y = torch.nn.functional.linear(x, base.weight.to(dtype), bias)
-    return y + torch.nn.functional.linear(torch.nn.functional.linear(x, A), B) * s
+        return base.weight, base.bias
+    return base.weight.detach().to(dtype), None if base.bias is None else base.bias.detach().to(dtype)
 
 
-def _probe_projs(bases, dtype, adapters):
+def _ref_projection(base, A, B, s, x, dtype, p):
+    """PEFT's forward (lora.Linear, or lora.bnb.Linear4bit) around the base layer, in PEFT's order:
+    base(x), the input cast to the adapter's dtype, dropout, A, B, scaling, the add and its casts."""
+    drop = torch.nn.Dropout(p)
+    if base_kind(base) == "4bit":
+        result = base(x)
+        if torch.is_autocast_enabled():  # lora.bnb: no casts under CUDA autocast
+            return result + torch.nn.functional.linear(torch.nn.functional.linear(drop(x), A), B) * s
+        out = torch.nn.functional.linear(torch.nn.functional.linear(drop(x.to(A.dtype)), A), B) * s
+        return result + out.to(result.dtype)
+    w, bias = _base_tensors(base, dtype)
+    result = torch.nn.functional.linear(x, w, bias)
+    out = torch.nn.functional.linear(torch.nn.functional.linear(drop(x.to(A.dtype)), A), B) * s
+    return (result + out).to(result.dtype)
+
+
+def _probe_projs(bases, dtype, adapters, x, autocast, p):
     projs = []
-    for base in bases:
+    for base, (_, _, s) in zip(bases, adapters):
         kind = base_kind(base)
-        w = base.weight if (kind == "4bit" or base.weight.dtype == dtype) else base.weight.detach().to(dtype)
-        bias = None if base.bias is None else base.bias.detach().to(dtype)
-        projs.append(Proj(w, bias, kind, True, 0.0, "cast" if kind == "4bit" else "promote"))
-    return [p._replace(scale=s) for p, (_, _, s) in zip(projs, adapters)]
+        w, bias = _base_tensors(base, dtype)
+        compute = w.dtype if kind == "plain" else _compute_4bit(base, x)
+        converts = kind != "4bit" or not torch.is_autocast_enabled()
+        peft_cast = "promote" if kind == "plain" else ("cast" if converts else "none")
+        projs.append(Proj(w, bias, kind, compute, True, s, p, autocast, converts, peft_cast))
+    return projs
 
 
-def _compare(what, got, ref, grads_got, grads_ref, dtype) -> str | None:
-    """None when the output and every gradient are within the dtype's bound, else the first that is not."""
-    limit = probe.bound(dtype)
+def _compare(what, got, ref, grads_got, grads_ref, dtype, autocast, p) -> str | None:
+    """None when the output (its dtype too) and every gradient are within the bound of the dtype
+    computed in, else the first that is not."""
+    if got.dtype != ref.dtype:
+        return f"{what} returns {got.dtype}, PEFT {ref.dtype} in {_what(dtype, autocast, p)}"
+    limit = probe.bound(autocast or dtype)
     for (name, r), g in [(("output", ref), got)] + list(zip(grads_ref, grads_got)):
         err = probe.rel_err(g, r)
         if err > limit:
-            return f"{what} differs from PEFT's LoRA in {dtype}: {name} relative error {err:.2e} > {limit:.1e}"
+            return f"{what} differs from PEFT's LoRA in {_what(dtype, autocast, p)}: {name} relative error {err:.2e} > {limit:.1e}"
     return None
 
 
@@ -65,18 +88,33 @@ def _bases(module, names):
             for n in names]
 
 
-def _probe_dtypes(act_dtype, bases):
+def _probe_configs(act_dtype, bases, device):
+    """(input dtype, adapter dtype, autocast dtype or None, dropout p) to probe: each dtype the model
+    computes in; float32 dropout (the same masks under the same seed); PEFT's float32 adapters under
+    bfloat16 autocast, with dropout."""
     dtypes = [act_dtype]
     if act_dtype != torch.float32 and all(base_kind(b) == "plain" for b in bases):
         dtypes.append(torch.float32)
     if all(base_kind(b) == "4bit" for b in bases):  # a 4-bit base computes in its compute dtype
         dtypes = [getattr(bases[0], "compute_dtype", None) or act_dtype]
-    return dtypes
+    configs = [(d, d, None, 0.0) for d in dtypes]
+    configs.append((dtypes[-1], dtypes[-1], None, PROBE_DROPOUT))
+    if device is not None and torch.amp.is_autocast_available(device.type) and act_dtype != torch.float64:
+        configs.append((act_dtype, torch.float32, torch.bfloat16, PROBE_DROPOUT))
+    return configs
+
+
+def _autocast(device, dtype):
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _what(dtype, autocast, p):
+    return f"{dtype}" + (f" under {autocast} autocast" if autocast else "") + (f" with dropout {p}" if p else "")
 
 
 def probe_mlp(module, act_dtype, names, act):
-    """The GluPlan under which `_LoraMLPFunction` reproduces PEFT's LoRA layers on this MLP
-    (outputs, and gradients of x and every A and B), or a refusal reason."""
+    """The GluPlan under which the fused MLP reproduces PEFT's LoRA layers on this MLP (outputs,
+    their dtype, and gradients of x and every A and B), or a refusal reason."""
     plan = mlp.probe_verdict(module, act_dtype, names, act)
     if isinstance(plan, str):
         return plan
@@ -84,51 +122,59 @@ def probe_mlp(module, act_dtype, names, act):
     act_fn = mlp.activation(module)
     device = probe.module_device(module)
     gate_first = plan.order == "gate_up"
-    for dtype in _probe_dtypes(act_dtype, bases):
-        adapters = _probe_adapters(bases, dtype, device)
+    for dtype, adapter_dtype, autocast, p in _probe_configs(act_dtype, bases, device):
+        adapters = _probe_adapters(bases, adapter_dtype, device)
         with probe.probing(module):
             x = probe.randn((2, 3, _layer_shape(bases[0])[1]), dtype, device).requires_grad_()
-            dy = probe.randn((2, 3, _layer_shape(bases[-1])[0]), dtype, device)
-            ys = [_ref_projection(b, A, B, s, x, dtype) for b, (A, B, s) in zip(bases[:-1], adapters[:-1])]
-            if len(ys) == 2:
-                gate, up = ys
-            else:
-                first, second = ys[0].chunk(2, dim=-1)
-                gate, up = (first, second) if gate_first else (second, first)
-            Ad, Bd, sd = adapters[-1]
-            ref = _ref_projection(bases[-1], Ad, Bd, sd, act_fn(gate) * up, dtype)
             leaves = [x] + [t for A, B, _ in adapters for t in (A, B)]
+            with _autocast(device, autocast):
+                probe.seeded()
+                ys = [_ref_projection(b, A, B, s, x, dtype, p) for b, (A, B, s) in zip(bases[:-1], adapters[:-1])]
+                if len(ys) == 2:
+                    gate, up = ys
+                else:
+                    first, second = ys[0].chunk(2, dim=-1)
+                    gate, up = (first, second) if gate_first else (second, first)
+                Ad, Bd, sd = adapters[-1]
+                ref = _ref_projection(bases[-1], Ad, Bd, sd, act_fn(gate) * up, dtype, p)
+                projs = _probe_projs(bases, dtype, adapters, x, autocast, p)
+                flat = [t for A, B, _ in adapters for t in (A, B)]
+                probe.seeded()
+                got = fused_mlp(x, projs, flat, act, gate_first)
+            dy = probe.randn(ref.shape, ref.dtype, device)
             ref_grads = torch.autograd.grad(ref, leaves, dy)
-            projs = _probe_projs(bases, dtype, adapters)
-            flat = [t for A, B, _ in adapters for t in (A, B)]
-            got = fused_mlp(x, projs, flat, act, gate_first)
             got_grads = torch.autograd.grad(got, leaves, dy)
         labels = ["x"] + [f"{n}.{ab}" for n in names for ab in ("A", "B")]
-        reason = _compare("fused LoRA MLP", got, ref, got_grads, list(zip(labels, ref_grads)), dtype)
+        reason = _compare("fused LoRA MLP", got, ref, got_grads, list(zip(labels, ref_grads)), dtype, autocast, p)
         if reason:
             return reason
     return plan
 
 
 def probe_linears(module, act_dtype, names):
-    """True when `_LoraLinearsFunction` reproduces PEFT's LoRA layers on these projections of
-    `module` (outputs, gradients of x and every A and B), else a refusal reason."""
+    """True when the fused projections reproduce PEFT's LoRA layers on these projections of
+    `module` (outputs, their dtypes, gradients of x and every A and B), else a refusal reason."""
     bases = _bases(module, names)
     device = probe.module_device(module)
-    for dtype in _probe_dtypes(act_dtype, bases):
-        adapters = _probe_adapters(bases, dtype, device)
+    for dtype, adapter_dtype, autocast, p in _probe_configs(act_dtype, bases, device):
+        adapters = _probe_adapters(bases, adapter_dtype, device)
         with probe.probing(module):
             x = probe.randn((2, 3, _layer_shape(bases[0])[1]), dtype, device).requires_grad_()
-            refs = [_ref_projection(b, A, B, s, x, dtype) for b, (A, B, s) in zip(bases, adapters)]
-            dys = [probe.randn(r.shape, dtype, device) for r in refs]
             leaves = [x] + [t for A, B, _ in adapters for t in (A, B)]
+            with _autocast(device, autocast):
+                probe.seeded()
+                refs = [_ref_projection(b, A, B, s, x, dtype, p) for b, (A, B, s) in zip(bases, adapters)]
+                flat = [t for A, B, _ in adapters for t in (A, B)]
+                probe.seeded()
+                got = fused_linears(x, _probe_projs(bases, dtype, adapters, x, autocast, p), flat)
+            dys = [probe.randn(r.shape, r.dtype, device) for r in refs]
             ref_grads = torch.autograd.grad(refs, leaves, dys)
-            flat = [t for A, B, _ in adapters for t in (A, B)]
-            got = fused_linears(x, _probe_projs(bases, dtype, adapters), flat)
             got_grads = torch.autograd.grad(got, leaves, dys)
         labels = ["x"] + [f"{n}.{ab}" for n in names for ab in ("A", "B")]
+        if [g.dtype for g in got] != [r.dtype for r in refs]:
+            return f"fused LoRA {'/'.join(names)} returns {[g.dtype for g in got]}, PEFT {[r.dtype for r in refs]} in {_what(dtype, autocast, p)}"
         reason = _compare("fused LoRA " + "/".join(names), torch.cat([g.flatten() for g in got]),
-                          torch.cat([r.flatten() for r in refs]), got_grads, list(zip(labels, ref_grads)), dtype)
+                          torch.cat([r.flatten() for r in refs]), got_grads, list(zip(labels, ref_grads)), dtype, autocast, p)
         if reason:
             return reason
     return True

@@ -77,8 +77,6 @@ def call_inner(module, *args, **kwargs):
 
 def _plan(projections, x):
     """(projs, adapters) for the modules `projections` on `x`, NO_ADAPTER, or a fall-back reason."""
-    if torch.is_autocast_enabled(x.device.type):
-        return "autocast is on"
     projs, adapters = [], []
     for m in projections:
         found = projection(m, x)
