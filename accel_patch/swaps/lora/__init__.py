@@ -26,6 +26,10 @@ adapter, `lora_bias`, `fan_in_fan_out`, 8-bit or other quantized bases, mixed dt
 a trainable base weight, hooks on a projection, extra arguments. A call with no active adapter
 runs what was there before (the `glu` kernel forward when that op was swapped too, else stock).
 
+Under torch.compile the sites are traced with the model (sites.py): no graph break, the fused ops
+in the graph, the plan's reads as guards; a call is counted once per trace, as "compiled: <outcome>"
+(the compiled graph decides for every call it runs).
+
 Which wins with `glu`: both install on the MLP; `lora_mlp` sits on top and runs its fused
 function whenever an adapter is active, and the `glu` forward beneath it otherwise. Ask for
 `glu`/`rope` in the same call as (or before) the LoRA ops: a module already carrying a LoRA
