@@ -36,31 +36,41 @@ def fresh_dynamo(released):
     torch._dynamo.reset()
 
 
-def recording_backend(saved: list):
-    """aot_eager, noting the bytes the compiled step keeps for backward beyond its inputs: the
-    backward graph's inputs that are neither the step's own (parameters, batch) nor output gradients."""
+def recording_backend(saved: dict):
+    """aot_eager, noting in `saved` (id -> storage) what the compiled step keeps for backward
+    beyond its inputs: the backward graph's inputs that are neither output gradients nor views of
+    the step's own inputs (parameters, a transposed frozen weight, the batch), each storage once."""
+    inputs = {}  # id -> storage (kept alive, so that no id is reused)
+
+    def forward_compiler(gm, example_inputs):
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
+                storage = n.meta["val"].untyped_storage()
+                inputs[id(storage)] = storage
+        return gm
 
     def backward_compiler(gm, example_inputs):
         for node in gm.graph.nodes:
             value = node.meta.get("val")
-            if node.op == "placeholder" and not node.name.startswith(("primals_", "tangents_")) \
-                    and isinstance(value, torch.Tensor):
-                saved.append(value.numel() * value.element_size())
+            if node.op == "placeholder" and not node.name.startswith("tangents_") and isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if id(storage) not in inputs:
+                    saved[id(storage)] = storage
         return gm
 
-    return aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=backward_compiler)
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
 
 
 def compiled_step(model, batch):
     """Two fullgraph-compiled training steps (fullgraph: no graph break), the second under
     error_on_recompile: (loss, grads, bytes saved for backward)."""
-    saved = []
+    saved = {}
     compiled = torch.compile(model, fullgraph=True, backend=recording_backend(saved))
     loss, grads, _ = training_step(compiled, batch)
     with torch._dynamo.config.patch(error_on_recompile=True):
         again, grads_again, _ = training_step(compiled, batch)
     assert torch.equal(again, loss) and all(torch.equal(grads_again[n], g) for n, g in grads.items())
-    return loss, {n.replace("_orig_mod.", ""): g for n, g in grads.items()}, sum(saved)
+    return loss, {n.replace("_orig_mod.", ""): g for n, g in grads.items()}, sum(s.nbytes() for s in saved.values())
 
 
 def assert_compiled_step_equals_stock(base, order):
@@ -98,13 +108,14 @@ def test_swap_then_peft_compiles_fullgraph_fused_as_stock_and_sees_adapters_disa
 
 
 def test_peft_then_swap_compiles_fullgraph_fused_as_stock_and_saves_less_than_without_the_lora_ops():
-    base = build("llama")
+    base = build("llama", intermediate_size=256)  # an MLP 4x the hidden size, as real models have
     _, _, fused = assert_compiled_step_equals_stock(base, "peft-then-swap")
     torch._dynamo.reset()
     without = peft_model(base, "peft-then-swap", "rms_norm,rope,glu,fused_linear_cross_entropy")
     _, _, saved = compiled_step(without, padded_batch())
-    # the fused backward's saving is kept in the compiled graph (0.40x here, 2026-12-01)
-    assert fused <= 0.8 * saved, (fused, saved)
+    # the fused backward's saving is kept in the compiled graph (0.67x here, 2026-12-01; 1.00x
+    # when the sites stood aside while compiling)
+    assert fused <= 0.85 * saved, (fused, saved, fused / saved)
 
 
 def test_qlora_compiles_fullgraph_fused_as_stock(monkeypatch, checkpoint):
