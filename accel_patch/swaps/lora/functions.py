@@ -153,8 +153,9 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict) -> torch.Tensor:
         return y
     A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
     xl = drop(x.to(dt.lora_in), t.get("mask"), m.p).to(dt.lora)
-    if dt.add == dt.lora == dt.result:
-        return y.addmm_(xl @ A.t(), B.t(), alpha=m.scale).to(dt.out)
+    if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
+        return y.addmm_(xl @ A.t(), B.t(), alpha=m.scale)
+    # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps one by one
     lora = torch.mm(xl @ A.t(), B.t()).mul_(m.scale).to(dt.add)
     return y.to(dt.add).add_(lora).to(dt.out)
 
@@ -162,27 +163,29 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict) -> torch.Tensor:
 def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx):
     """(dx, dA, dB) of proj_forward for output gradient dy and 2-D input x, replaying the forward's
     dtypes. dx: None (the first term), the running sum in x's dtype (added to in place), or False
-    (x needs no gradient: the base's dx matmul is skipped, as autograd skips it)."""
+    (x needs no gradient: the base's dx matmul is skipped, as autograd skips it). The adapter's term
+    is added before the base's, the order in which autograd sums PEFT's two branches."""
     dt = m.dt
     d_add = dy.to(dt.add)
+    dA = dB = None
+    if m.adapted:
+        A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
+        mask = t.get("mask")
+        g = d_add.to(dt.lora)
+        xl = drop(x.to(dt.lora_in), mask, m.p).to(dt.lora)
+        u = (g @ B).mul_(m.scale)  # (n, r)
+        dB = (g.t() @ (xl @ A.t())).mul_(m.scale).to(t["B"].dtype)
+        dA = (u.t() @ xl).to(t["A"].dtype)
+        del xl, g
+        if dx is not False:
+            dl = drop((u @ A).to(dt.lora_in), mask, m.p, backward=True).to(x.dtype)
+            dx = dl if dx is None else dx.add_(dl)
+            del dl
     if dx is not False:
         w = base_weight(m, t)
         db = (d_add.to(dt.result).to(dt.base) @ w).to(x.dtype)
         del w
         dx = db if dx is None else dx.add_(db)
-        del db
-    if not m.adapted:
-        return dx, None, None
-    A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
-    mask = t.get("mask")
-    g = d_add.to(dt.lora)
-    xl = drop(x.to(dt.lora_in), mask, m.p).to(dt.lora)
-    u = (g @ B).mul_(m.scale)  # (n, r)
-    dB = (g.t() @ (xl @ A.t())).mul_(m.scale).to(t["B"].dtype)
-    dA = (u.t() @ xl).to(t["A"].dtype)
-    del xl, g
-    if dx is not False:
-        dx.add_(drop((u @ A).to(dt.lora_in), mask, m.p, backward=True).to(x.dtype))
     return dx, dA, dB
 
 
@@ -255,10 +258,11 @@ def _linears_backward_op(douts: list[torch.Tensor], x: torch.Tensor, tensors: li
     metas, _ = parse(spec)
     x2 = _rows(x)
     dx, grads = (None if need_dx else False), []
-    for m, t, dout in zip(metas, _split(metas, tensors), douts):
+    # last projection first: the order in which autograd sums PEFT's separate calls into dx
+    for m, t, dout in reversed(list(zip(metas, _split(metas, tensors), douts))):
         dx, dA, dB = proj_backward(dout, x2, m, t, dx)
         if m.adapted:
-            grads += [dA, dB]
+            grads = [dA, dB] + grads
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + grads
 
 
@@ -338,8 +342,8 @@ def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up
     x2 = _rows(x)
     dx = None if need_dx else False
     if not fused:
+        dx, dAu, dBu = proj_backward(dup, x2, metas[1], ts[1], dx)  # up was called last
         dx, dAg, dBg = proj_backward(dgate, x2, metas[0], ts[0], dx)
-        dx, dAu, dBu = proj_backward(dup, x2, metas[1], ts[1], dx)
         grads = [(dAg, dBg), (dAu, dBu), (dAd, dBd)]
     else:
         dgu = torch.cat((dgate, dup) if gate_first == "1" else (dup, dgate), dim=-1)
