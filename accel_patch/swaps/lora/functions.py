@@ -398,21 +398,25 @@ def dropout_mask(shape, like: torch.Tensor | None, p: Proj, x_dtype, A, device):
     return F.dropout(ones, p.dropout, True) != 0
 
 
-def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
-    """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
+def linears_inputs(x, projs, adapters) -> tuple:
+    """The `linears` op's arguments (x, tensors, spec) for these projections; draws the dropout masks."""
     items, tensors = [], []
     for p, (A, B) in zip(projs, _adapter_pairs(projs, adapters)):
         mask = dropout_mask(None, x, p, x.dtype, A, x.device)
         item, ts = _inputs(x.dtype, p, (A, B), mask)
         items.append(item)
         tensors += ts
-    outs = torch.ops.accel_patch_lora.linears(x, tensors, "|".join(items))
+    return x, tensors, "|".join(items)
+
+
+def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
+    """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
+    outs = torch.ops.accel_patch_lora.linears(*linears_inputs(x, projs, adapters))
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
-def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
-    saving x, gate, up and the dropout masks."""
+def mlp_inputs(x, projs, adapters, act: str, gate_first: bool) -> tuple:
+    """The `mlp` op's arguments (x, tensors, spec); draws the dropout masks (gate, up, down)."""
     projs = tuple(projs)
     pairs = _adapter_pairs(projs, adapters)
     first = projs[0]
@@ -420,17 +424,22 @@ def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
     inter = _out_features(first) // (2 if len(projs) == 2 else 1)
     items, tensors = [], []
     for i, (p, (A, B)) in enumerate(zip(projs, pairs)):
-        is_down = i == len(projs) - 1
-        in_dtype = gate_dtype if is_down else x.dtype
-        if is_down:
+        if i == len(projs) - 1:  # down reads act(gate) * up
+            in_dtype = gate_dtype
             mask = dropout_mask((*x.shape[:-1], inter), None, p, in_dtype, A, x.device)
         else:
+            in_dtype = x.dtype
             mask = dropout_mask(None, x, p, in_dtype, A, x.device)
         item, ts = _inputs(in_dtype, p, (A, B), mask)
         items.append(item)
         tensors += ts
-    spec = "|".join(items) + f";{act},{int(gate_first)}"
-    out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
+    return x, tensors, "|".join(items) + f";{act},{int(gate_first)}"
+
+
+def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
+    saving x, gate, up and the dropout masks."""
+    out, _, _ = torch.ops.accel_patch_lora.mlp(*mlp_inputs(x, projs, adapters, act, gate_first))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
