@@ -48,6 +48,35 @@ def test_with_dropout_under_bf16_autocast_the_qkv_function_equals_pefts_layers_b
     assert_qkv_equals_peft(torch.bfloat16, None, dropout=DROPOUT)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.sh)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("model_dtype, autocast, bound", [
+    (torch.float32, None, 1e-5),  # CUDA's fused dropout kernel: its mask and its float32 scale
+    (torch.float32, torch.bfloat16, 1e-2),
+    (torch.bfloat16, None, 1e-2),  # PEFT's float32 adapters: the mask drawn in float32
+])
+def test_on_cuda_the_qkv_function_with_dropout_equals_pefts_layers(model_dtype, autocast, bound):
+    assert_qkv_equals_peft(model_dtype, autocast, dropout=DROPOUT, device="cuda", bound=bound)
+
+
+@needs_cuda
+def test_on_cuda_with_dropout_a_swapped_step_equals_stock_under_the_same_seed():
+    base = build("llama")
+    stock = peft_model(base, "stock", lora_dropout=DROPOUT).cuda()
+    twin = peft_model(base, "peft-then-swap", lora_dropout=DROPOUT).cuda()
+    batch = {k: v.cuda() for k, v in padded_batch().items()}
+    losses, grads = [], []
+    for model in (stock, twin):
+        torch.manual_seed(5)
+        loss, g, _ = training_step(model, batch)
+        losses.append(loss), grads.append(g)
+    assert rel(losses[1], losses[0]) <= 1e-5
+    assert max(rel(grads[1][n], g) for n, g in grads[0].items()) <= 1e-4
+    assert calls(twin) == expected_calls(base, "llama")
+
+
 @pytest.mark.slow
 def test_in_eval_mode_nothing_is_dropped_and_the_call_is_fused():
     base = build("llama")
