@@ -8,7 +8,7 @@ import torch
 
 from .. import mlp, probe
 from .functions import fused_linears, fused_mlp
-from .plans import Proj, _compute_4bit, _is_lora_layer, base_kind
+from .plans import Proj, _compute_4bit, _is_lora_layer, autocast_available, base_kind
 
 PROBE_RANK = 4
 
@@ -101,7 +101,7 @@ def _probe_configs(act_dtype, bases, device):
     if act_dtype in (torch.bfloat16, torch.float16):  # PEFT's default float32 adapters on a half base
         configs.append((act_dtype, torch.float32, None, 0.0))
     configs.append((dtypes[-1], dtypes[-1], None, PROBE_DROPOUT))
-    if device is not None and torch.amp.is_autocast_available(device.type) and act_dtype != torch.float64:
+    if device is not None and autocast_available(device.type) and act_dtype != torch.float64:
         configs.append((act_dtype, torch.float32, torch.bfloat16, PROBE_DROPOUT))
     return configs
 
