@@ -78,10 +78,8 @@ def assert_compiled_equals_eager(call, params, x, autocast=None):
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
 
 
-@pytest.mark.parametrize("op, autocast", [
-    ("qkv", torch.bfloat16),
-    pytest.param("mlp", torch.bfloat16, marks=pytest.mark.slow),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize("op, autocast", [("qkv", torch.bfloat16), ("mlp", torch.bfloat16)])
 def test_each_function_compiles_with_fullgraph_and_equals_eager_with_dropout(op, autocast):
     torch._dynamo.reset()
     block = layer()
