@@ -7,7 +7,7 @@ LoRA layers, each computed as one autograd function with a backward derived by h
 Sites (found by structure, proved by a probe, per instance and reversible like every swap):
 
 - `lora_mlp`: a gated MLP (mlp.candidate: split gate/up/down or fused gate_up, SiLU or GELU).
-  Its forward becomes `_LoraMLPFunction`: the base matmuls stay torch, each adapter's small
+  Its forward becomes the `mlp` op: the base matmuls stay torch, each adapter's small
   matmuls are `addmm_`-ed into the base result, the activation is accel_kernels' GLU (the Triton
   kernel on GPU), and backward recomputes `act(gate) * up` for the down adapter instead of saving
   it. A 4-bit base weight is dequantized by bitsandbytes' own `dequantize_4bit` in forward and
@@ -15,15 +15,18 @@ Sites (found by structure, proved by a probe, per instance and reversible like e
 - `lora_qkv`: the input projections of an attention block (q/k/v with any subset adapted and
   GQA widths, or one fused qkv). The attention's own forward still runs; for that call the
   projections' forwards are bound so that the first one called computes all of them from x in
-  one `_LoraLinearsFunction` (x read and saved once) and the others return their share.
+  one `linears` op (x read and saved once) and the others return their share.
 - `lora_o`: the attention's output projection, the same function with one projection.
 
 Decided at every call, so the swap may come before or after `get_peft_model`, and an adapter
 added, removed, disabled, merged or switched later is seen at the next call. What the fused
 path cannot reproduce runs PEFT's own forward for that call and is counted (`SwapState.calls`,
-`SwapReport.calls`): dropout > 0 in training, a LoRA variant (DoRA), more than one active
-adapter, `lora_bias`, `fan_in_fan_out`, 8-bit or other quantized bases, mixed dtypes, autocast,
-a trainable base weight, hooks on a projection, extra arguments. A call with no active adapter
+`SwapReport.calls`): a LoRA variant (DoRA), more than one active adapter, `lora_bias`,
+`fan_in_fan_out`, 8-bit or other quantized bases, dtype combinations PEFT does not make (float64
+under autocast, adapters of another dtype outside autocast), a trainable base weight, hooks on a
+projection, extra arguments. Autocast (bf16/fp16, PEFT's float32 adapters) and LoRA dropout are
+computed: the functions are custom ops (`accel_patch_lora::linears`, `::mlp`) that take the
+autocast dtype captured at the call and the dropout masks drawn as PEFT draws them (functions.py). A call with no active adapter
 runs what was there before (the `glu` kernel forward when that op was swapped too, else stock).
 
 Under torch.compile the sites are traced with the model (sites.py): no graph break, the fused ops

@@ -126,63 +126,95 @@ def base_weight(m: Meta, t: dict) -> torch.Tensor:
     return torch.ops.bitsandbytes.dequantize_4bit.default(t["weight"], absmax, blocksize, quant_type, list(shape), m.dt.base)
 
 
+#: Device types where F.dropout runs the fused native_dropout kernel (`is_fused_kernel_acceptable`).
+_FUSED_DROPOUT = ("cuda", "xpu")
+
+
 def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
 def drop(v: torch.Tensor, mask: torch.Tensor | None, p: float, backward: bool = False) -> torch.Tensor:
     """v times the dropout noise of `mask`, bit for bit as `F.dropout` multiplies (and its backward):
-    CPU multiplies by `mask.div(1 - p)` in v's dtype; CUDA's fused kernel by 1/(1-p) in float32."""
+    CPU multiplies by a noise tensor of `1 / (1 - p)` computed in v's dtype; CUDA's fused kernel by
+    float32 1/(1-p) in float32."""
     if mask is None:
         return v
     mask = mask.reshape(v.shape)
-    if v.device.type in ("cuda", "xpu"):  # native_dropout's scale: 1/(1-p) of float32 (1-p); its backward's: of (1-p)
+    if v.device.type in _FUSED_DROPOUT:  # native_dropout's scale: 1/(1-p) of float32 (1-p); its backward's: of (1-p)
         scale = _f32(1.0 / (1.0 - p) if backward else 1.0 / _f32(1.0 - p))
         return (v.float() * mask).mul_(scale).to(v.dtype)
-    return v * mask.to(v.dtype).div_(1 - p)
+    noise = torch.ones((), dtype=v.dtype, device=v.device).div_(1 - p)  # `noise.div_(1 - p)`'s value
+    return v * torch.where(mask, noise, 0)
 
 
-def proj_forward(x: torch.Tensor, m: Meta, t: dict) -> torch.Tensor:
+def _as(x: torch.Tensor, dtype: torch.dtype, casts: dict | None) -> torch.Tensor:
+    """x in dtype, cast once per op call for all the projections reading it (`casts`)."""
+    if x.dtype == dtype or casts is None:
+        return x.to(dtype)
+    if dtype not in casts:
+        casts[dtype] = x.to(dtype)
+    return casts[dtype]
+
+
+def _accumulate(dx, term: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dx + term in dtype (term first cast to dtype, as autograd casts each branch's gradient; the
+    cast is skipped where exact)."""
+    if dx is None:
+        return term.to(dtype)
+    return dx.add_(term if torch.promote_types(term.dtype, dtype) == dtype else term.to(dtype))
+
+
+def _adapter_input(x: torch.Tensor, m: Meta, mask, casts: dict | None) -> torch.Tensor:
+    """What lora_A multiplies: x cast to the adapter's input dtype, dropped, cast to its matmul dtype."""
+    dt = m.dt
+    if mask is None and dt.lora_in == x.dtype:
+        return _as(x, dt.lora, casts)
+    return drop(_as(x, dt.lora_in, casts), mask, m.p).to(dt.lora)
+
+
+def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None) -> torch.Tensor:
     """PEFT's forward of one projection on 2-D x: base(x) + s * B(A(drop(x))), in m.dt's dtypes."""
     dt = m.dt
     w = base_weight(m, t)
     bias = t["bias"].to(dt.base) if m.bias else None
-    y = F.linear(x.to(dt.base), w, bias).to(dt.result)
+    y = F.linear(_as(x, dt.base, casts), w, bias).to(dt.result)
     del w
     if not m.adapted:
         return y
     A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
-    xl = drop(x.to(dt.lora_in), t.get("mask"), m.p).to(dt.lora)
-    if dt.add == dt.lora == dt.result:
-        return y.addmm_(xl @ A.t(), B.t(), alpha=m.scale).to(dt.out)
+    mask = t.get("mask")
+    xl = _adapter_input(x, m, mask, casts)
+    if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
+        return y.addmm_(xl @ A.t(), B.t(), alpha=m.scale)
+    # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps one by one
     lora = torch.mm(xl @ A.t(), B.t()).mul_(m.scale).to(dt.add)
     return y.to(dt.add).add_(lora).to(dt.out)
 
 
-def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx):
+def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts: dict | None = None):
     """(dx, dA, dB) of proj_forward for output gradient dy and 2-D input x, replaying the forward's
     dtypes. dx: None (the first term), the running sum in x's dtype (added to in place), or False
-    (x needs no gradient: the base's dx matmul is skipped, as autograd skips it)."""
+    (x needs no gradient: the base's dx matmul is skipped, as autograd skips it). The adapter's term
+    is added before the base's, the order in which autograd sums PEFT's two branches."""
     dt = m.dt
     d_add = dy.to(dt.add)
+    dA = dB = None
+    if m.adapted:
+        A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
+        mask = t.get("mask")
+        g = d_add.to(dt.lora)
+        xl = _adapter_input(x, m, mask, casts)
+        u = (g @ B).mul_(m.scale)  # (n, r)
+        dB = (g.t() @ (xl @ A.t())).mul_(m.scale).to(t["B"].dtype)
+        dA = (u.t() @ xl).to(t["A"].dtype)
+        del xl, g
+        if dx is not False:
+            dx = _accumulate(dx, drop((u @ A).to(dt.lora_in), mask, m.p, backward=True), x.dtype)
     if dx is not False:
         w = base_weight(m, t)
-        db = (d_add.to(dt.result).to(dt.base) @ w).to(x.dtype)
+        dx = _accumulate(dx, d_add.to(dt.result).to(dt.base) @ w, x.dtype)
         del w
-        dx = db if dx is None else dx.add_(db)
-        del db
-    if not m.adapted:
-        return dx, None, None
-    A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
-    mask = t.get("mask")
-    g = d_add.to(dt.lora)
-    xl = drop(x.to(dt.lora_in), mask, m.p).to(dt.lora)
-    u = (g @ B).mul_(m.scale)  # (n, r)
-    dB = (g.t() @ (xl @ A.t())).mul_(m.scale).to(t["B"].dtype)
-    dA = (u.t() @ xl).to(t["A"].dtype)
-    del xl, g
-    if dx is not False:
-        dx.add_(drop((u @ A).to(dt.lora_in), mask, m.p, backward=True).to(x.dtype))
     return dx, dA, dB
 
 
@@ -238,8 +270,8 @@ def _grad_fakes(metas, ts) -> list:
 def _linears_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     """Each projection of `spec` on x (2-D outputs): PEFT's LoRA forward, fused."""
     metas, _ = parse(spec)
-    x2 = _rows(x)
-    return [proj_forward(x2, m, t) for m, t in zip(metas, _split(metas, tensors))]
+    x2, casts = _rows(x), {}
+    return [proj_forward(x2, m, t, casts) for m, t in zip(metas, _split(metas, tensors))]
 
 
 @_linears_op.register_fake
@@ -253,12 +285,13 @@ def _linears_backward_op(douts: list[torch.Tensor], x: torch.Tensor, tensors: li
                          need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
     metas, _ = parse(spec)
-    x2 = _rows(x)
+    x2, casts = _rows(x), {}
     dx, grads = (None if need_dx else False), []
-    for m, t, dout in zip(metas, _split(metas, tensors), douts):
-        dx, dA, dB = proj_backward(dout, x2, m, t, dx)
+    # last projection first: the order in which autograd sums PEFT's separate calls into dx
+    for m, t, dout in reversed(list(zip(metas, _split(metas, tensors), douts))):
+        dx, dA, dB = proj_backward(dout, x2, m, t, dx, casts)
         if m.adapted:
-            grads += [dA, dB]
+            grads = [dA, dB] + grads
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + grads
 
 
@@ -292,10 +325,10 @@ def _mlp_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[to
     or gate_up, down, where the second output is gate_up whole and the third an empty tensor)."""
     metas, (act, gate_first) = parse(spec)
     ts = _split(metas, tensors)
-    x2 = _rows(x)
+    x2, casts = _rows(x), {}
     if len(metas) == 3:
-        gate = proj_forward(x2, metas[0], ts[0])
-        up = proj_forward(x2, metas[1], ts[1])
+        gate = proj_forward(x2, metas[0], ts[0], casts)
+        up = proj_forward(x2, metas[1], ts[1], casts)
         h = glu_forward(act, gate, up)
     else:
         gate = proj_forward(x2, metas[0], ts[0])  # gate_up whole
@@ -335,11 +368,11 @@ def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up
     del h
     dgate, dup = glu_backward(act, dh, gate, up)
     del dh
-    x2 = _rows(x)
+    x2, casts = _rows(x), {}
     dx = None if need_dx else False
     if not fused:
-        dx, dAg, dBg = proj_backward(dgate, x2, metas[0], ts[0], dx)
-        dx, dAu, dBu = proj_backward(dup, x2, metas[1], ts[1], dx)
+        dx, dAu, dBu = proj_backward(dup, x2, metas[1], ts[1], dx, casts)  # up was called last
+        dx, dAg, dBg = proj_backward(dgate, x2, metas[0], ts[0], dx, casts)
         grads = [(dAg, dBg), (dAu, dBu), (dAd, dBd)]
     else:
         dgu = torch.cat((dgate, dup) if gate_first == "1" else (dup, dgate), dim=-1)
@@ -386,29 +419,40 @@ def _adapter_pairs(projs, adapters):
 
 def dropout_mask(shape, like: torch.Tensor | None, p: Proj, x_dtype, A, device):
     """The bool mask PEFT's dropout would draw now on the adapter input of projection p (shape,
-    dtype and device of what its `nn.Dropout` sees), or None when no dropout applies."""
+    strides, dtype and device of what its `nn.Dropout` sees), or None when no dropout applies. The
+    same RNG call F.dropout makes there: `native_dropout` where it runs the fused kernel, else
+    `empty_like(input).bernoulli_(1 - p)` (ATen's `_dropout_impl`)."""
     if not p.adapted or p.dropout == 0:
         return None
     dtype = dtypes(p, x_dtype, A.dtype).lora_in
-    ones = torch.ones_like(like, dtype=dtype) if like is not None else torch.ones(shape, dtype=dtype, device=device)
-    return F.dropout(ones, p.dropout, True) != 0
+    if like is not None:
+        noise = torch.empty_like(like, dtype=dtype)
+    else:
+        noise = torch.empty(shape, dtype=dtype, device=device)
+    if noise.device.type in _FUSED_DROPOUT:
+        return torch.native_dropout(noise.fill_(1), p.dropout, True)[1]
+    return noise.bernoulli_(1 - p.dropout) != 0
 
 
-def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
-    """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
+def linears_inputs(x, projs, adapters) -> tuple:
+    """The `linears` op's arguments (x, tensors, spec) for these projections; draws the dropout masks."""
     items, tensors = [], []
     for p, (A, B) in zip(projs, _adapter_pairs(projs, adapters)):
         mask = dropout_mask(None, x, p, x.dtype, A, x.device)
         item, ts = _inputs(x.dtype, p, (A, B), mask)
         items.append(item)
         tensors += ts
-    outs = torch.ops.accel_patch_lora.linears(x, tensors, "|".join(items))
+    return x, tensors, "|".join(items)
+
+
+def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
+    """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
+    outs = torch.ops.accel_patch_lora.linears(*linears_inputs(x, projs, adapters))
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
-def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
-    saving x, gate, up and the dropout masks."""
+def mlp_inputs(x, projs, adapters, act: str, gate_first: bool) -> tuple:
+    """The `mlp` op's arguments (x, tensors, spec); draws the dropout masks (gate, up, down)."""
     projs = tuple(projs)
     pairs = _adapter_pairs(projs, adapters)
     first = projs[0]
@@ -416,17 +460,22 @@ def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
     inter = _out_features(first) // (2 if len(projs) == 2 else 1)
     items, tensors = [], []
     for i, (p, (A, B)) in enumerate(zip(projs, pairs)):
-        is_down = i == len(projs) - 1
-        in_dtype = gate_dtype if is_down else x.dtype
-        if is_down:
+        if i == len(projs) - 1:  # down reads act(gate) * up
+            in_dtype = gate_dtype
             mask = dropout_mask((*x.shape[:-1], inter), None, p, in_dtype, A, x.device)
         else:
+            in_dtype = x.dtype
             mask = dropout_mask(None, x, p, in_dtype, A, x.device)
         item, ts = _inputs(in_dtype, p, (A, B), mask)
         items.append(item)
         tensors += ts
-    spec = "|".join(items) + f";{act},{int(gate_first)}"
-    out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
+    return x, tensors, "|".join(items) + f";{act},{int(gate_first)}"
+
+
+def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
+    saving x, gate, up and the dropout masks."""
+    out, _, _ = torch.ops.accel_patch_lora.mlp(*mlp_inputs(x, projs, adapters, act, gate_first))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -85,9 +85,14 @@ def _hooked(m) -> bool:
 _AUTOCASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts (not float64)
 
 
+def autocast_available(device_type: str) -> bool:
+    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))
+    return available(device_type)
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The autocast dtype in force for `device_type`, None when autocast is off there."""
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    if not autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 

@@ -8,7 +8,7 @@ import torch
 
 from .. import mlp, probe
 from .functions import fused_linears, fused_mlp
-from .plans import Proj, _compute_4bit, _is_lora_layer, base_kind
+from .plans import Proj, _compute_4bit, _is_lora_layer, autocast_available, base_kind
 
 PROBE_RANK = 4
 
@@ -90,16 +90,18 @@ def _bases(module, names):
 
 def _probe_configs(act_dtype, bases, device):
     """(input dtype, adapter dtype, autocast dtype or None, dropout p) to probe: each dtype the model
-    computes in; float32 dropout (the same masks under the same seed); PEFT's float32 adapters under
-    bfloat16 autocast, with dropout."""
+    computes in; PEFT's float32 adapters on a half-precision model; dropout (the same masks under
+    the same seed); PEFT's float32 adapters under bfloat16 autocast, with dropout."""
     dtypes = [act_dtype]
     if act_dtype != torch.float32 and all(base_kind(b) == "plain" for b in bases):
         dtypes.append(torch.float32)
     if all(base_kind(b) == "4bit" for b in bases):  # a 4-bit base computes in its compute dtype
         dtypes = [getattr(bases[0], "compute_dtype", None) or act_dtype]
     configs = [(d, d, None, 0.0) for d in dtypes]
+    if act_dtype in (torch.bfloat16, torch.float16):  # PEFT's default float32 adapters on a half base
+        configs.append((act_dtype, torch.float32, None, 0.0))
     configs.append((dtypes[-1], dtypes[-1], None, PROBE_DROPOUT))
-    if device is not None and torch.amp.is_autocast_available(device.type) and act_dtype != torch.float64:
+    if device is not None and autocast_available(device.type) and act_dtype != torch.float64:
         configs.append((act_dtype, torch.float32, torch.bfloat16, PROBE_DROPOUT))
     return configs
 

@@ -1,0 +1,115 @@
+"""Fused LoRA with dropout > 0 (accel_patch/swaps/lora/): under the same seed a swapped step equals
+stock PEFT's (the masks drawn as PEFT's nn.Dropout draws them, on each adapted projection's input,
+in PEFT's order), another seed gives another step, eval mode drops nothing, and backward keeps the
+masks as one byte per element."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _models import build, padded_batch, rel, training_step
+from test_lora import calls, peft_model
+from test_lora_autocast import assert_qkv_equals_peft, expected_calls
+
+DROPOUT = 0.1
+
+
+def seeded_step(model, seed):
+    torch.manual_seed(seed)
+    return training_step(model, padded_batch())
+
+
+@pytest.mark.parametrize("family, order", [
+    ("llama", "swap-then-peft"),
+    pytest.param("phi3", "peft-then-swap", marks=pytest.mark.slow),  # one fused gate_up: one mask
+    pytest.param("qwen2", "peft-then-swap", marks=pytest.mark.slow),
+    pytest.param("gpt_neox", "swap-then-peft", marks=pytest.mark.slow),  # one fused query_key_value
+])
+def test_with_dropout_a_swapped_step_equals_stock_under_the_same_seed(family, order):
+    base = build(family)
+    stock = peft_model(base, "stock", lora_dropout=DROPOUT)
+    twin = peft_model(base, order, lora_dropout=DROPOUT)
+    loss0, grads0, _ = seeded_step(stock, 5)
+    loss1, grads1, _ = seeded_step(twin, 5)
+    assert grads0 and grads1.keys() == grads0.keys()
+    assert rel(loss1, loss0) <= 1e-5, (loss1, loss0)
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
+    assert calls(twin) == expected_calls(base, family)
+    # the dropout acted: another seed gives another step
+    loss2, grads2, _ = seeded_step(twin, 6)
+    assert rel(loss2, loss0) > 1e-4
+    assert min(rel(grads2[n], g) for n, g in grads0.items() if "lora_A" in n) > 1e-3
+
+
+@pytest.mark.slow
+def test_with_dropout_under_bf16_autocast_the_qkv_function_equals_pefts_layers_bit_for_bit():
+    assert_qkv_equals_peft(torch.float32, torch.bfloat16, dropout=DROPOUT)
+    assert_qkv_equals_peft(torch.bfloat16, None, dropout=DROPOUT)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.sh)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("model_dtype, autocast, bound", [
+    (torch.float32, None, 1e-5),  # CUDA's fused dropout kernel: its mask and its float32 scale
+    (torch.float32, torch.bfloat16, 1e-2),
+    (torch.bfloat16, None, 1e-2),  # PEFT's float32 adapters: the mask drawn in float32
+])
+def test_on_cuda_the_qkv_function_with_dropout_equals_pefts_layers(model_dtype, autocast, bound):
+    assert_qkv_equals_peft(model_dtype, autocast, dropout=DROPOUT, device="cuda", bound=bound)
+
+
+@needs_cuda
+def test_on_cuda_with_dropout_a_swapped_step_equals_stock_under_the_same_seed():
+    base = build("llama")
+    stock = peft_model(base, "stock", lora_dropout=DROPOUT).cuda()
+    twin = peft_model(base, "peft-then-swap", lora_dropout=DROPOUT).cuda()
+    batch = {k: v.cuda() for k, v in padded_batch().items()}
+    losses, grads = [], []
+    for model in (stock, twin):
+        torch.manual_seed(5)
+        loss, g, _ = training_step(model, batch)
+        losses.append(loss), grads.append(g)
+    assert rel(losses[1], losses[0]) <= 1e-5
+    assert max(rel(grads[1][n], g) for n, g in grads[0].items()) <= 1e-4
+    assert calls(twin) == expected_calls(base, "llama")
+
+
+@pytest.mark.slow
+def test_in_eval_mode_nothing_is_dropped_and_the_call_is_fused():
+    base = build("llama")
+    stock = peft_model(base, "stock", lora_dropout=DROPOUT)
+    twin = peft_model(base, "swap-then-peft", lora_dropout=DROPOUT)
+    stock.eval(), twin.eval()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        ref = stock(**padded_batch()).logits
+        torch.manual_seed(2)  # another seed: nothing random runs
+        assert rel(twin(**padded_batch()).logits, ref) <= 1e-5
+    assert calls(twin)["lora_mlp"] == {"fused": 2}
+
+
+def test_with_dropout_the_fused_mlp_saves_x_gate_up_and_a_byte_per_mask_element():
+    base = build("llama")
+    model = peft_model(base, "peft-then-swap", lora_dropout=DROPOUT)
+    model.train()
+    mlp_ = model.base_model.model.model.layers[0].mlp
+    x = torch.randn(2, 5, base.config.hidden_size, requires_grad=True)
+    params = {p.data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append((t.dtype, t.numel() * t.element_size()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp_(x)
+    hidden, inter = base.config.hidden_size, base.config.intermediate_size
+    floats = sum(n for dtype, n in saved if dtype != torch.bool)
+    masks = sorted(n for dtype, n in saved if dtype == torch.bool)
+    assert floats == 10 * (hidden + 2 * inter) * 4  # x, gate, up: as with dropout 0
+    assert masks == sorted([10 * hidden, 10 * hidden, 10 * inter])  # gate's, up's, down's: 1 byte each
+    assert calls(model) == {"lora_mlp": {"fused": 1}}
