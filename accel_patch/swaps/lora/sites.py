@@ -50,7 +50,8 @@ class Site:
 @torch.compiler.assume_constant_result
 def _count_traced(site: Site, op: str, outcome: str) -> bool:
     """Count a call while dynamo traces it: dynamo runs this at trace time and keeps only its
-    result, so the count is one per compiled graph, not per call, and adds no guard."""
+    result, so the count is one per compiled graph, not per call; its only guard is the site's
+    identity (the site lives as long as the swap)."""
     site.count(op, COMPILED + outcome)
     return True
 
