@@ -237,23 +237,22 @@ class AccelPatchCallback(TrainerCallback):
             return  # evaluation logs and the end-of-training summary carry their own figures
         model = kwargs.get("model")
         added = {}
-        sync = self._rank_sync_value(model, state)  # a collective: every rank, whatever the metrics
+        first, self._first_log = self._first_log, False
+        if self.metrics and self._mark is not None:
+            now, tokens = time.perf_counter(), self._tokens_seen(args, state)
+            then, step, seen = self._mark
+            self._mark = (now, state.global_step, tokens)
+            added["peak_memory_mib"] = self._peak_memory_mib()
+            if state.global_step > step and now > then:
+                added["step_time_s"] = (now - then) / (state.global_step - step)
+                added["tokens_per_second"] = (tokens - seen) / (now - then)
+            if first:
+                added["accel_patch_swap"] = self._swap_line(model)
+                added["accel_patch_topology"] = _topology_line()
+        # what ran and whether the ranks agree: said whatever `metrics` asks
+        sync = self._rank_sync_value(model, state)  # a collective: every rank calls it at the same logs
         if sync is not None:
             added["accel_patch_rank_sync"] = sync
-        if not self.metrics or self._mark is None:
-            self._write(logs, state, added)
-            return
-        now, tokens = time.perf_counter(), self._tokens_seen(args, state)
-        then, step, seen = self._mark
-        self._mark = (now, state.global_step, tokens)
-        added["peak_memory_mib"] = self._peak_memory_mib()
-        if state.global_step > step and now > then:
-            added["step_time_s"] = (now - then) / (state.global_step - step)
-            added["tokens_per_second"] = (tokens - seen) / (now - then)
-        first, self._first_log = self._first_log, False
-        if first:
-            added["accel_patch_swap"] = self._swap_line(model)
-            added["accel_patch_topology"] = _topology_line()
         fallbacks = self._fallbacks_value(args, model, first)
         if fallbacks is not None:
             added["accel_patch_fallbacks"] = fallbacks
@@ -268,7 +267,8 @@ class AccelPatchCallback(TrainerCallback):
                 report = report_of(model)  # as it stands now: adapters added since the swap, TRL's head
             except TypeError:
                 report = None
-        report = report or self.report
+        if report is None:
+            report = self.report
         return report.short() if report is not None else "no kernels swapped"
 
     @staticmethod

@@ -63,8 +63,8 @@ class SwapState:
 
     @property
     def loss_calls(self) -> dict[str, int]:
-        """The fused loss's calls: outcome -> count (`calls[LOSS_OP]`; empty before the first)."""
-        return self.calls.get(LOSS_OP, {})
+        """The fused loss's calls: outcome -> count, live (the dict `calls[LOSS_OP]`)."""
+        return self.calls.setdefault(LOSS_OP, {})
 
     def count_call(self, outcome: str, op: str = LOSS_OP) -> None:
         """Count one call of `op` (the fused loss by default) with `outcome`."""

@@ -33,7 +33,9 @@ def peft_model(base, order, ops_=None, **config):
 
 
 def calls(model) -> dict:
-    return accel_patch.swaps.apply.unwrap(model).__dict__[sites.STATE_ATTR].calls
+    """The LoRA sites' call counts (the fused loss counts its own calls beside them)."""
+    counted = accel_patch.swaps.apply.unwrap(model).__dict__[sites.STATE_ATTR].calls
+    return {op: outcomes for op, outcomes in counted.items() if op in lora.OPS}
 
 
 def assert_step_equals_stock(stock, twin, batch=None):
