@@ -11,7 +11,7 @@ per step against the step time of a 2-rank DDP run on CPU (gloo).
    128256 x 2048, 16 layers; 1.24e9 elements) and of a LoRA r=16 fine-tune of it (all linear
    layers, float32 adapters: 11.3e6 elements in 224 tensors). Best of `--repeats`.
 2. `--ranks 2` processes under torchrun, gloo, a small Llama (hidden 512, 4 layers, vocabulary
-   8000; 17e6 parameters, float32) in DDP with AdamW: the step time alone, and one
+   8000; 21e6 parameters, float32) in DDP with AdamW: the step time alone, and one
    `accel_patch.check_rank_sync` (checksum + all_gather + verdict) after each step, timed on its
    own; the share of one check in one step, and the interval the automatic schedule picks to keep
    it under 0.5% (ACCEL_PATCH_SYNC_EVERY unset).
@@ -137,6 +137,7 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--layers", type=int, default=16, help="decoder layers of the 1B parameter set (16: all)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for the checksum (default: torch's)")
     p.add_argument("--ranks", type=int, default=2, help="processes of the CPU DDP run (0: skip it)")
     p.add_argument("--steps", type=int, default=10, help="timed steps of the DDP run")
     p.add_argument("--json", metavar="PATH")
@@ -148,9 +149,11 @@ def main() -> int:
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     figures = dict(date=datetime.datetime.now().astimezone().isoformat(), machine=platform.node(),
-                   cpus=os.cpu_count(), torch=torch.__version__, device=str(device),
+                   cpus=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__, device=str(device),
                    device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor())
     full = time_digest(llama_shapes(args.layers), torch.bfloat16, device, args.repeats)
     scale = "" if args.layers == 16 else f" (scaled: {args.layers} of 16 layers)"

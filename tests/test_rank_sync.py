@@ -126,3 +126,24 @@ def test_settings_are_read_and_bad_values_named():
     # the automatic interval keeps the check under 0.5% of the step time
     assert rank_sync.auto_every(0.001, 0.1) == 2 and rank_sync.auto_every(0.0005, 0.1) == 1
     assert rank_sync.auto_every(0.06, 0.4) == 30 and rank_sync.auto_every(100.0, 0.01) == rank_sync.MAX_AUTO_EVERY
+
+
+def test_the_checksum_is_the_documented_wrapping_integer_mix():
+    """A pure-Python reference of the mix (int64 wrapping arithmetic): torch's int64 multiply and
+    sum must wrap as documented, on every platform the check runs on."""
+    mask = (1 << 64) - 1
+
+    def reference(values, start):
+        total = 0
+        for i, v in enumerate(values):
+            x = (v & mask) ^ ((i * rank_sync._POSITION) & mask) ^ ((start * rank_sync._POSITION) & mask)
+            x = (x * rank_sync._SCRAMBLE) & mask
+            x ^= x >> 29
+            total = (total + x) & mask
+        return rank_sync._i64(total)
+
+    t = torch.randn(500, generator=torch.Generator().manual_seed(1))
+    ints = t.view(torch.int32)
+    assert int(rank_sync._mix(ints, 12345).sum()) == reference(ints.tolist(), 12345)
+    hashes, _ = rank_sync.digest_tensors([t])
+    assert int(hashes[0]) == reference(ints.tolist(), 0)

@@ -123,7 +123,9 @@ def replicated_trainable(model) -> tuple[list[str], list, int]:
 
 # --- the checksum -------------------------------------------------------------------------------
 class _Constants:
-    """Per device and chunk length: the position weights and the +-1 signs of the projection."""
+    """Per device and chunk length: the position weights, the +-1 signs of the projection, and work
+    buffers (int64, int64, float64) reused by every chunk: a fresh 8-byte tensor per chunk costs
+    page faults on CPU, more than the arithmetic."""
 
     def __init__(self) -> None:
         self._cache = {}
@@ -137,7 +139,9 @@ class _Constants:
             positions = torch.arange(n, dtype=torch.int64, device=device)
             weights = positions * _i64(_POSITION)
             signs = torch.where((positions * _i64(_SIGNS)) < 0, -1.0, 1.0).to(torch.float64)
-            found = self._cache[key] = (weights, signs)
+            work = (torch.empty(n, dtype=torch.int64, device=device), torch.empty(n, dtype=torch.int64, device=device),
+                    torch.empty(n, dtype=torch.float64, device=device))
+            found = self._cache[key] = (weights, signs, work)
         return found
 
 
@@ -145,7 +149,9 @@ _constants = _Constants()
 
 
 def _chunk_len(device) -> int:
-    return 1 << (24 if device.type == "cuda" else 20)
+    # CPU: work buffers that stay in cache (2**17 int64: 1 MiB; 1.4x faster than 2**20 here);
+    # GPU: large enough that launches do not dominate
+    return 1 << (24 if device.type == "cuda" else 17)
 
 
 def _as_ints(flat):
@@ -160,16 +166,31 @@ def _as_ints(flat):
 
 
 def _mix(ints, start: int):
-    """Each element mixed with its position (start + i): an injective function of the element."""
+    """Each element mixed with its position (start + i): an injective function of the element, in
+    a work buffer (valid until the next call)."""
     import torch
 
     n = ints.numel()
-    weights, _ = _constants.get(ints.device, _chunk_len(ints.device))
-    x = ints.to(torch.int64)
-    x.bitwise_xor_(weights[:n] + _i64(start * _POSITION))
+    weights, _, (x, t, _) = _constants.get(ints.device, _chunk_len(ints.device))
+    x, t = x[:n], t[:n]
+    x.copy_(ints)  # sign-extended to int64
+    x.bitwise_xor_(weights[:n])
+    x.bitwise_xor_(_i64(start * _POSITION))
     x.mul_(_i64(_SCRAMBLE))  # odd multiplier: a bijection modulo 2**64
-    x.bitwise_xor_((x >> 29) & _LOW35)  # xorshift: a bijection
+    torch.bitwise_right_shift(x, 29, out=t)
+    t.bitwise_and_(_LOW35)
+    x.bitwise_xor_(t)  # xorshift (a logical shift: arithmetic, then masked): a bijection
     return x
+
+
+def _projection(values, signs):
+    """sum(values * signs) in float64, through the work buffer."""
+    import torch
+
+    n = values.numel()
+    buffer = _constants.get(values.device, _chunk_len(values.device))[2][2][:n]
+    buffer.copy_(values)
+    return torch.dot(buffer, signs[:n])
 
 
 def digest_tensors(tensors, device=None):
@@ -197,7 +218,7 @@ def digest_tensors(tensors, device=None):
                                         torch.tensor([t.numel() for t in batch], device=dev))
         values = torch.cat([t.to(torch.float64) if not t.is_complex() else torch.view_as_real(t).reshape(-1).double()
                             for t in batch])
-        _, signs = _constants.get(dev, _chunk_len(dev))
+        signs = _constants.get(dev, _chunk_len(dev))[1]
         hashes.index_add_(0, slots.to(device), _mix(ints, offset).to(device))
         sketches.index_add_(0, slots.to(device), (values * signs[: values.numel()]).to(device))
         offset += ints.numel()
@@ -213,13 +234,12 @@ def digest_tensors(tensors, device=None):
             flush()
             ints = _as_ints(flat)
             values = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
-            _, signs = _constants.get(flat.device, chunk)
+            signs = _constants.get(flat.device, chunk)[1]
             h = torch.zeros((), dtype=torch.int64, device=flat.device)
             s = torch.zeros((), dtype=torch.float64, device=flat.device)
             for start in range(0, ints.numel(), chunk):
-                piece = ints[start:start + chunk]
-                h += _mix(piece, offset + start).sum()
-                s += torch.dot(values[start:start + chunk].to(torch.float64), signs[: piece.numel()])
+                h += _mix(ints[start:start + chunk], offset + start).sum()
+                s += _projection(values[start:start + chunk], signs)
             offset += ints.numel()
             hashes[slot] += h.to(device)
             sketches[slot] += s.to(device)
