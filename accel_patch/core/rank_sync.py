@@ -259,11 +259,12 @@ class RankSync(namedtuple("RankSync", "state step world_size ranks tensors diffe
     """The outcome of one rank-sync check, the same on every rank.
 
     `state`: "in sync", "drift" or "not checked". `ranks`: the ranks whose parameters differ from
-    rank 0's. `tensors`: trainable tensors compared; `differing`: how many differ (at most, over the
-    ranks; folded slots count once); `size`: the estimated L2 size of the largest rank's difference;
+    rank 0's. `tensors`: trainable tensors compared; `differing`: how many differ (the most over
+    the ranks; beyond 256 tensors, every tensor folded into a differing slot counts); `size`: the
+    estimated L2 size of the largest rank's difference (inf for different parameter sets);
     `where`: the first differing parameter's name. `sharded`: trainable tensors left to a sharding
     engine. `every`: the interval (steps) the ranks agreed on for an automatic schedule.
-    `seconds`: this rank's time for the check. `message`: one line under 100 characters; `str()`.
+    `seconds`: this rank's time for the check. `message`: one line of at most 100 characters, `str()`.
     """
 
     __slots__ = ()

@@ -14,20 +14,22 @@ from .families import OPS
 #: A call that ran the kernel: its outcome is one of these words, alone or followed by a note in
 #: parentheses ("fused", "fused (in TRL's head)", "tiled").
 SUCCESSES = ("fused", "tiled")
-#: A call the kernel had nothing to do for, so nothing fell back: an outcome starting with one of
-#: these (a LoRA site whose adapters are all disabled, e.g. DPO's reference pass; TRL's head in
-#: evaluation mode, which the model's own fused loss would not count either).
-IDLE = ("no active LoRA adapter", "TRL's head: evaluation mode")
+#: Another forward ran by design, so nothing fell back: an outcome starting with one of these.
+#: Nothing for the kernel to do (a LoRA site whose adapters are all disabled, e.g. DPO's reference
+#: pass; TRL's head in evaluation mode, which the model's own fused loss does not count either), or
+#: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss.py).
+BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU")
 
 
 def outcome_kind(outcome: str) -> str:
-    """"success" (the kernel ran), "idle" (nothing to do) or "fall-back" (another forward ran where
-    the kernel would have: every other outcome, e.g. "PEFT's forward: <reason>", "stood aside: ...").
-    The one rule the report, the Trainer callback's logs and the tests read."""
+    """"success" (the kernel ran), "by design" (another forward ran where it should) or "fall-back"
+    (another forward ran where the kernel would have: every other outcome, e.g. "PEFT's forward:
+    <reason>", "stood aside: a LoRA adapter on the LM head ..."). The one rule the report, the
+    Trainer callback's logs and the tests read."""
     if any(outcome == s or outcome.startswith(s + " (") for s in SUCCESSES):
         return "success"
-    if outcome.startswith(IDLE):
-        return "idle"
+    if outcome.startswith(BY_DESIGN):
+        return "by design"
     return "fall-back"
 
 
