@@ -38,14 +38,36 @@ __all__ = [
     "SwapReport",
     "Topology",
     "TopologyError",
+    "check_rank_sync",
     "disable",
     "enable",
     "prepare_device_map",
+    "report",
     "restore_kernels",
     "status",
     "swap_kernels",
     "topology",
 ]
+
+
+def report(model):
+    """The live `SwapReport` of `model` (a transformers model, under PEFT, DDP or torch.compile
+    wrappers too) swapped by the Trainer callback, the load hook or `swap_kernels`; None for a model
+    never swapped. Its `calls` count every call of the ops decided per call (the fused loss, fused
+    LoRA) by outcome, as the model runs: `print(accel_patch.report(model))` shows what really ran."""
+    from .swaps.apply import report_of
+
+    return report_of(model)
+
+
+def check_rank_sync(model, step=None, group=None):
+    """Compare the trainable parameters every rank holds whole across ranks (one collective: call it
+    on every rank at the same point of a hand-written loop) and return a `RankSync`: `.ok` is False
+    on drift, `str()` is one line, "in sync (...)" or "DRIFT: rank(s) 1 differ from rank 0 at step
+    40: ...". See accel_patch/core/rank_sync.py for what is compared and why equal ranks never alarm."""
+    from .core.rank_sync import check_rank_sync as check
+
+    return check(model, step, group)
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@
 #   STEPS="versions lora-compile" bash benchmarks/gpu_check.sh          # ~7 min: fused LoRA compiled (Inductor)
 #   STEPS="kernel-tests check unit-tests demo" bash benchmarks/gpu_check.sh   # ~5 min: correctness
 #   STEPS="versions compile" bash benchmarks/gpu_check.sh              # ~6 min: eager vs torch.compile
+#   STEPS="versions rank-sync" bash benchmarks/gpu_check.sh            # ~1 min: the rank-sync checksum
 #
 # e2e: one training step of stock vs swapped at a Llama-3.2-1B shape, bf16, full and LoRA r=16
 # (benchmarks/e2e.py); bench: python -m accel_kernels.bench --quick; check: accel-patch check;
@@ -22,6 +23,9 @@
 # then the same with a 4-bit (nf4) base where bitsandbytes is installed (not in this image: skipped,
 # said so). lora-compile: the same three variants torch.compile'd with Inductor (2 warm-up steps
 # pay for the compilation, 3 timed).
+# rank-sync: the rank-sync guard's checksum of a Llama-3.2-1B parameter set (1.24e9 bf16 elements)
+# and of its LoRA r=16 adapters on the GPU (benchmarks/rank_sync.py; one GPU: no 2-rank run). It
+# fits beside "versions lora" in one lease.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -64,6 +68,8 @@ if step lora; then
 fi
 step lora-compile && run lora-compile 420 python3 benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 \
     --compile inductor --warmup 2 --steps 3 --json "$OUT/lora_compile.json"
+step rank-sync && run rank-sync 120 python3 benchmarks/rank_sync.py --device cuda --repeats 5 \
+    --json "$OUT/rank_sync.json"
 step kernel-tests && run kernel-tests 150 env TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/bench.json"

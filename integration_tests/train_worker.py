@@ -195,7 +195,7 @@ def _lora_calls(model):
     from accel_patch.swaps import apply, sites
 
     state = apply.unwrap(model).__dict__.get(sites.STATE_ATTR)
-    return state.calls if state is not None else None
+    return {op: outcomes for op, outcomes in state.calls.items() if op.startswith("lora_")} if state is not None else None
 
 
 def save_checkpoint(path):

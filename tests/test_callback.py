@@ -73,9 +73,10 @@ def test_a_stock_trainer_swaps_a_constructed_model_and_logs_throughput_and_memor
         assert all(isinstance(h[k], float) and h[k] > 0 for k in METRICS), h
     for h in steps:  # 2 rows of 7 unmasked tokens a step
         assert h["tokens_per_second"] * h["step_time_s"] == pytest.approx(14, rel=1e-6)
-    assert steps[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2"
+    assert steps[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1"
     assert steps[0]["accel_patch_topology"] == "1 process(es) on 1 node(s), cpu, none; accelerate: single-device"
     assert "accel_patch_swap" not in steps[1]
+    assert not any("accel_patch_fallbacks" in h or "accel_patch_rank_sync" in h for h in steps)  # all fused; 1 process
     seen = [l for l in recorder.logs if "loss" in l]
     assert all(all(k in l for k in METRICS) for l in seen)  # what report_to integrations receive
 
@@ -158,3 +159,30 @@ def test_trl_sft_trainer_gets_the_callback_and_the_kernels(tmp_path):
     trainer.train()
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 2 and all(all(k in h for k in METRICS) for h in steps), steps
+    assert steps[0]["accel_patch_swap"].endswith("; LM head: ours, in TRL's place")
+    assert all(len(v) <= 100 for h in trainer.state.log_history for v in h.values() if isinstance(v, str))
+    assert set(accel_patch.report(model).calls["fused_linear_cross_entropy"]) == {"fused (in TRL's head)"}
+
+
+@pytest.mark.slow
+def test_a_dora_adapter_in_a_trainer_logs_its_fallbacks_once_per_reason(tmp_path, caplog):
+    """Issue 19's check: PEFT's forward runs for every LoRA call (DoRA); the logs say so at every
+    log, the logger warns once per op and reason, the report counts the fused loss, and every
+    logged string fits a console line."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
+    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=Rows())
+    with caplog.at_level("WARNING", logger="accel_patch"):
+        trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert steps[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2"
+    dora = "PEFT's forward: a LoRA variant (DoraLinearVariant, e.g. DoRA)"
+    for h in steps:  # 2 steps a log, 2 layers: 4 calls of each site since the last log
+        assert h["accel_patch_fallbacks"] == f"lora_mlp x4 {dora}; +2 more", h
+    assert all(len(v) <= 100 for h in trainer.state.log_history for v in h.values() if isinstance(v, str))
+    warned = [r.getMessage() for r in caplog.records if "ran another forward" in r.getMessage()]
+    assert sorted(w.split(" of the swapped ")[1].split(" ran")[0] for w in warned) == ["lora_mlp", "lora_o", "lora_qkv"]
+    assert all(dora in w for w in warned)  # once per op and reason, not once per log
+    calls = accel_patch.report(model).calls
+    assert calls["fused_linear_cross_entropy"] == {"fused": 4} and calls["lora_mlp"] == {dora: 8}

@@ -13,6 +13,19 @@
   Trainer copies `logs` into `state.log_history` before callbacks run, and report_to integrations
   are callbacks too, so the callback runs first (the registration patch puts it at the head of
   the list) and writes its keys into both.
+- Fall-backs: a log after which calls of a swapped op ran another forward (PEFT's for a LoRA
+  site, the stock head for the fused loss: `swaps.report.outcome_kind`) carries
+  `accel_patch_fallbacks` ("lora_mlp x8 PEFT's forward: ..."), and the logger warns once per op
+  and reason; the counts are in `accel_patch.report(model).calls`. Under torch.compile the
+  compiled graph decides and calls are not counted: the first log says so.
+- Rank sync (more than one process): at the first log and every ACCEL_PATCH_SYNC_EVERY steps
+  (automatic by default: the check stays under 0.5% of the step time; 0: off) the trainable
+  parameters every rank holds whole are compared with one collective (`core.rank_sync`); the log
+  carries `accel_patch_rank_sync`, "in sync (...)" or "DRIFT: rank(s) ... differ from rank 0 ...",
+  rank 0's logger warns on drift, and ACCEL_PATCH_SYNC_CHECK=error stops the run instead.
+
+Every string the callback logs is at most 100 characters (transformers' console printer replaces
+longer ones); the details are in the swap report.
 
 After `import accel_patch`, every Trainer gets one (ACCEL_PATCH_CALLBACK=0 turns that off);
 passing one explicitly replaces the automatic one, never adds a second.
@@ -26,6 +39,9 @@ import time
 
 import torch
 from transformers.trainer_callback import TrainerCallback
+
+from ..core import rank_sync
+from ..core.log_line import fit
 
 log = logging.getLogger("accel_patch")
 
@@ -46,6 +62,15 @@ class AccelPatchCallback(TrainerCallback):
         self._hook = None
         self._tokens = None  # a device tensor: counting never syncs
         self._mark = None  # (time, step, tokens) at the last log
+        self._calls_seen = {}  # (op, outcome) -> calls at the last log
+        self._warned = set()  # (op, outcome) fall-backs warned about, and other once-only notes
+        self._sync_every = None  # None: automatic; 0: off
+        self._sync_mode = "warn"
+        self._sync_next = None  # the step of the next scheduled check (after the first log's)
+        self._sync_last = None  # the last RankSync
+        self._sync_logged = None  # the RankSync to put in the next log
+        self._step_clock = None  # (time, step) at the last step end, for the automatic interval
+        self._step_s = None  # mean step time since the last check, the checks' own time left out
 
     # --- swapping ---------------------------------------------------------------------------
     def _ops(self):
@@ -81,6 +106,10 @@ class AccelPatchCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._swap(model, prepared=True)
+        self._sync_every = rank_sync.sync_every()  # a bad value stops here, naming the variable
+        self._sync_mode = rank_sync.sync_mode()
+        self._sync_next, self._sync_last, self._sync_logged = None, None, None
+        self._step_clock, self._step_s = (time.perf_counter(), state.global_step), None
         if not self.metrics:
             return
         if model is not None and args.include_num_input_tokens_seen in ("no", False, None):
@@ -131,24 +160,150 @@ class AccelPatchCallback(TrainerCallback):
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB on Linux
 
+    # --- rank sync --------------------------------------------------------------------------
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        now = time.perf_counter()
+        if self._step_clock is not None and state.global_step > self._step_clock[1]:
+            per_step = (now - self._step_clock[0]) / (state.global_step - self._step_clock[1])
+            self._step_s = per_step if self._step_s is None else 0.8 * self._step_s + 0.2 * per_step
+        self._step_clock = (now, state.global_step)
+        if self._sync_next is not None and self._sync_every != 0 and state.global_step >= self._sync_next:
+            self._check_sync(model, state)
+
+    def _check_sync(self, model, state) -> None:
+        if model is None or (self._sync_last is not None and self._sync_last.step == state.global_step):
+            return
+        previous = self._sync_last.seconds if self._sync_last is not None else 0.0
+        try:
+            result = rank_sync.check_rank_sync(model, step=state.global_step, step_seconds=self._step_s,
+                                               previous_seconds=previous)
+        except Exception as exc:  # training goes on; the same failure on every rank skips the collective alike
+            self._sync_every, self._sync_next = 0, None
+            log.warning("accel_patch: the rank-sync check failed and is off for this run: %s: %s",
+                        type(exc).__name__, exc)
+            return
+        self._sync_last = result
+        if self._sync_logged is None or self._sync_logged.ok:  # a drift stays in the log until logged
+            self._sync_logged = result
+        every = self._sync_every if self._sync_every else result.every
+        self._sync_next = state.global_step + every if every else None
+        if result.sharded and "sharded" not in self._warned:
+            self._warned.add("sharded")
+            log.info("accel_patch: rank sync: %d trainable tensor(s) are sharded (FSDP, DeepSpeed ZeRO-3): "
+                     "keeping them consistent is the engine's; the check compares the %d others",
+                     result.sharded, result.tensors)
+        if not result.ok:
+            if self._sync_mode == "error":
+                raise RuntimeError(f"accel_patch: {result.message} ({rank_sync.MODE_VAR}=error)")
+            if state.is_world_process_zero and ("drift", result.ranks) not in self._warned:
+                self._warned.add(("drift", result.ranks))
+                log.warning("accel_patch: %s. Those ranks now train other weights than rank 0: check that "
+                            "every process wraps the model for data parallelism (DDP, accelerate's prepare) "
+                            "and runs the same collectives; %s=error stops the run here",
+                            result.message, rank_sync.MODE_VAR)
+        # the check's own time is not step time
+        self._step_clock = (time.perf_counter(), state.global_step)
+
+    def _rank_sync_value(self, model, state) -> str | None:
+        if self._sync_every == 0 or not _distributed():
+            return None
+        if self._sync_last is None:  # the first log: the first check
+            self._check_sync(model, state)
+        logged, self._sync_logged = self._sync_logged, None
+        return logged.message if logged is not None else None
+
+    # --- fall-backs -------------------------------------------------------------------------
+    def _fallbacks_value(self, args, model, first: bool) -> str | None:
+        from ..swaps.apply import unwrap
+        from ..swaps.report import calls_snapshot, fallback_line, fallbacks_since
+        from ..swaps.sites import STATE_ATTR
+
+        if model is None:
+            return None
+        swap_state = unwrap(model).__dict__.get(STATE_ATTR)
+        if swap_state is None:
+            return None
+        items = fallbacks_since(swap_state.calls, self._calls_seen)
+        self._calls_seen = calls_snapshot(swap_state.calls)
+        for op, outcome, n in items:
+            if (op, outcome) not in self._warned:
+                self._warned.add((op, outcome))
+                log.warning("accel_patch: %d call(s) of the swapped %s ran another forward: %s "
+                            "(counts per outcome: accel_patch.report(model).calls)", n, op, outcome)
+        if items:
+            return fallback_line(items)
+        if first and _compiled(args, model):
+            log.info("accel_patch: the model runs under torch.compile: the compiled graph decides which calls "
+                     "are fused; calls are not counted per call there (LoRA sites: once per compiled graph, "
+                     "as 'compiled: <outcome>')")
+            return "not counted per call: under torch.compile the compiled graph decides"
+        return None
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not self.metrics or logs is None or "loss" not in logs or self._mark is None:
+        if logs is None or "loss" not in logs:
             return  # evaluation logs and the end-of-training summary carry their own figures
-        now, tokens = time.perf_counter(), self._tokens_seen(args, state)
-        then, step, seen = self._mark
-        self._mark = (now, state.global_step, tokens)
-        added = {"peak_memory_mib": self._peak_memory_mib()}
-        if state.global_step > step and now > then:
-            added["step_time_s"] = (now - then) / (state.global_step - step)
-            added["tokens_per_second"] = (tokens - seen) / (now - then)
-        if self._first_log:
-            self._first_log = False
-            added["accel_patch_swap"] = self.report.short() if self.report is not None else "no kernels swapped"
-            added["accel_patch_topology"] = _topology_line()
+        model = kwargs.get("model")
+        added = {}
+        first, self._first_log = self._first_log, False
+        if self.metrics and self._mark is not None:
+            now, tokens = time.perf_counter(), self._tokens_seen(args, state)
+            then, step, seen = self._mark
+            self._mark = (now, state.global_step, tokens)
+            added["peak_memory_mib"] = self._peak_memory_mib()
+            if state.global_step > step and now > then:
+                added["step_time_s"] = (now - then) / (state.global_step - step)
+                added["tokens_per_second"] = (tokens - seen) / (now - then)
+            if first:
+                added["accel_patch_swap"] = self._swap_line(model)
+                added["accel_patch_topology"] = _topology_line()
+        # what ran and whether the ranks agree: said whatever `metrics` asks
+        sync = self._rank_sync_value(model, state)  # a collective: every rank calls it at the same logs
+        if sync is not None:
+            added["accel_patch_rank_sync"] = sync
+        fallbacks = self._fallbacks_value(args, model, first)
+        if fallbacks is not None:
+            added["accel_patch_fallbacks"] = fallbacks
+        self._write(logs, state, added)
+
+    def _swap_line(self, model) -> str:
+        from ..swaps.apply import report_of
+
+        report = None
+        if model is not None:
+            try:
+                report = report_of(model)  # as it stands now: adapters added since the swap, TRL's head
+            except TypeError:
+                report = None
+        if report is None:
+            report = self.report
+        return report.short() if report is not None else "no kernels swapped"
+
+    @staticmethod
+    def _write(logs, state, added) -> None:
+        if not added:
+            return
+        added = {k: fit(v) if isinstance(v, str) else v for k, v in added.items()}  # console-sized
         logs.update(added)
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and last.get("loss") == logs.get("loss"):
             last.update(added)  # Trainer appended its copy before calling us
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    from ..core.topology_resolver import topology
+
+    try:
+        return topology().world_size > 1  # several processes without a group: said in the log
+    except Exception:
+        return False
+
+
+def _compiled(args, model) -> bool:
+    return bool(getattr(args, "torch_compile", False)) or "_compiled_call_impl" in getattr(model, "__dict__", {}) \
+        or hasattr(model, "_orig_mod")
 
 
 def _swap_prepared(model, ops):

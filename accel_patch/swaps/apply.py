@@ -267,7 +267,7 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
     else:
         new = 0
     report = SwapReport(type(target).__name__, state.counts, state.refused, new=new, head=state.head,
-                        calls=state.calls)
+                        calls=state.calls, waiting=waiting_for_adapters(target))
     if todo:
         _history.record(target, report)
         if report.swapped or report.refused:
@@ -275,14 +275,24 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
     return report
 
 
+def waiting_for_adapters(target) -> dict[str, int]:
+    """LoRA op -> sites of `target` with no PEFT LoRA layer under them (yet): not swapped in effect."""
+    waiting: dict[str, int] = {}
+    for module in target.modules():
+        for op in lora.waiting_ops(module):
+            waiting[op] = waiting.get(op, 0) + 1
+    return waiting
+
+
 def report_of(model) -> SwapReport | None:
-    """The swap report of `model` as it stands now (a trainer may have changed whose head runs
-    since the swap), or None when it has no kernels."""
+    """See `accel_patch.report`: the swap report of `model` as it stands now (adapters added since
+    the swap, whose head a trainer runs), with its live call counts; None when it has no kernels."""
     target = unwrap(model)
     state = target.__dict__.get(sites.STATE_ATTR)
     if state is None:
         return None
-    return SwapReport(type(target).__name__, state.counts, state.refused, head=state.head)
+    return SwapReport(type(target).__name__, state.counts, state.refused, head=state.head, calls=state.calls,
+                      waiting=waiting_for_adapters(target))
 
 
 def _restore(target) -> list[str]:

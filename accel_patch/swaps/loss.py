@@ -34,7 +34,7 @@ from . import compiled_loss, probe, sites
 from .deferred import DeferredLogits, _Head
 from .head import capturing, head_leaf, head_plan
 
-OP = "fused_linear_cross_entropy"
+OP = sites.LOSS_OP  # "fused_linear_cross_entropy"
 
 
 def _without_deferred(output):

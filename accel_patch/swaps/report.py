@@ -1,4 +1,5 @@
-"""What a swap did: `SwapReport`, readable by people (`str()`) and by code (`.swapped`, `.refused`).
+"""What a swap did: `SwapReport`, readable by people (`str()`) and by code (`.swapped`, `.refused`,
+`.calls`), and what a call's outcome means (`outcome_kind`).
 
 Pure Python (no torch): `accel_patch` imports it at import time.
 """
@@ -6,7 +7,66 @@ from __future__ import annotations
 
 from collections import namedtuple
 
+from ..core.log_line import fit
 from .families import OPS
+
+# --- outcomes of the ops decided per call (SwapReport.calls) ------------------------------------
+#: A call that ran the kernel: its outcome is one of these words, alone or followed by a note in
+#: parentheses ("fused", "fused (in TRL's head)", "tiled").
+SUCCESSES = ("fused", "tiled")
+#: Another forward ran by design, so nothing fell back: an outcome starting with one of these.
+#: Nothing for the kernel to do (a LoRA site whose adapters are all disabled, e.g. DPO's reference
+#: pass; TRL's head in evaluation mode, which the model's own fused loss does not count either), or
+#: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss.py).
+BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU")
+#: Prefix of an outcome counted while torch.compile traces a site (once per compiled graph, not per
+#: call: swaps/lora/sites.py); what follows it is classified like any outcome.
+COMPILED = "compiled: "
+
+
+def outcome_kind(outcome: str) -> str:
+    """"success" (the kernel ran), "by design" (another forward ran where it should) or "fall-back"
+    (another forward ran where the kernel would have: every other outcome, e.g. "PEFT's forward:
+    <reason>", "stood aside: a LoRA adapter on the LM head ..."). The one rule the report, the
+    Trainer callback's logs and the tests read."""
+    if outcome.startswith(COMPILED):
+        return outcome_kind(outcome[len(COMPILED):])
+    if any(outcome == s or outcome.startswith(s + " (") for s in SUCCESSES):
+        return "success"
+    if outcome.startswith(BY_DESIGN):
+        return "by design"
+    return "fall-back"
+
+
+def is_fallback(outcome: str) -> bool:
+    return outcome_kind(outcome) == "fall-back"
+
+
+def calls_snapshot(calls: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:
+    """The counts of a live `calls` table now, for `fallbacks_since`."""
+    return {(op, outcome): n for op, outcomes in list(calls.items()) for outcome, n in list(outcomes.items())}
+
+
+def fallbacks_since(calls: dict[str, dict[str, int]], before: dict[tuple[str, str], int]) -> list[tuple[str, str, int]]:
+    """(op, outcome, calls) of every fall-back outcome counted since the snapshot `before`, most first."""
+    now = calls_snapshot(calls)
+    grown = [(op, outcome, n - before.get((op, outcome), 0)) for (op, outcome), n in now.items()
+             if is_fallback(outcome) and n > before.get((op, outcome), 0)]
+    return sorted(grown, key=lambda item: (-item[2], _op_order(item)))
+
+
+def fallback_line(items: list[tuple[str, str, int]]) -> str:
+    """The fall-backs in one logged value (<= 100 characters): "lora_mlp x8 PEFT's forward: a LoRA
+    variant (DoRA); +1 more": the op, how many calls, why; the rest is in the report."""
+    parts = [f"{op} x{n} {outcome}" for op, outcome, n in items]
+    line = parts[0] if parts else ""
+    for i, part in enumerate(parts[1:], 1):
+        more = len(parts) - i - 1
+        candidate = f"{line}; {part}"
+        if len(candidate) + (len(f"; +{more} more") if more else 0) > 100:
+            return fit(line, 100 - len(f"; +{len(parts) - i} more")) + f"; +{len(parts) - i} more"
+        line = candidate
+    return fit(line)
 
 
 class Refusal(namedtuple("Refusal", "where op reason")):
@@ -24,15 +84,21 @@ class SwapReport:
     model already had them: swapping twice swaps nothing twice). `head`: when a trainer installed
     its own LM head on the model (TRL's `add_fused_lm_head`), whose head runs its training calls:
     "TRL's", or "accel-patch's fused loss in TRL's place"; None otherwise.
-    `calls`: for the ops decided at each call (the fused LoRA sites), op -> outcome -> number of
-    calls so far ("fused", or which other forward ran and why); live: it grows as the model runs.
+    `calls`: for the ops decided at each call (the fused loss, the fused LoRA sites, any op that
+    pays only at some shapes), op -> outcome -> number of calls so far ("fused", or which other
+    forward ran and why: `outcome_kind`); live: it grows as the model runs. Under torch.compile the
+    compiled graph decides and calls are not counted.
+    `waiting`: LoRA sites installed on modules that have no PEFT LoRA layer yet, op -> sites: not
+    counted in `swapped` (nothing is fused there) until an adapter is added.
     """
 
     def __init__(self, model: str, swapped: dict[str, int] | None = None,
                  refused: list[Refusal] | None = None, new: int = 0, head: str | None = None,
-                 calls: dict[str, dict[str, int]] | None = None) -> None:
+                 calls: dict[str, dict[str, int]] | None = None, waiting: dict[str, int] | None = None) -> None:
         self.model = model
-        self.swapped = dict(swapped or {})
+        self.waiting = {op: n for op, n in (waiting or {}).items() if n}
+        self.swapped = {op: n - self.waiting.get(op, 0) for op, n in (swapped or {}).items()
+                        if n - self.waiting.get(op, 0) > 0}
         self.refused = list(refused or [])
         self.new = new
         self.head = head
@@ -51,20 +117,28 @@ class SwapReport:
         if self.refused:
             groups = self._grouped()
             line += "; refused " + "; ".join(f"{op} x{len(sites)} ({reason})" for (op, reason), sites in groups)
+        if self.waiting:
+            line += "; waiting for LoRA adapters: " + ", ".join(
+                f"{op} {n}" for op, n in sorted(self.waiting.items(), key=_op_order))
         if self.head:
             line += f"; LM head: {self.head}"
         return line
 
     def short(self) -> str:
-        """Sites per op and how many were refused, short enough for a logged value (< 100 chars)."""
+        """Sites per op and how many were refused, short enough for a logged value (<= 100 chars)."""
         ordered = sorted(self.swapped.items(), key=_op_order)
-        parts = [f"{op} {n}" for op, n in ordered if not op.startswith("lora_")]
-        lora = " ".join(f"{op[len('lora_'):]} {n}" for op, n in ordered if op.startswith("lora_"))
-        if lora:  # the three LoRA sites in one part: a 32-layer model's line stays under 100 chars
-            parts.append(f"lora {lora}")
-        done = ", ".join(parts) or "nothing swapped"
         head = {None: "", "TRL's": "; LM head: TRL's"}.get(self.head, "; LM head: ours, in TRL's place")
-        return done + (f"; {len(self.refused)} refused" if self.refused else "") + head
+        tail = (f"; {len(self.refused)} refused" if self.refused else "") + head
+        line = ""
+        for names in ({}, _SHORT_NAMES):  # the ops' own names, then shorter ones if the line is too long
+            parts = [f"{names.get(op, op)} {n}" for op, n in ordered if not op.startswith("lora_")]
+            lora = " ".join(f"{op[len('lora_'):]} {n}" for op, n in ordered if op.startswith("lora_"))
+            if lora:  # the three LoRA sites in one part: a 32-layer model's line stays short
+                parts.append(f"lora {lora}")
+            line = (", ".join(parts) or "nothing swapped") + tail
+            if len(line) <= 100:
+                return line
+        return fit(line)
 
     def _grouped(self) -> list[tuple[tuple[str, str], list[str]]]:
         groups: dict[tuple[str, str], list[str]] = {}
@@ -79,11 +153,13 @@ class SwapReport:
         for (op, reason), sites in self._grouped():
             where = ", ".join(sites[:2]) + (f", ... (+{len(sites) - 2})" if len(sites) > 2 else "")
             rows.append((op, str(len(sites)), "refused", f"{where}: {reason}"))
+        for op, n in sorted(self.waiting.items(), key=_op_order):
+            rows.append((op, str(n), "waiting", "no LoRA adapter on these modules yet: fused once PEFT adds one"))
         if len(rows) == 1:
             rows.append(("-", "0", "", "no candidate site found"))
         for op, outcomes in sorted(self.calls.items(), key=_op_order):
             for outcome, n in sorted(outcomes.items()):
-                rows.append((op, str(n), "calls", outcome))
+                rows.append((op, str(n), "calls", f"{outcome}" + (" (fall-back)" if is_fallback(outcome) else "")))
         w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
         head = f"kernel swap report for {self.model}"
         return "\n".join([head] + [f"  {a:<{w0}}  {b:>{w1}}  {c:<{w2}}  {d}".rstrip() for a, b, c, d in rows])
@@ -91,7 +167,11 @@ class SwapReport:
     def to_dict(self) -> dict:
         return {"model": self.model, "swapped": dict(self.swapped),
                 "refused": [r._asdict() for r in self.refused], "head": self.head,
-                "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()}}
+                "waiting": dict(self.waiting), "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()}}
+
+
+#: Shorter names for a logged line that would otherwise pass 100 characters.
+_SHORT_NAMES = {"fused_linear_cross_entropy": "loss", "rms_norm": "norm"}
 
 
 def _op_order(item) -> int:

@@ -20,6 +20,8 @@ STATE_ATTR = "_accel_patch_swap_state"
 INNER_ATTR = "_accel_patch_inner_forward"
 #: Marker set on every function the swap binds, naming its op.
 MARK = "__accel_patch_op__"
+#: The fused loss's op (loss.OP), under which its calls are counted in SwapState.calls.
+LOSS_OP = "fused_linear_cross_entropy"
 
 
 class SwapState:
@@ -31,9 +33,10 @@ class SwapState:
         self.refused: list = []
         self._undo: list[tuple[object, str, bool, object, object]] = []
         self.releases: list = []  # callables that release shared interceptions (RoPE globals)
-        self.loss_calls: dict[str, int] = {}  # fused / stood aside (and why), counted per call
         self.head: str | None = None  # whose LM head a trainer's own head calls run (TRL's), when it installed one
-        self.calls: dict[str, dict[str, int]] = {}  # fused LoRA sites: op -> outcome -> calls
+        # ops decided per call (the fused loss, the fused LoRA sites): op -> outcome -> calls;
+        # the outcomes' meaning is report.outcome_kind's
+        self.calls: dict[str, dict[str, int]] = {}
 
     def set(self, obj, attr: str, value) -> None:
         """obj.attr = value (in obj's own __dict__), remembering what was there."""
@@ -58,8 +61,15 @@ class SwapState:
             self.releases.pop()()
         return kept
 
-    def count_call(self, outcome: str) -> None:
-        self.loss_calls[outcome] = self.loss_calls.get(outcome, 0) + 1
+    @property
+    def loss_calls(self) -> dict[str, int]:
+        """The fused loss's calls: outcome -> count, live (the dict `calls[LOSS_OP]`)."""
+        return self.calls.setdefault(LOSS_OP, {})
+
+    def count_call(self, outcome: str, op: str = LOSS_OP) -> None:
+        """Count one call of `op` (the fused loss by default) with `outcome`."""
+        per_op = self.calls.setdefault(op, {})
+        per_op[outcome] = per_op.get(outcome, 0) + 1
 
 
 def forward_slot(module) -> str:

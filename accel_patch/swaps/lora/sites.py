@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from .. import sites
+from .. import report, sites
 from .functions import fused_linears, fused_mlp
 from .plans import MLP_OP, O_OP, QKV_OP, projection
 
@@ -32,7 +32,7 @@ FUSED = "fused"
 NO_ADAPTER = "no active LoRA adapter: the module's forward"
 
 #: Prefix of the outcomes counted while torch.compile traces a site (once per compiled graph).
-COMPILED = "compiled: "
+COMPILED = report.COMPILED
 
 
 class Site:
@@ -204,3 +204,17 @@ def install(state, module, func, site: Site) -> None:
         state.set(module, INNER_ATTR, module.__dict__[slot])
     state.set(module, SITE_ATTR, site)
     state.set(module, slot, types.MethodType(func, module))
+
+
+def waiting_ops(module) -> list[str]:
+    """The ops of the LoRA site on `module` that have no PEFT LoRA layer under them yet (a full
+    fine-tune, or a swap before `get_peft_model`): reported as waiting, not as swapped."""
+    site = module.__dict__.get(SITE_ATTR)
+    if site is None:
+        return []
+    if MLP_OP in site.ops:
+        groups = {MLP_OP: site.glu_plan[0]}
+    else:
+        inputs, out = site.names
+        groups = {QKV_OP: inputs, O_OP: (out,) if out is not None else ()}
+    return [op for op in sorted(site.ops) if not _any_lora_layer(module, groups.get(op, ()))]
