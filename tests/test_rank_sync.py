@@ -1,6 +1,6 @@
 """The rank-sync checksum and verdict (accel_patch/core/rank_sync.py), in one process: the checksum
 sees one ulp in a million elements and nothing else, the verdict names the ranks that differ, and
-bad settings are clear errors. The real 2-rank DDP Trainer run is integration_tests/test_rank_sync.py."""
+bad settings are clear errors. The real 2-rank DDP Trainer run is integration_tests/test_rank_sync_ddp.py."""
 from __future__ import annotations
 
 import pytest
