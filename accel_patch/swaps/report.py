@@ -58,7 +58,14 @@ class SwapReport:
     def short(self) -> str:
         """Sites per op and how many were refused, short enough for a logged value (< 100 chars)."""
         ordered = sorted(self.swapped.items(), key=_op_order)
-        parts = [f"{op} {n}" for op, n in ordered if not op.startswith("lora_")]
+        parts = [f"{op} {n}" for op, n in ordered if not op.startswith("lora_") and op != "tiled_mlp"]
+        tiled = self.swapped.get("tiled_mlp")
+        if tiled:  # with glu ("glu+tiled 32"): a 32-layer model's line stays under 100 chars
+            at = next((i for i, p in enumerate(parts) if p.startswith("glu ")), None)
+            if at is not None and self.swapped["glu"] == tiled:
+                parts[at] = f"glu+tiled {tiled}"
+            else:
+                parts.insert(len(parts) if at is None else at + 1, f"tiled {tiled}")
         lora = " ".join(f"{op[len('lora_'):]} {n}" for op, n in ordered if op.startswith("lora_"))
         if lora:  # the three LoRA sites in one part: a 32-layer model's line stays under 100 chars
             parts.append(f"lora {lora}")

@@ -41,7 +41,7 @@ def test_without_triton_the_swapped_modules_compute_exactly_as_stock(no_triton):
     report = swap_kernels(twin)
     # the LoRA sites are installed too (decided per call: this model has no adapter)
     assert set(report.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy",
-                                   "lora_mlp", "lora_qkv", "lora_o"}
+                                   "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp"}
     batch = padded_batch()
     loss0, grads0, _ = training_step(stock, batch)
     with OpsSeen() as mode:

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 
 import accel_patch
 from accel_patch import restore_kernels, swap_kernels
-from accel_patch.swaps import lora, ops, probe, sites
+from accel_patch.swaps import lora, ops, probe, sites, tiled_mlp
 
 from _models import build, padded_batch, rel, training_step
 from test_peft_and_checkpoints import assert_same_files
@@ -63,6 +63,7 @@ def test_a_lora_training_step_equals_peft_stock_in_float32(family, order):
     expected = {"lora_qkv": {"fused": layers}, "lora_o": {"fused": layers}}
     if family in GATED:
         expected["lora_mlp"] = {"fused": layers}
+        expected["tiled_mlp"] = {tiled_mlp.SHORT: layers}  # the tiled MLP on top: short sequences
     assert calls(twin) == expected
 
 

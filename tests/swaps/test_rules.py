@@ -100,9 +100,9 @@ def test_ops_narrow_the_swap_and_a_second_call_swaps_nothing_twice():
     assert again.new == 0 and again.swapped == first.swapped
     assert {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__} == forwards
     rest = swap_kernels(model)
-    # glu 2, the loss 1, lora_mlp 2, and one LoRA site per attention (serving lora_qkv and lora_o) 2
-    assert rest.new == 7 and set(rest.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy",
-                                                    "lora_mlp", "lora_qkv", "lora_o"}
+    # glu 2, the loss 1, lora_mlp 2, one LoRA site per attention (serving lora_qkv and lora_o) 2, tiled_mlp 2
+    assert rest.new == 9 and set(rest.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy",
+                                                    "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp"}
     assert swap_kernels(model, ops=["swiglu"]).new == 0  # an alias of glu
     # every swapped module holds exactly one swapped forward, nothing wrapped twice
     assert not any(sites.INNER_ATTR in m.__dict__ for m in model.modules())
@@ -141,13 +141,16 @@ def test_report_reads_as_a_table_and_one_line():
     assert "glu" in table and "swapped" in table and "refused" in table
     assert "LayerNorm (mean-centred): no kernel" in table and "interleaved" in table
     line = report.summary()
-    done = "glu 2, fused_linear_cross_entropy 1, lora_mlp 2, lora_qkv 2, lora_o 2"
+    done = "glu 2, fused_linear_cross_entropy 1, lora_mlp 2, lora_qkv 2, lora_o 2, tiled_mlp 2"
     assert line.startswith(f"CohereForCausalLM: swapped {done}; refused rms_norm x")
-    assert report.to_dict()["swapped"] == {"glu": 2, "fused_linear_cross_entropy": 1, "lora_mlp": 2, "lora_qkv": 2, "lora_o": 2}
-    assert report.short() == f"glu 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2; {len(report.refused)} refused"
+    assert report.to_dict()["swapped"] == {"glu": 2, "fused_linear_cross_entropy": 1, "lora_mlp": 2, "lora_qkv": 2,
+                                           "lora_o": 2, "tiled_mlp": 2}
+    assert report.short() == f"glu+tiled 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2; {len(report.refused)} refused"
     big = SwapReport("LlamaForCausalLM", {"rms_norm": 65, "rope": 32, "glu": 32, "fused_linear_cross_entropy": 1,
-                                          "lora_mlp": 32, "lora_qkv": 32, "lora_o": 32}, refused=report.refused[:1])
-    assert len(big.short()) < 100, big.short()  # a logged value (AccelPatchCallback)
+                                          "lora_mlp": 32, "lora_qkv": 32, "lora_o": 32, "tiled_mlp": 32},
+                     refused=report.refused[:1])
+    # a logged value (AccelPatchCallback): transformers' printer cuts strings of len > 100 (max_str_len)
+    assert len(big.short()) <= 100, big.short()
 
 
 def test_status_has_a_kernels_record_that_counts_swapped_models():
@@ -166,7 +169,8 @@ def test_one_log_line_per_swapped_model(caplog):
     assert len(lines) == 2
     assert lines[0] == ("accel_patch: MixtralForCausalLM: swapped rms_norm 5, rope 2, fused_linear_cross_entropy 1, "
                         "lora_qkv 2, lora_o 2; refused glu x2 (MoE experts stored as 3-D parameters: no kernel); "
-                        "lora_mlp x2 (MoE experts stored as 3-D parameters: no kernel)")
+                        "lora_mlp x2 (MoE experts stored as 3-D parameters: no kernel); "
+                        "tiled_mlp x2 (MoE experts stored as 3-D parameters: no kernel)")
 
 
 def test_a_family_nobody_listed_is_swapped_where_it_matches_t5():
