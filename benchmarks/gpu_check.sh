@@ -9,12 +9,19 @@
 #   STEPS="versions lora" bash benchmarks/gpu_check.sh                  # ~4 min: fused LoRA figures
 #   STEPS="kernel-tests check unit-tests demo" bash benchmarks/gpu_check.sh   # ~5 min: correctness
 #   STEPS="versions compile" bash benchmarks/gpu_check.sh              # ~6 min: eager vs torch.compile
+#   STEPS="versions long tiled-tests" bash benchmarks/gpu_check.sh     # ~6 min: long sequences, offloading
+#   STEPS="versions longest" bash benchmarks/gpu_check.sh              # ~7 min: longest trainable sequence
 #
 # e2e: one training step of stock vs swapped at a Llama-3.2-1B shape, bf16, full and LoRA r=16
 # (benchmarks/e2e.py); bench: python -m accel_kernels.bench --quick; check: accel-patch check;
 # compile: the e2e shape eager and compiled (Inductor), stock and swapped, full fine-tune, 2 warm-up
 # steps (they pay for the compilation) and 5 timed ones; then the swapped model's compiled training
 # forward must show no graph break (torch._dynamo.explain).
+# long: one step with gradient checkpointing at 8k/16k/32k tokens, Llama-3.2-1B shape, bf16, stock vs
+# swapped without the tiled MLP vs swapped (benchmarks/long_context.py); longest: the longest sequence
+# (16k x 2^k up to 128k) each of stock and swapped trains in 24 GiB, full fine-tune (and QLoRA where
+# bitsandbytes is), with and without transformers' checkpoint offloading; tiled-tests: the tiled MLP
+# under TRL's activation offloading on the GPU (tests/swaps/test_tiled_mlp.py -m gpu).
 # lora: one LoRA r=16 step at the Llama-3.2-1B shape, bf16, stock PEFT vs swapped today vs fused
 # LoRA (benchmarks/lora.py), and the same with a 4-bit base where bitsandbytes is installed.
 set -u
@@ -55,6 +62,11 @@ if step lora; then
         echo "== qlora: skipped (bitsandbytes is not installed in this image)"
     fi
 fi
+step long && run long 300 python3 benchmarks/long_context.py --device cuda --no-longest --steps 3 \
+    --json "$OUT/long.json"
+step longest && run longest 420 python3 benchmarks/long_context.py --device cuda --only-longest \
+    --json "$OUT/longest.json"
+step tiled-tests && run tiled-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/swaps/test_tiled_mlp.py
 step kernel-tests && run kernel-tests 150 env TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/bench.json"

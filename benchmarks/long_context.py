@@ -23,7 +23,8 @@ step is the same for all and left out. Random weights from a config, nothing dow
 - ratios: swapped / "no tiled MLP" for memory and time; the CPU targets at 8192 tokens (peak
   growth <= 0.6x, time <= 1.25x) print PASS or MISS.
 - longest (GPU): per variant (stock or swapped, full fine-tune or QLoRA, with or without
-  transformers' checkpoint offloading, `gradient_checkpointing_kwargs={"offload": True}`), the
+  transformers' checkpoint offloading: TrainingArguments' `gradient_checkpointing_kwargs={"offload":
+  True}`, which Trainer passes as `offload=True`), the
   longest power-of-two multiple of --start tokens whose step fits in --budget-gib
   (torch.cuda.set_per_process_memory_fraction), each length in a fresh process; QLoRA is skipped
   without bitsandbytes.
@@ -93,10 +94,11 @@ def prepared(variant: str, device: str, seq: int, qlora=False, checkpoint=None, 
     model = build(device, qlora, checkpoint)
     ops = ops_of(variant)
     report = accel_patch.swap_kernels(model, ops) if ops is not None else None
-    kwargs = {"use_reentrant": False}
+    # what Trainer does with TrainingArguments(gradient_checkpointing_kwargs={"offload": True, ...})
     if offload:
-        kwargs["offload"] = True
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
     gen = torch.Generator().manual_seed(0)
@@ -270,9 +272,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 2 on CPU, 5 on GPU)")
     p.add_argument("--crossover", action="store_true", help="CPU: one MLP's step, tiled vs not, by tokens")
     p.add_argument("--no-longest", action="store_true", help="GPU: skip the longest-sequence search")
+    p.add_argument("--only-longest", action="store_true", help="GPU: only the longest-sequence search")
     p.add_argument("--budget-gib", type=float, default=24.0, help="GPU memory budget of the search (GiB)")
-    p.add_argument("--start", type=int, default=8192, help="first length of the search")
-    p.add_argument("--cap", type=int, default=262144, help="longest length tried")
+    p.add_argument("--start", type=int, default=16384, help="first length of the search")
+    p.add_argument("--cap", type=int, default=131072, help="longest length tried")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -321,7 +324,7 @@ def main(argv=None) -> int:
           f"{warmup} warm-up, median of {steps} steps", flush=True)
     print(f"\n{'tokens':>7}  {'variant':<13}{'tokens/s':>10}{'step s':>9}{'peak growth MiB':>17}{'loss':>10}  tiled_mlp calls")
     results = []
-    for seq in seqs:
+    for seq in ([] if args.only_longest else seqs):
         rows = {v: run_child(["--device", device, "--child", v, "--seq", str(seq)]) for v in VARIANTS}
         timed = run_child(["--device", device, "--child", "timing", "--seq", str(seq),
                            "--warmup", str(warmup), "--steps", str(steps)])
@@ -346,7 +349,7 @@ def main(argv=None) -> int:
             print(line, flush=True)
         results.append(dict(seq=seq, rows=rows))
     long_rows = []
-    if device == "cuda" and not args.no_longest:
+    if device == "cuda" and not args.no_longest or args.only_longest:
         print(f"\nlongest sequence in {args.budget_gib:g} GiB (one step, gradient checkpointing; lengths "
               f"{args.start} x 2^k up to {args.cap})", flush=True)
         long_rows = longest(args.budget_gib, args.start, args.cap)

@@ -91,13 +91,13 @@ def decide(site: Site, module, x) -> str | None:
     """None when this call is tiled, else the reason the forward beneath runs."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         return "input is not a tensor of tokens: the module's forward"
+    tokens = x.numel() // x.shape[-1]
+    if tokens * site.intermediate < MIN_ELEMENTS or tokens < 2 * chunk_tokens(site.hidden, site.intermediate):
+        return SHORT
     if not torch.is_grad_enabled():
         return NO_GRAD
     if not module.training:  # (bitsandbytes' Linear4bit repacks its weight at a no-grad call in eval mode)
         return EVAL
-    tokens = x.numel() // x.shape[-1]
-    if tokens * site.intermediate < MIN_ELEMENTS or tokens < 2 * chunk_tokens(site.hidden, site.intermediate):
-        return SHORT
     if _is_dtensor(x) or any(_is_dtensor(p) for p in module.parameters()):
         return "DTensor input or parameters: the module's forward"
     return None

@@ -455,4 +455,4 @@ def test_a_model_without_lora_layers_takes_the_sites_fast_path(monkeypatch):
     loss0, _, _ = training_step(stock, padded_batch())
     loss1, _, _ = training_step(twin, padded_batch())
     assert rel(loss1, loss0) <= 1e-5
-    assert calls(twin) == {}
+    assert {op: c for op, c in calls(twin).items() if op in lora.OPS} == {}

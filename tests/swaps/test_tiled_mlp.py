@@ -244,14 +244,92 @@ def test_under_torch_compile_the_tiled_site_stands_aside(forced, no_triton):
 
 
 @pytest.mark.slow
-def test_checkpoint_offloading_gives_the_stock_losses(forced, no_triton):
-    """transformers' `gradient_checkpointing_kwargs={"offload": True}` (save_on_cpu around every
-    checkpointed layer; on a machine without an accelerator the copies stay on the host) on a swapped
-    model, tiled MLP included, trains as stock."""
-    stock = build("llama")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_offloading_gives_the_stock_losses(forced, no_triton, monkeypatch, reentrant, device):
+    """TrainingArguments' `gradient_checkpointing_kwargs={"offload": True}`, which Trainer turns into
+    `activation_checkpointing_enable(offload=True)`: `save_on_cpu` around every checkpointed layer (on
+    a machine without an accelerator, copies on the host). A swapped model, tiled MLP included, trains
+    as stock, with the reentrant checkpoint too (whose saved inputs go through save_on_cpu). On a
+    machine without an accelerator transformers 5.24 still asks for pinned memory, which raises
+    (stock too): there the test has save_on_cpu copy to plain host memory."""
+    if device == "cpu":
+        import transformers.modeling_utils as modeling_utils
+
+        plain = torch.autograd.graph.save_on_cpu
+        monkeypatch.setattr(modeling_utils, "save_on_cpu", lambda pin_memory, device_type: plain(False, device_type))
+    stock = build("llama").to(device)
     swapped = copy.deepcopy(stock)
     swap_kernels(swapped)
     for m in (stock, swapped):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True})
-    assert_same_step(stock, swapped)
+        m.activation_checkpointing_enable({"use_reentrant": reentrant}, offload=True)
+    assert_same_step(stock, swapped, {k: v.to(device) for k, v in padded_batch().items()})
+    assert calls(swapped)["tiled_mlp"][tiled_mlp.TILED] == stock.config.num_hidden_layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_trl_activation_offloading_gives_the_stock_losses(forced, no_triton, monkeypatch, device):
+    """TRL's `activation_offloading=True` (its OffloadActivations saved-tensor hooks) copies every
+    tensor autograd saves to the host and back. It needs an accelerator (on a CPU-only machine
+    `torch.accelerator.current_accelerator()` is None): on CPU the test names the CPU as the
+    accelerator, so every saved tensor (the kernels', the tiled MLP's, the fused loss's) still goes
+    through TRL's own copy out and back, without streams or pinned memory."""
+    from trl.models import activation_offloading
+
+    if device == "cpu":
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu"))
+        monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # called once bitsandbytes is imported
+    stock = build("llama").to(device)
+    swapped = copy.deepcopy(stock)
+    swap_kernels(swapped)
+    batch = {k: v.to(device) for k, v in padded_batch().items()}
+    results = []
+    for model in (stock, swapped):
+        offload = activation_offloading.get_act_offloading_ctx_manager(
+            model, use_pin_memory=device == "cuda", use_streams=device == "cuda", min_offload_size=0)
+        model.train()
+        with offload:
+            loss = model(**batch).loss
+        loss.backward()
+        assert offload.tensor_id > 0  # tensors went through TRL's hooks
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss0, grads0), (loss1, grads1) = results
+    assert rel(loss1, loss0) <= 1e-5
+    assert max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
     assert calls(swapped)["tiled_mlp"] == {tiled_mlp.TILED: stock.config.num_hidden_layers}
+
+
+@pytest.fixture
+def gloo_group(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_layers_tile_with_the_untiled_gradients(forced, no_triton, gloo_group):
+    """fully_shard per layer (one process, gloo): inside a unit's forward and backward the parameters
+    are FSDP2's unsharded tensors; the chunks' gradients reach them as in the untiled step, and FSDP2
+    reduce-scatters them."""
+    from torch.distributed.fsdp import fully_shard
+
+    untiled, tiled, _ = twins(build("llama"))
+    for model in (untiled, tiled):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    batch = padded_batch()
+    losses, grads = [], []
+    for model in (untiled, tiled):
+        model.train()
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    assert rel(losses[1], losses[0]) <= 1e-5
+    assert max(rel(grads[1][n], g) for n, g in grads[0].items()) <= 1e-4
+    assert calls(tiled)["tiled_mlp"] == {tiled_mlp.TILED: untiled.config.num_hidden_layers}
