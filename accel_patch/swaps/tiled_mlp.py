@@ -41,12 +41,13 @@ INNER_ATTR = "_accel_patch_tiled_inner"
 #: Tiling engages from this many elements of tokens x intermediate (one intermediate tensor), and
 #: from two chunks. Measured on CPU (`benchmarks/long_context.py --crossover`: one Llama MLP,
 #: hidden 512, intermediate 2048, fp32): the tiled step's peak memory is above the plain one's up to
-#: 2048 tokens (4M elements) and below it from 4096 (8M): docs/decisions.md, "Tiled MLP".
+#: 2048 tokens (4M elements: 126 vs 117 MiB) and below it from 4096 (8M: 142 vs 221 MiB), for one
+#: more MLP forward in time (none under checkpointing): docs/decisions.md, "Tiled MLP".
 MIN_ELEMENTS = 2 ** 23
-#: Elements of one chunk's intermediate tensor (chunk tokens x intermediate), at least `hidden`
+#: Elements of one chunk's intermediate tensor (chunk tokens x intermediate), but at least `hidden`
 #: tokens a chunk (a chunk's activations then weigh about one weight matrix, and a GPU's matmuls
-#: stay large): 1024 tokens at hidden 512 / intermediate 2048, 2048 at Llama-3.2-1B's 2048 / 8192.
-CHUNK_ELEMENTS = 2 ** 21
+#: stay large): 512 tokens at hidden 512 / intermediate 2048, 2048 at Llama-3.2-1B's 2048 / 8192.
+CHUNK_ELEMENTS = 2 ** 20
 
 TILED = "tiled"
 SHORT = "short sequence: the module's forward"
@@ -234,7 +235,6 @@ class _TiledFunction(torch.autograd.Function):
         full = [None] * len(ctx.params)
         for i, g in zip(wanted, dparams):
             full[i] = g
-        ctx.run = ctx.anchor = ctx.params = ctx.rng = None
         return (dx.view(shape) if need_x else None, None, None, None, *full)
 
 
