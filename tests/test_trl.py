@@ -184,7 +184,7 @@ def test_sft_trains_with_our_loss_and_stock_losses_and_metrics(tmp_path):
     assert model.__dict__[sites.STATE_ATTR].loss_calls == {"fused (in TRL's head)": 4}
     a, b = steps_of(stock), steps_of(ours)
     assert len(a) == len(b) == 4
-    assert b[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2; LM head: ours, in TRL's place"
+    assert b[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2; LM head: ours, in TRL's place"
     assert any(h["mean_token_accuracy"] > 0 for h in a)  # the metric is exercised, not only 0
     for x, y in zip(a, b):
         for key in ("loss", "entropy"):

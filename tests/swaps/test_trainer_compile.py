@@ -59,7 +59,7 @@ def test_trainer_torch_compile_swaps_compiles_without_a_break_and_learns_as_stoc
     assert not sites.is_swapped(stock.model.norm)
     logs1, weights1, breaks1, captured1 = train(twin, tmp_path / "twin")
     assert sites.is_swapped(twin.model.norm) and sites.is_swapped(twin)
-    assert logs1[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2"
+    assert logs1[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1, lora mlp 2 qkv 2 o 2"
     assert captured0 > 0 and captured1 > 0  # both were compiled
     assert breaks0 == 0 and breaks1 == 0
     assert [h["loss"] for h in logs1] == pytest.approx([h["loss"] for h in logs0], rel=1e-5)
