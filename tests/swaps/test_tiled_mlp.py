@@ -11,12 +11,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-import accel_patch
 from accel_patch import restore_kernels, swap_kernels
 from accel_kernels import _dispatch, _triton
 from accel_patch.swaps import OPS, apply, sites, tiled_mlp
 
 from _models import build, padded_batch, rel, training_step
+from test_cpu_path import OpsSeen
 
 UNTILED = [op for op in OPS if op != "tiled_mlp"]
 CHUNK = 4  # padded_batch has 3 x 10 = 30 tokens: chunks of 4, ..., 4 and 2
@@ -73,9 +73,13 @@ def test_a_tiled_step_equals_the_untiled_swap(forced, request, family, kernels):
     untiled, tiled, report = twins(build(family, **({"num_hidden_layers": 1} if kernels != "plain torch" else {})))
     layers = untiled.config.num_hidden_layers
     assert report.swapped["tiled_mlp"] == layers
-    assert_same_step(untiled, tiled)
+    with OpsSeen() as ops:
+        assert_same_step(untiled, tiled)
     assert calls(tiled)["tiled_mlp"] == {tiled_mlp.TILED: layers}
     assert "tiled_mlp" not in calls(untiled)
+    if kernels != "plain torch":  # the GLU kernel ran in every chunk, forward and recompute (and once untiled)
+        chunks = -(-padded_batch()["input_ids"].numel() // CHUNK)
+        assert ops.seen.count("glu") == (2 * chunks + 1) * layers, ops.seen
 
 
 def test_short_sequences_run_the_forward_beneath_and_are_counted(monkeypatch, no_triton):
