@@ -6,6 +6,7 @@ trains in a fixed memory budget.
                                                            # vocab 32000, fp32, 4096 / 8192 / 16384 tokens
     python benchmarks/long_context.py --seqs 4096,8192     # chosen lengths
     python benchmarks/long_context.py --crossover          # CPU: one MLP's step, tiled vs not, by tokens
+    python benchmarks/long_context.py --pairs 4 --seqs 8192  # the two swapped variants timed alternately
     python benchmarks/long_context.py --device cuda        # GPU: Llama-3.2-1B shape, bf16, 8k/16k/32k,
                                                            # then the longest trainable sequence
     python benchmarks/long_context.py --json long.json     # also every figure as JSON
@@ -157,6 +158,30 @@ def timing_child(device: str, seq: int, warmup: int, steps: int) -> dict:
     return {v: statistics.median(t) for v, t in times.items()}
 
 
+def pairs(device: str, seq: int, n: int) -> dict:
+    """The two swapped variants timed alternately in this process, the order reversed every round,
+    after one warm-up round: medians and the pairwise ratios (robust to the machine's load drifting)."""
+    import torch
+
+    if device == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    runs = {v: prepared(v, device, seq)[:2] for v in ("no tiled MLP", "swapped")}
+    times = {v: [] for v in runs}
+    for i in range(n + 1):
+        for v, (model, batch) in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(model, batch)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times[v].append(time.perf_counter() - t0)
+    ratios = [b / a for a, b in zip(times["no tiled MLP"], times["swapped"])]
+    return dict(seq=seq, median_s={v: statistics.median(t) for v, t in times.items()}, ratios=ratios,
+                median_ratio=statistics.median(ratios))
+
+
 def fits_child(variant: str, seq: int, qlora: bool, offload: bool, checkpoint: str | None, budget_gib: float) -> dict:
     """Whether one step of `variant` at `seq` tokens fits in the budget (GPU)."""
     import torch
@@ -283,6 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 2 on CPU, 5 on GPU)")
     p.add_argument("--crossover", action="store_true", help="CPU: one MLP's step, tiled vs not, by tokens")
     p.add_argument("--memory-only", action="store_true", help="peak growth and loss only, no timed steps")
+    p.add_argument("--pairs", type=int, metavar="N", help="only: N alternating timed pairs of the two swapped variants")
     p.add_argument("--no-longest", action="store_true", help="GPU: skip the longest-sequence search")
     p.add_argument("--only-longest", action="store_true", help="GPU: only the longest-sequence search")
     p.add_argument("--budget-gib", type=float, default=24.0, help="GPU memory budget of the search (GiB)")
@@ -311,6 +337,13 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     warmup = args.warmup if args.warmup is not None else (2 if device == "cuda" else 1)
     steps = args.steps if args.steps is not None else (5 if device == "cuda" else 2)
+    if args.pairs:
+        for seq in ([int(v) for v in args.seqs.split(",")] if args.seqs else SHAPES[device]["seqs"]):
+            r = pairs(device, seq, args.pairs)
+            print(f"{seq} tokens: no tiled MLP {r['median_s']['no tiled MLP']:.2f} s, swapped "
+                  f"{r['median_s']['swapped']:.2f} s (medians of {args.pairs}); swapped / no tiled MLP per pair "
+                  f"{', '.join(f'{x:.2f}' for x in r['ratios'])}: median {r['median_ratio']:.2f}x", flush=True)
+        return 0
     if args.child == "fits":
         print(json.dumps(fits_child(args.variant, args.seq, args.qlora, args.offload, args.checkpoint, args.budget_gib)))
         return 0
