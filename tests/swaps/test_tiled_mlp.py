@@ -60,7 +60,6 @@ def assert_same_step(untiled, tiled, batch=None, loss_bound=1e-5, grad_bound=1e-
     assert rel(grads1[worst], grads0[worst]) <= grad_bound, (worst, rel(grads1[worst], grads0[worst]))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family, kernels", [("llama", "triton interpreter"), ("phi3", "plain torch"),
                                              pytest.param("gemma", "plain torch", marks=pytest.mark.slow),
                                              pytest.param("qwen3", "plain torch", marks=pytest.mark.slow)])
@@ -154,7 +153,6 @@ def with_lora(model, **config):
     return get_peft_model(model, LoraConfig(**{**LORA, **config}))
 
 
-@pytest.mark.slow
 def test_a_lora_mlp_tiles_over_the_fused_lora_function(forced, no_triton):
     """The tiled site sits on top of the fused LoRA MLP: adapter gradients accumulate over chunks."""
     untiled, tiled, _ = twins(build("llama"), with_lora)
