@@ -415,7 +415,8 @@ def test_trainer_with_accumulation_and_checkpointing_logs_and_learns_as_peft_sto
     assert len(losses0) == 2 and losses1 == pytest.approx(losses0, rel=1e-5)
     assert weights0 and max(rel(weights1[n], w) for n, w in weights0.items()) <= 1e-4
     # 4 micro-batches x 2 layers, each forward run again by checkpointing in backward
-    assert calls(twin) == {op: {"fused": 16} for op in ("lora_mlp", "lora_qkv", "lora_o")}
+    assert calls(twin) == {**{op: {"fused": 16} for op in ("lora_mlp", "lora_qkv", "lora_o")},
+                           "tiled_mlp": {tiled_mlp.SHORT: 16}}
 
 
 @pytest.mark.slow
