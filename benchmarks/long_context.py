@@ -390,9 +390,10 @@ def main(argv=None) -> int:
         base, new, stock = rows["no tiled MLP"], rows["swapped"], rows["stock"]
         if not any("error" in r for r in rows.values()) and "error" not in timed:
             memory, speed = new["peak_growth_mib"] / base["peak_growth_mib"], new["step_s"] / base["step_s"]
-            line = (f"{seq:>7}  swapped / no tiled MLP: peak growth {memory:.2f}x, time {speed:.2f}x; "
-                    f"swapped / stock: peak growth {new['peak_growth_mib'] / stock['peak_growth_mib']:.2f}x, "
-                    f"time {new['step_s'] / stock['step_s']:.2f}x; loss difference "
+            timed_ratio = (lambda r: "" if args.memory_only else f", time {r:.2f}x")
+            line = (f"{seq:>7}  swapped / no tiled MLP: peak growth {memory:.2f}x{timed_ratio(speed)}; "
+                    f"swapped / stock: peak growth {new['peak_growth_mib'] / stock['peak_growth_mib']:.2f}x"
+                    f"{timed_ratio(new['step_s'] / stock['step_s'])}; loss difference "
                     f"{abs(new['loss'] - base['loss']):.1e}")
             if device == "cpu" and seq == TARGETS["at"]:
                 line += (f"  [targets: memory <= {TARGETS['memory']}x {'PASS' if memory <= TARGETS['memory'] else 'MISS'}, "
