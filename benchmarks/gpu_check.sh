@@ -11,6 +11,8 @@
 #   STEPS="kernel-tests check unit-tests demo" bash benchmarks/gpu_check.sh   # ~5 min: correctness
 #   STEPS="versions compile" bash benchmarks/gpu_check.sh              # ~6 min: eager vs torch.compile
 #   STEPS="versions rank-sync" bash benchmarks/gpu_check.sh            # ~1 min: the rank-sync checksum
+#   STEPS="versions long tiled-tests" bash benchmarks/gpu_check.sh     # ~6 min: long sequences, offloading
+#   STEPS="versions longest" bash benchmarks/gpu_check.sh              # ~7 min: longest trainable sequence
 #
 # e2e: one training step of stock vs swapped at a Llama-3.2-1B shape, bf16, full and LoRA r=16
 # (benchmarks/e2e.py); bench: python -m accel_kernels.bench --quick; check: accel-patch check;
@@ -26,6 +28,11 @@
 # rank-sync: the rank-sync guard's checksum of a Llama-3.2-1B parameter set (1.24e9 bf16 elements)
 # and of its LoRA r=16 adapters on the GPU (benchmarks/rank_sync.py; one GPU: no 2-rank run). It
 # fits beside "versions lora" in one lease.
+# long: one step with gradient checkpointing at 8k/16k/32k tokens, Llama-3.2-1B shape, bf16, stock vs
+# swapped without the tiled MLP vs swapped (benchmarks/long_context.py); longest: the longest sequence
+# (16k x 2^k up to 128k) each of stock and swapped trains in 24 GiB, full fine-tune (and QLoRA where
+# bitsandbytes is), with and without transformers' checkpoint offloading; tiled-tests: the tiled MLP
+# under TRL's activation offloading on the GPU (tests/swaps/test_tiled_mlp.py -m gpu).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -70,6 +77,11 @@ step lora-compile && run lora-compile 420 python3 benchmarks/lora.py --device cu
     --compile inductor --warmup 2 --steps 3 --json "$OUT/lora_compile.json"
 step rank-sync && run rank-sync 120 python3 benchmarks/rank_sync.py --device cuda --repeats 5 \
     --json "$OUT/rank_sync.json"
+step long && run long 300 python3 benchmarks/long_context.py --device cuda --no-longest --steps 3 \
+    --json "$OUT/long.json"
+step longest && run longest 420 python3 benchmarks/long_context.py --device cuda --only-longest \
+    --json "$OUT/longest.json"
+step tiled-tests && run tiled-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/swaps/test_tiled_mlp.py
 step kernel-tests && run kernel-tests 150 env TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/bench.json"

@@ -66,7 +66,7 @@ def test_configured_entry_loads_accel_patch_in_an_unmodified_script_and_remove_u
     info = summary(results)
     for res in results:
         assert res["accel_patch_loaded"] and res["startup"].startswith("on: accel_patch loaded"), info
-        assert res["swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1", info
+        assert res["swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1", info
     assert_ddp_in_sync(results)
 
     cli("config", "--remove")

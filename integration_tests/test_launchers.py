@@ -20,7 +20,7 @@ def test_torchrun_two_processes_train_in_sync(tmp_path, out_dir, home):
     results = read_ranks(out_dir, 2, [proc])
     # the Trainer's callback swapped the kernels into the model on each rank; the ranks stay identical
     for res in results:
-        assert res["swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1", res["swap"]
+        assert res["swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1", res["swap"]
     assert_ddp_in_sync(results)
 
 

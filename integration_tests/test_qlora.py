@@ -37,7 +37,7 @@ def test_fused_qlora_on_every_projection_trains_two_ranks_in_sync(tmp_path, out_
     info = summary(results) + "\n" + "\n".join(f"rank {r['env_rank']}: {r['lora_calls']}" for r in results)
     for res in results:
         assert res["load"]["linear_class"] == "Linear4bit", info
-        calls = res["lora_calls"]
+        calls = {op: outcomes for op, outcomes in res["lora_calls"].items() if op != "tiled_mlp"}  # short: untiled
         assert set(calls) == {"lora_mlp", "lora_qkv", "lora_o"}, info
         assert all(outcomes.keys() == {"fused"} and outcomes["fused"] > 0 for outcomes in calls.values()), info
     assert results[0]["lora_calls"] == results[1]["lora_calls"], info

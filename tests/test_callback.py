@@ -73,7 +73,7 @@ def test_a_stock_trainer_swaps_a_constructed_model_and_logs_throughput_and_memor
         assert all(isinstance(h[k], float) and h[k] > 0 for k in METRICS), h
     for h in steps:  # 2 rows of 7 unmasked tokens a step
         assert h["tokens_per_second"] * h["step_time_s"] == pytest.approx(14, rel=1e-6)
-    assert steps[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1"
+    assert steps[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1"
     assert steps[0]["accel_patch_topology"] == "1 process(es) on 1 node(s), cpu, none; accelerate: single-device"
     assert "accel_patch_swap" not in steps[1]
     assert not any("accel_patch_fallbacks" in h or "accel_patch_rank_sync" in h for h in steps)  # all fused; 1 process

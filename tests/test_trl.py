@@ -184,7 +184,7 @@ def test_sft_trains_with_our_loss_and_stock_losses_and_metrics(tmp_path):
     assert model.__dict__[sites.STATE_ATTR].loss_calls == {"fused (in TRL's head)": 4}
     a, b = steps_of(stock), steps_of(ours)
     assert len(a) == len(b) == 4
-    assert b[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1; LM head: ours, in TRL's place"
+    assert b[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1; LM head: ours, in TRL's place"
     # counted in the report like every op decided per call; nothing fell back, and the logs fit a console
     assert accel_patch.report(model).calls == {"fused_linear_cross_entropy": {"fused (in TRL's head)": 4}}
     assert not any("accel_patch_fallbacks" in h for h in b)

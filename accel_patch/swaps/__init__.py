@@ -6,7 +6,7 @@
 
 Layout: families.py (what the swap knows, as data), ops.py (which ops a call or
 ACCEL_PATCH_KERNELS asks for), probe.py (the numeric probe and its cache), sites.py (instance
-forwards and the undo log), norms.py / mlp.py / rope.py / loss.py / lora/ (one op kind each:
+forwards and the undo log), norms.py / mlp.py / rope.py / loss.py / lora/ / tiled_mlp.py (one op kind each:
 candidate, probe, swapped forward; the loss's deferred-logits tensor is deferred.py, its stand-in
 while torch.compile traces is compiled_loss.py, and its per-call choice of head is head.py),
 apply.py (the walk over a model), report.py.
@@ -28,8 +28,9 @@ def swap_kernels(model, ops=None) -> SwapReport:
     `model`: a transformers `PreTrainedModel`, a PEFT `PeftModel` (before or after
     `get_peft_model`), a bitsandbytes 4/8-bit model, or any of them wrapped in DDP.
     `ops`: None for all, or names among "rms_norm", "rope", "glu", "fused_linear_cross_entropy",
-    "lora_mlp", "lora_qkv", "lora_o" (a list or a comma-separated string; "swiglu"/"geglu" mean
-    "glu", "lora" the three LoRA sites, which fuse PEFT LoRA layers decided per call: lora/).
+    "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp" (a list or a comma-separated string;
+    "swiglu"/"geglu" mean "glu", "lora" the three LoRA sites, which fuse PEFT LoRA layers decided
+    per call: lora/; "tiled_mlp" runs a long call of a gated MLP chunk by chunk: tiled_mlp.py).
 
     Each candidate site (found by structure) is swapped only after a numeric probe shows the kernel
     reproduces the module's own output; everything else stays stock and is listed in the report's

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from . import compiled_loss, lora, loss, mlp, norms, probe, rope, sites
+from . import compiled_loss, lora, loss, mlp, norms, probe, rope, sites, tiled_mlp
 from .ops import resolve_ops
 from .report import Refusal, SwapReport
 
@@ -113,11 +113,18 @@ class _Walk:
                     self.rope(where, module)
             if lora_ops:  # on top of glu / rope, installed just before (swaps/lora/: which wins)
                 self.lora(where, module, lora_ops)
+            if tiled_mlp.OP in self.todo:  # on top of glu and lora_mlp: it tiles whatever runs beneath
+                self.tiled(where, module)
         if "fused_linear_cross_entropy" in self.todo:
             self.loss()
 
     def lora(self, where, module, ops) -> None:
         there = lora.op_of(module)
+        if there == tiled_mlp.OP:
+            if lora.MLP_OP in ops:
+                self.refuse(where, lora.MLP_OP, "the tiled MLP is installed already: ask for lora_mlp "
+                                                "in the same call as (or before) tiled_mlp")
+            return
         if there in lora.OPS:  # a LoRA site from an earlier call: it reads its ops at call time
             site = module.__dict__[lora.SITE_ATTR]
             for op in ops:
@@ -180,6 +187,29 @@ class _Walk:
         lora.install(self.state, module, sites.signed(func, type(module), ops[0]), site)
         for op in ops:
             self.state.counts[op] = self.state.counts.get(op, 0) + 1
+        self.new += 1
+
+    def tiled(self, where, module) -> None:
+        if tiled_mlp.op_of(module) == tiled_mlp.OP:
+            return
+        found = tiled_mlp.candidate(module)
+        if isinstance(found, str):
+            self.refuse(where, tiled_mlp.OP, found)
+        if found is None or isinstance(found, str):
+            return
+        names = mlp.candidate(module)[0]
+        device = probe.module_device(module)
+        if device is None or device.type == "meta":
+            self.refuse(where, tiled_mlp.OP, "no materialized weights (meta device): nothing to probe")
+            return
+        beneath = tiled_mlp.op_of(module)  # the forward it tiles: stock, glu's or a LoRA site's
+        key = (tiled_mlp.OP, type(module), self.dtype, device.type, (names, beneath, lora.structure(module, names)))
+        verdict = _verdict(key, lambda: tiled_mlp.probe_verdict(module, self.dtype, names))
+        if isinstance(verdict, str):
+            self.refuse(where, tiled_mlp.OP, verdict)
+            return
+        tiled_mlp.install(self.state, module, tiled_mlp.Site(*found, self.state.calls))
+        self.state.counts[tiled_mlp.OP] = self.state.counts.get(tiled_mlp.OP, 0) + 1
         self.new += 1
 
     def norm(self, where, module) -> None:
@@ -310,6 +340,9 @@ def _restore(target) -> list[str]:
                 if op in lora.OPS:
                     module.__dict__.pop(lora.SITE_ATTR, None)
                     inner = module.__dict__.pop(lora.INNER_ATTR, None)
+                elif op == tiled_mlp.OP:
+                    module.__dict__.pop(tiled_mlp.SITE_ATTR, None)
+                    inner = module.__dict__.pop(tiled_mlp.INNER_ATTR, None)
                 else:
                     inner = module.__dict__.pop(sites.INNER_ATTR, None)
                 if inner is not None:

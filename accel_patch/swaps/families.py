@@ -9,10 +9,11 @@ else is refused by the probe, with the reason.
 from __future__ import annotations
 
 #: Op names accepted by `swap_kernels(ops=...)` and ACCEL_PATCH_KERNELS, in report order.
-OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy", "lora_mlp", "lora_qkv", "lora_o")
+OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy", "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp")
 #: Other spellings users write for the same op.
 OP_ALIASES = {"swiglu": "glu", "geglu": "glu", "flce": "fused_linear_cross_entropy",
-              "cross_entropy": "fused_linear_cross_entropy", "rmsnorm": "rms_norm"}
+              "cross_entropy": "fused_linear_cross_entropy", "rmsnorm": "rms_norm",
+              "tiled": "tiled_mlp"}
 #: Names that stand for several ops.
 OP_GROUPS = {"lora": ("lora_mlp", "lora_qkv", "lora_o")}
 

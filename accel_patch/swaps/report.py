@@ -18,7 +18,10 @@ SUCCESSES = ("fused", "tiled")
 #: Nothing for the kernel to do (a LoRA site whose adapters are all disabled, e.g. DPO's reference
 #: pass; TRL's head in evaluation mode, which the model's own fused loss does not count either), or
 #: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss.py).
-BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU")
+#: The tiled MLP pays only for long sequences in training (swaps/tiled_mlp.py): a short sequence, a
+#: call without grad or in eval mode runs the forward beneath by design.
+BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
+             "short sequence", "no grad", "eval mode")
 #: Prefix of an outcome counted while torch.compile traces a site (once per compiled graph, not per
 #: call: swaps/lora/sites.py); what follows it is classified like any outcome.
 COMPILED = "compiled: "
@@ -131,7 +134,14 @@ class SwapReport:
         tail = (f"; {len(self.refused)} refused" if self.refused else "") + head
         line = ""
         for names in ({}, _SHORT_NAMES):  # the ops' own names, then shorter ones if the line is too long
-            parts = [f"{names.get(op, op)} {n}" for op, n in ordered if not op.startswith("lora_")]
+            parts = [f"{names.get(op, op)} {n}" for op, n in ordered if not op.startswith("lora_") and op != "tiled_mlp"]
+            tiled = self.swapped.get("tiled_mlp")
+            if tiled:  # with glu ("glu+tiled 32"): a 32-layer model's line stays short
+                at = next((i for i, p in enumerate(parts) if p.startswith("glu ")), None)
+                if at is not None and self.swapped["glu"] == tiled:
+                    parts[at] = f"glu+tiled {tiled}"
+                else:
+                    parts.insert(len(parts) if at is None else at + 1, f"tiled {tiled}")
             lora = " ".join(f"{op[len('lora_'):]} {n}" for op, n in ordered if op.startswith("lora_"))
             if lora:  # the three LoRA sites in one part: a 32-layer model's line stays short
                 parts.append(f"lora {lora}")

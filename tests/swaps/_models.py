@@ -14,7 +14,7 @@ import torch
 from accel_patch.cli import check
 
 LORA = {"lora_mlp", "lora_qkv", "lora_o"}  # installed on every gated MLP and attention: decided per call
-ALL = {"rms_norm", "rope", "glu", "fused_linear_cross_entropy"} | LORA
+ALL = {"rms_norm", "rope", "glu", "fused_linear_cross_entropy", "tiled_mlp"} | LORA
 
 # name: (ops swapped, ops refused, config overrides on top of accel_patch.cli.check's)
 FAMILIES = {
@@ -27,8 +27,8 @@ FAMILIES = {
     "phi3": (ALL, set(), {}),  # fused gate_up, partial rotary
     "olmo2": (ALL, set(), {}),  # full-width q/k norms, fp32 affine
     "granite": (ALL, set(), {"residual_multiplier": 0.5, "embedding_multiplier": 2.0}),  # logits / scaling
-    "cohere": ({"glu", "fused_linear_cross_entropy"} | LORA, {"rms_norm", "rope"}, {}),  # LayerNorm, interleaved RoPE
-    "mixtral": ({"rms_norm", "rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o"}, {"glu", "lora_mlp"},  # 3-D experts, aux loss
+    "cohere": ({"glu", "fused_linear_cross_entropy", "tiled_mlp"} | LORA, {"rms_norm", "rope"}, {}),  # LayerNorm, interleaved RoPE
+    "mixtral": ({"rms_norm", "rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o"}, {"glu", "lora_mlp", "tiled_mlp"},  # 3-D experts, aux loss
                 {"router_aux_loss_coef": 0.1}),
     "gpt_neox": ({"rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o"}, {"rms_norm"}, {}),  # LayerNorm, partial rotary
 }

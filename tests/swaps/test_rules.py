@@ -100,8 +100,8 @@ def test_ops_narrow_the_swap_and_a_second_call_swaps_nothing_twice():
     assert again.new == 0 and again.swapped == first.swapped
     assert {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__} == forwards
     rest = swap_kernels(model)
-    # glu 2, the loss 1, lora_mlp 2, and one LoRA site per attention (serving lora_qkv and lora_o) 2
-    assert rest.new == 7 and set(rest.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy"}
+    # glu 2, the loss 1, lora_mlp 2, one LoRA site per attention (serving lora_qkv and lora_o) 2, tiled_mlp 2
+    assert rest.new == 9 and set(rest.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy", "tiled_mlp"}
     assert rest.waiting == {"lora_mlp": 2, "lora_qkv": 2, "lora_o": 2}  # no adapter: not swapped in effect
     assert swap_kernels(model, ops=["swiglu"]).new == 0  # an alias of glu
     # every swapped module holds exactly one swapped forward, nothing wrapped twice
@@ -142,18 +142,18 @@ def test_report_reads_as_a_table_and_one_line():
     assert "LayerNorm (mean-centred): no kernel" in table and "interleaved" in table
     assert "waiting" in table and "no LoRA adapter on these modules yet" in table  # sites without adapters
     line = report.summary()
-    assert line.startswith("CohereForCausalLM: swapped glu 2, fused_linear_cross_entropy 1; refused rms_norm x")
+    assert line.startswith("CohereForCausalLM: swapped glu 2, fused_linear_cross_entropy 1, tiled_mlp 2; refused rms_norm x")
     assert line.endswith("; waiting for LoRA adapters: lora_mlp 2, lora_qkv 2, lora_o 2")
-    assert report.to_dict()["swapped"] == {"glu": 2, "fused_linear_cross_entropy": 1}
-    assert report.short() == f"glu 2, fused_linear_cross_entropy 1; {len(report.refused)} refused"
+    assert report.to_dict()["swapped"] == {"glu": 2, "fused_linear_cross_entropy": 1, "tiled_mlp": 2}
+    assert report.short() == f"glu+tiled 2, fused_linear_cross_entropy 1; {len(report.refused)} refused"
     ops = {"rms_norm": 65, "rope": 32, "glu": 32, "fused_linear_cross_entropy": 1, "lora_mlp": 32, "lora_qkv": 32,
-           "lora_o": 32}
+           "lora_o": 32, "tiled_mlp": 32}
     big = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1])
     assert len(big.short()) <= 100, big.short()  # a logged value (AccelPatchCallback)
     # TRL's head and 64 more refusals: the 108-character line of issue 19 now fits, still naming every op
     trl = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1] * 65, head="ours")
     assert len(trl.short()) <= 100 and trl.short().endswith("; 65 refused; LM head: ours, in TRL's place"), trl.short()
-    assert trl.short().startswith("norm 65, rope 32, glu 32, loss 1, lora mlp 32 qkv 32 o 32")
+    assert trl.short().startswith("norm 65, rope 32, glu+tiled 32, loss 1, lora mlp 32 qkv 32 o 32")
 
 
 def test_status_has_a_kernels_record_that_counts_swapped_models():
@@ -173,6 +173,7 @@ def test_one_log_line_per_swapped_model(caplog):
     assert lines[0] == ("accel_patch: MixtralForCausalLM: swapped rms_norm 5, rope 2, fused_linear_cross_entropy 1; "
                         "refused glu x2 (MoE experts stored as 3-D parameters: no kernel); "
                         "lora_mlp x2 (MoE experts stored as 3-D parameters: no kernel); "
+                        "tiled_mlp x2 (MoE experts stored as 3-D parameters: no kernel); "
                         "waiting for LoRA adapters: lora_qkv 2, lora_o 2")
 
 

@@ -59,7 +59,7 @@ def test_trainer_torch_compile_swaps_compiles_without_a_break_and_learns_as_stoc
     assert not sites.is_swapped(stock.model.norm)
     logs1, weights1, breaks1, captured1 = train(twin, tmp_path / "twin")
     assert sites.is_swapped(twin.model.norm) and sites.is_swapped(twin)
-    assert logs1[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu 2, fused_linear_cross_entropy 1"
+    assert logs1[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1"
     # calls are not counted in a compiled graph: said once, at the first log
     assert logs1[0]["accel_patch_fallbacks"] == "not counted per call: under torch.compile the compiled graph decides"
     assert not any("accel_patch_fallbacks" in h for h in logs1[1:])
