@@ -9,7 +9,7 @@ import pytest
 from peft import LoraConfig, get_peft_model
 
 import accel_patch
-from accel_patch.swaps import lora, report as report_module
+from accel_patch.swaps import lora, report as report_module, tiled_mlp
 from accel_patch.swaps.report import SwapReport, fallback_line, fallbacks_since, outcome_kind
 
 from _models import build, padded_batch, training_step
@@ -20,10 +20,17 @@ def test_one_rule_says_which_outcome_ran_the_kernel_and_which_fell_back():
     for outcome in (lora.FUSED, "fused (in TRL's head)", "tiled"):
         assert outcome_kind(outcome) == "success", outcome
     # nothing for the kernel to do, or stock the faster choice (small logits on CPU without Triton)
+    # ... or a call the tiled MLP does not pay for (short, no grad, eval)
     for outcome in (lora.NO_ADAPTER, "TRL's head: evaluation mode",
-                    "stood aside: small logits on CPU without Triton (stock is faster there)"):
+                    "stood aside: small logits on CPU without Triton (stock is faster there)",
+                    tiled_mlp.SHORT, tiled_mlp.NO_GRAD, tiled_mlp.EVAL):
         assert outcome_kind(outcome) == "by design", outcome
+    # a site traced by torch.compile counts once per graph: classified by what follows the prefix
+    assert outcome_kind(lora.COMPILED + lora.FUSED) == "success"
+    assert outcome_kind(lora.COMPILED + "PEFT's forward: DoRA") == "fall-back"
+    assert outcome_kind(lora.COMPILED + lora.NO_ADAPTER) == "by design"
     for outcome in ("PEFT's forward: a LoRA variant (DoraLinearVariant, e.g. DoRA)", "stood aside: small logits",
+                    "DTensor input or parameters: the module's forward",
                     "logits computed for softmax", "TRL's head: no labels", "fusedness unknown", "tiled-ish"):
         assert outcome_kind(outcome) == "fall-back", outcome
 
