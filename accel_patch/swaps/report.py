@@ -142,9 +142,11 @@ class SwapReport:
                     parts[at] = f"glu+tiled {tiled}"
                 else:
                     parts.insert(len(parts) if at is None else at + 1, f"tiled {tiled}")
-            lora = " ".join(f"{op[len('lora_'):]} {n}" for op, n in ordered if op.startswith("lora_"))
-            if lora:  # the three LoRA sites in one part: a 32-layer model's line stays short
-                parts.append(f"lora {lora}")
+            loras = [(op[len("lora_"):], n) for op, n in ordered if op.startswith("lora_")]
+            if names and len({n for _, n in loras}) == 1:  # short form: "lora mlp/qkv/o 32"
+                parts.append("lora " + "/".join(op for op, _ in loras) + f" {loras[0][1]}")
+            elif loras:  # the three LoRA sites in one part: a 32-layer model's line stays short
+                parts.append("lora " + " ".join(f"{op} {n}" for op, n in loras))
             line = (", ".join(parts) or "nothing swapped") + tail
             if len(line) <= 100:
                 return line

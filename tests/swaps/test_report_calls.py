@@ -59,11 +59,12 @@ def test_report_is_live_and_counts_the_fused_loss_and_lora_calls():
     accel_patch.swap_kernels(model)
     report = accel_patch.report(model)
     # a full fine-tune: the LoRA sites wait for adapters, they are not swapped
-    assert set(report.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy"}, report.swapped
+    assert set(report.swapped) == {"rms_norm", "rope", "glu", "fused_linear_cross_entropy", "tiled_mlp"}, report.swapped
     assert report.waiting == {"lora_mlp": 2, "lora_qkv": 2, "lora_o": 2}
     assert "lora" not in report.short() and "waiting" in str(report)
     training_step(model, padded_batch())
-    assert report.calls == {"fused_linear_cross_entropy": {"fused": 1}}  # live: the step is counted
+    # live: the step is counted (the tiled MLP decides per call too: short sequences run the MLP whole)
+    assert report.calls == {"fused_linear_cross_entropy": {"fused": 1}, "tiled_mlp": {tiled_mlp.SHORT: 2}}
     assert "fused_linear_cross_entropy" in str(report) and "calls" in str(report)
 
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True,

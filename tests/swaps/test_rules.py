@@ -153,7 +153,7 @@ def test_report_reads_as_a_table_and_one_line():
     # TRL's head and 64 more refusals: the 108-character line of issue 19 now fits, still naming every op
     trl = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1] * 65, head="ours")
     assert len(trl.short()) <= 100 and trl.short().endswith("; 65 refused; LM head: ours, in TRL's place"), trl.short()
-    assert trl.short().startswith("norm 65, rope 32, glu+tiled 32, loss 1, lora mlp 32 qkv 32 o 32")
+    assert trl.short().startswith("norm 65, rope 32, glu+tiled 32, loss 1, lora mlp/qkv/o 32;")
 
 
 def test_status_has_a_kernels_record_that_counts_swapped_models():
