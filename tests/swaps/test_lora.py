@@ -33,9 +33,10 @@ def peft_model(base, order, ops_=None, **config):
 
 
 def calls(model) -> dict:
-    """The LoRA sites' call counts (the fused loss counts its own calls beside them)."""
+    """The call counts of the LoRA sites and of the tiled MLP on top of them (the fused loss counts its
+    own calls beside them)."""
     counted = accel_patch.swaps.apply.unwrap(model).__dict__[sites.STATE_ATTR].calls
-    return {op: outcomes for op, outcomes in counted.items() if op in lora.OPS}
+    return {op: outcomes for op, outcomes in counted.items() if op in lora.OPS or op == tiled_mlp.OP}
 
 
 def assert_step_equals_stock(stock, twin, batch=None):
