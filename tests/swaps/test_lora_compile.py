@@ -19,7 +19,7 @@ from accel_patch import restore_kernels
 from accel_patch.swaps import lora
 
 from _models import build, padded_batch, rel, training_step
-from test_lora import ALL_LINEAR, calls, checkpoint, peft_model, qlora  # noqa: F401 (checkpoint: a fixture)
+from test_lora import ALL_LINEAR, all_calls, calls, checkpoint, peft_model, qlora  # noqa: F401 (checkpoint: a fixture)
 
 pytestmark = pytest.mark.slow
 COMPILED_FUSED = lora.COMPILED + lora.FUSED
@@ -93,7 +93,7 @@ def assert_compiled_step_equals_stock(base, order):
 def test_swap_then_peft_compiles_fullgraph_fused_as_stock_and_sees_adapters_disabled_later():
     base = build("llama")
     stock, twin, _ = assert_compiled_step_equals_stock(base, "swap-then-peft")
-    calls(twin).clear()
+    all_calls(twin).clear()  # (calls() is a filtered copy)
     compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
     batch = padded_batch()
     compiled(**batch)
