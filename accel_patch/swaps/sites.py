@@ -13,6 +13,8 @@ import inspect
 import types
 from _thread import RLock
 
+import torch
+
 #: Attribute of the swapped model (the transformers model, under any PEFT wrapper) holding its SwapState.
 STATE_ATTR = "_accel_patch_swap_state"
 #: Instance attribute that keeps a forward which was already bound on the instance before the swap
@@ -78,20 +80,34 @@ def forward_slot(module) -> str:
     return "_old_forward" if "_hf_hook" in d and "_old_forward" in d else "forward"
 
 
-def call_inner(module, *args, **kwargs):
-    """Call the forward a wrapper replaced: an instance forward kept at swap time, else the class's."""
-    inner = module.__dict__.get(INNER_ATTR)
+def call_kept(attr: str, module, *args, **kwargs):
+    """Call the forward a wrapper replaced: the instance forward kept in `attr` at swap time, else
+    the class's."""
+    inner = module.__dict__.get(attr)
     if inner is None:
         return type(module).forward(module, *args, **kwargs)
     return inner(*args, **kwargs)
 
 
-def install(state: SwapState, module, func) -> None:
-    """Bind `func(self, ...)` as the module's forward, keeping any instance forward it replaces."""
+def call_inner(module, *args, **kwargs):
+    """call_kept for a kernel swap's forward (INNER_ATTR)."""
+    return call_kept(INNER_ATTR, module, *args, **kwargs)
+
+
+def install(state: SwapState, module, func, inner_attr: str = INNER_ATTR) -> None:
+    """Bind `func(self, ...)` as the module's forward, keeping any instance forward it replaces in
+    `inner_attr` (a site decided per call keeps its own, on top of a kernel swap's)."""
     slot = forward_slot(module)
     if slot in module.__dict__:
-        state.set(module, INNER_ATTR, module.__dict__[slot])
+        state.set(module, inner_attr, module.__dict__[slot])
     state.set(module, slot, types.MethodType(func, module))
+
+
+def compiling() -> bool:
+    """Whether dynamo (or the JIT tracer) is tracing this call: the per-call sites stand aside or
+    count per trace there."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling()) or torch.jit.is_tracing()
 
 
 def is_swapped(module) -> bool:

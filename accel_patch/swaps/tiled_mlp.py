@@ -25,7 +25,6 @@ forward runs without grad: the forward beneath, counted "no grad"), the recomput
 """
 from __future__ import annotations
 
-import types
 
 import torch
 
@@ -71,17 +70,9 @@ def chunk_tokens(hidden: int, intermediate: int) -> int:
     return max(1, hidden, CHUNK_ELEMENTS // max(1, intermediate))
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling()) or torch.jit.is_tracing()
-
-
 def call_inner(module, *args, **kwargs):
     """The forward the tiled site replaced (another swap's, or the class's)."""
-    inner = module.__dict__.get(INNER_ATTR)
-    if inner is None:
-        return type(module).forward(module, *args, **kwargs)
-    return inner(*args, **kwargs)
+    return sites.call_kept(INNER_ATTR, module, *args, **kwargs)
 
 
 def _is_dtensor(t) -> bool:
@@ -107,7 +98,7 @@ def decide(site: Site, module, x) -> str | None:
 def forward(self, *args, **kwargs):
     """The swapped MLP: its current forward over chunks of tokens when the call is long enough."""
     site = self.__dict__.get(SITE_ATTR)
-    if site is None or _compiling():
+    if site is None or sites.compiling():
         return call_inner(self, *args, **kwargs)
     x = sites.the_input(args, kwargs)
     reason = decide(site, self, x)
@@ -326,11 +317,8 @@ def probe_verdict(module, act_dtype: torch.dtype, names) -> bool | str:
 
 def install(state, module, site: Site) -> None:
     """Bind the tiled forward on top of whatever the module runs now (kept in INNER_ATTR)."""
-    slot = sites.forward_slot(module)
-    if slot in module.__dict__:
-        state.set(module, INNER_ATTR, module.__dict__[slot])
     state.set(module, SITE_ATTR, site)
-    state.set(module, slot, types.MethodType(sites.signed(forward, type(module), OP), module))
+    sites.install(state, module, sites.signed(forward, type(module), OP), INNER_ATTR)
 
 
 def op_of(module) -> str | None:

@@ -13,7 +13,6 @@ of it (a change that would give another outcome fails a guard and is traced, and
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 
@@ -57,23 +56,15 @@ def _count_traced(site: Site, op: str, outcome: str) -> bool:
 
 
 def _count(site: Site, op: str, outcome: str) -> None:
-    if _compiling():
+    if sites.compiling():
         _count_traced(site, op, outcome)
     else:
         site.count(op, outcome)
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling()) or torch.jit.is_tracing()
-
-
 def call_inner(module, *args, **kwargs):
     """The forward a LoRA site replaced (another swap's, or the class's)."""
-    inner = module.__dict__.get(INNER_ATTR)
-    if inner is None:
-        return type(module).forward(module, *args, **kwargs)
-    return inner(*args, **kwargs)
+    return sites.call_kept(INNER_ATTR, module, *args, **kwargs)
 
 
 def _plan(projections, x):
@@ -199,11 +190,8 @@ def op_of(module) -> str | None:
 
 def install(state, module, func, site: Site) -> None:
     """Bind `func` as the module's forward on top of whatever is there (kept in INNER_ATTR)."""
-    slot = sites.forward_slot(module)
-    if slot in module.__dict__:
-        state.set(module, INNER_ATTR, module.__dict__[slot])
     state.set(module, SITE_ATTR, site)
-    state.set(module, slot, types.MethodType(func, module))
+    sites.install(state, module, func, INNER_ATTR)
 
 
 def waiting_ops(module) -> list[str]:
