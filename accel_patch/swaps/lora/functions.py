@@ -16,9 +16,9 @@ weight comes as its packed tensor and quant state tensors, dequantized by bitsan
 inside, in forward and again in backward, never kept.
 
 Dropout is drawn outside the ops (the ops stay deterministic): for each adapted projection with
-p > 0, `F.dropout` of a ones tensor of the shape, dtype and device of what PEFT's dropout sees, in
-PEFT's order, so the same RNG draws give the same mask; only its bool form (1 byte/element) goes
-in and is kept for backward.
+p > 0, the RNG call `F.dropout` makes on a tensor of the shape, dtype and device of what PEFT's
+dropout sees (`dropout_mask`), in PEFT's order, so the same RNG draws give the same mask; only its
+bool form (1 byte/element) goes in and is kept for backward.
 """
 from __future__ import annotations
 
