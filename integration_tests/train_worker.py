@@ -189,6 +189,9 @@ def train(args):
         json.dump(result, f, indent=1, default=str)
     print(f"[worker rank {rank}] {result['distributed_type']} loss {losses[0]:.3f} -> {losses[-1]:.3f}",
           flush=True)
+    if torch.distributed.is_initialized():  # ranks leave together: no rank tears gloo down under another
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def _lora_calls(model):
