@@ -138,6 +138,19 @@ def memory_child(variant: str, device: str, seq: int) -> dict:
                 calls=(report.calls.get("tiled_mlp") if report is not None else None))
 
 
+def timed_step(model, batch, device: str) -> float:
+    """Seconds of one training step (the GPU synchronized before and after)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(model, batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def timing_child(device: str, seq: int, warmup: int, steps: int) -> dict:
     import torch
 
@@ -147,14 +160,9 @@ def timing_child(device: str, seq: int, warmup: int, steps: int) -> dict:
     times = {v: [] for v in VARIANTS}
     for i in range(warmup + steps):
         for v, (model, batch) in runs.items():
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(model, batch)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            seconds = timed_step(model, batch, device)
             if i >= warmup:
-                times[v].append(time.perf_counter() - t0)
+                times[v].append(seconds)
     return {v: statistics.median(t) for v, t in times.items()}
 
 
@@ -169,14 +177,9 @@ def pairs(device: str, seq: int, n: int) -> dict:
     times = {v: [] for v in runs}
     for i in range(n + 1):
         for v, (model, batch) in (list(runs.items()) if i % 2 == 0 else list(runs.items())[::-1]):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(model, batch)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            seconds = timed_step(model, batch, device)
             if i:
-                times[v].append(time.perf_counter() - t0)
+                times[v].append(seconds)
     ratios = [b / a for a, b in zip(times["no tiled MLP"], times["swapped"])]
     return dict(seq=seq, median_s={v: statistics.median(t) for v, t in times.items()}, ratios=ratios,
                 median_ratio=statistics.median(ratios))

@@ -9,25 +9,15 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-import accel_patch
-
 from _models import build
 from test_lora import calls
+from test_trl import stock_accel_patch
 
 pytestmark = pytest.mark.slow
 RECIPE = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
 LORA_OPS = ("lora_mlp", "lora_qkv", "lora_o")
 
 
-class stock_accel_patch:
-    """accel-patch turned off for a block (the stock runs), on again after."""
-
-    def __enter__(self):
-        accel_patch.disable()
-
-    def __exit__(self, *exc):
-        accel_patch.enable()
-        return False
 
 
 def assert_within_bf16_noise(ours, stock_bf16, stock_fp32):
