@@ -32,7 +32,7 @@
 # swapped without the tiled MLP vs swapped (benchmarks/long_context.py); longest: the longest sequence
 # (16k x 2^k up to 128k) each of stock and swapped trains in 24 GiB, full fine-tune (and QLoRA where
 # bitsandbytes is), with and without transformers' checkpoint offloading; tiled-tests: the tiled MLP
-# under TRL's activation offloading on the GPU (tests/swaps/test_tiled_mlp.py -m gpu).
+# under TRL's activation offloading on the GPU (tests/swaps/layers/test_tiled_mlp.py -m gpu).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -81,7 +81,7 @@ step long && run long 300 python3 benchmarks/long_context.py --device cuda --no-
     --json "$OUT/long.json"
 step longest && run longest 420 python3 benchmarks/long_context.py --device cuda --only-longest \
     --json "$OUT/longest.json"
-step tiled-tests && run tiled-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/swaps/test_tiled_mlp.py
+step tiled-tests && run tiled-tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/swaps/layers/test_tiled_mlp.py
 step kernel-tests && run kernel-tests 150 env TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda \
     python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 step bench && run bench 240 python3 -m accel_kernels.bench --quick --json "$OUT/bench.json"

@@ -220,7 +220,7 @@ def mlp_child(mode: str, tokens: int) -> dict:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from accel_patch.swaps import tiled_mlp
+    from accel_patch.swaps.layers import tiled_mlp
 
     torch.manual_seed(0)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))

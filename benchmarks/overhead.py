@@ -78,7 +78,7 @@ def site_rows(repeats: int, inner: int) -> list[dict]:
 
     import accel_patch
     from accel_kernels import fused_linear_cross_entropy
-    from accel_patch.swaps import rope as rope_site
+    from accel_patch.swaps.layers import rope as rope_site
 
     stock = tiny_llama(32, 99)
     twin = copy.deepcopy(stock)

@@ -120,7 +120,7 @@ def loss_child(labels: str, warmup: int, steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from accel_patch.swaps.deferred import DeferredLogits, _Head
+    from accel_patch.swaps.loss.deferred import DeferredLogits, _Head
     from accel_patch.swaps.sites import SwapState
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))

@@ -23,7 +23,7 @@ MODES = ("fsdp2-untied", "fsdp2-tied", "fsdp1-untied", "fsdp1-tied")
 
 
 # The ranks run the Triton kernels under Triton's CPU interpreter, as the unit tests do: on a CPU
-# without it, a swapped model runs the stock computation below 2**23 logits (swaps/loss.py's
+# without it, a swapped model runs the stock computation below 2**23 logits (swaps/loss/site.py's
 # CPU_MIN_LOGITS) and these tiny models would never reach the fused loss under test.
 KERNELS_ON_CPU = {"TRITON_INTERPRET": "1"}
 

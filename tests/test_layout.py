@@ -6,6 +6,14 @@
     swaps                                     core
     core                                      no other room
 
+Inside swaps/, the walk and the shared machinery sit at the top and each kind of site has a room:
+
+    swaps.apply (the walk)                    every module of swaps
+    swaps.lora                                the shared machinery and swaps.layers (its MLP
+                                              builds on the gated-MLP kernel)
+    every other room (layers, loss, ...)      the shared machinery only
+    the shared machinery (probe, sites, ...)  no room
+
 accel_kernels imports nothing of accel_patch, transformers or accelerate. No module imports
 itself back through others (no circle), lazy imports inside functions included.
 """
@@ -32,6 +40,13 @@ ALLOWED = {
 }
 #: files outside the rooms that belong to one by role
 FACE_ENTRIES = {"accel_patch.demo"}  # the `python -m accel_patch.demo` entry: the CLI's demo
+
+SWAPS = PACKAGE / "swaps"
+#: the top of swaps/: the walk (apply) and the machinery every room shares
+SWAPS_TOP = {"apply", "families", "ops", "probe", "report", "sites"}
+SWAPS_MAX_TOP_MODULES = 8  # __init__ included: a new kind of site gets a room, not a top module
+#: swaps room -> the swaps rooms it may import besides the shared machinery
+SWAPS_ALLOWED = {"lora": {"layers"}}
 
 
 def module_sources(top: Path, name: str) -> dict[str, str]:
@@ -175,3 +190,61 @@ def test_the_kernel_library_imports_nothing_of_accel_patch_or_the_hf_stack():
                 top = name.split(".")[0]
                 assert top not in ("accel_patch", "transformers", "accelerate", "peft", "trl"), (
                     f"{module} imports {name}")
+
+
+def swaps_room_of(module: str) -> str | None:
+    """The room of a module of accel_patch.swaps: a subfolder's name, "top" for the shared
+    machinery, "walk" for apply, None outside swaps/ or for the package itself."""
+    parts = module.split(".")
+    if parts[:2] != ["accel_patch", "swaps"] or len(parts) == 2:
+        return None
+    if len(parts) == 3 and parts[2] in SWAPS_TOP:
+        return "walk" if parts[2] == "apply" else "top"
+    return parts[2]
+
+
+def swaps_violations(edges: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in edges.items():
+        room = swaps_room_of(module)
+        if room in (None, "walk"):
+            continue
+        for target in sorted(targets):
+            there = swaps_room_of(target)
+            if there in (None, "top", room):
+                continue
+            if room == "top" or there not in SWAPS_ALLOWED.get(room, set()):
+                wrong.append(f"{module} ({room}) imports {target} ({there})")
+    return wrong
+
+
+def test_swaps_keeps_the_walk_and_the_shared_machinery_at_the_top_and_sites_in_rooms():
+    tops = sorted(p.name for p in SWAPS.glob("*.py"))
+    assert len(tops) <= SWAPS_MAX_TOP_MODULES, f"swaps/ has {len(tops)} top modules: {tops}"
+    assert {p.stem for p in SWAPS.glob("*.py")} - {"__init__"} <= SWAPS_TOP, tops
+    rooms = sorted(p.parent.name for p in SWAPS.glob("*/__init__.py"))
+    assert rooms, "swaps/ has no rooms"
+    for room in rooms:
+        doc = ast.get_docstring(ast.parse((SWAPS / room / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and "import" in doc, f"accel_patch/swaps/{room}/__init__.py has no docstring naming its imports"
+    _, edges = package_graph()
+    assert swaps_violations(edges) == []
+
+
+def test_a_swaps_room_importing_another_room_or_the_machinery_importing_a_room_is_caught():
+    sources, _ = package_graph()
+    packages = {m for m in sources if (PACKAGE / Path(*m.split(".")[1:]) / "__init__.py").exists()}
+    for module, line, expected in [
+        ("accel_patch.swaps.layers.norms", "from ..loss import head\n", "(layers) imports accel_patch.swaps.loss.head"),
+        ("accel_patch.swaps.loss.head", "from ..lora import plans\n", "(loss) imports"),
+        ("accel_patch.swaps.probe", "def f():\n    from .layers import mlp\n", "(top) imports"),
+    ]:
+        broken = dict(sources, **{module: sources[module] + line})
+        found = swaps_violations(graph(broken, packages))
+        assert any(expected in v for v in found), (module, line, found)
+
+
+def test_tests_of_swaps_mirror_its_rooms():
+    tests = Path(__file__).resolve().parent / "swaps"
+    for room in sorted(p.parent.name for p in SWAPS.glob("*/__init__.py")):
+        assert list((tests / room).glob("test_*.py")), f"tests/swaps/{room}/ has no tests for accel_patch/swaps/{room}/"

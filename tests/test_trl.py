@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import accel_patch
 from accel_patch.patches import trl_fused_head
-from accel_patch.swaps import sites, tiled_mlp
+from accel_patch.swaps import sites
+from accel_patch.swaps.layers import tiled_mlp
 from accel_patch.swaps.apply import report_of
 
 SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")

@@ -13,7 +13,7 @@ forward, so the loss swapped into the model's head would never run. After TRL's 
 2. Where the head's shape is known, puts accel-patch's head in front of TRL's: known means the
    `outputs` SFTTrainer asks for, ("log_probs", "entropy", "is_top1"), whose entropy and top-1
    only feed metrics (SFT detaches them). A training call with `fused_lm_head=True` then runs the
-   backbone as TRL does and `swaps.token_logprobs` on the labelled positions (fused kernel, no
+   backbone as TRL does and `swaps.loss.token_logprobs` on the labelled positions (fused kernel, no
    full logits; entropy and top-1 in a chunked no-grad pass), returning TRL's `FusedCausalLMOutput`
    (loss, log_probs, entropy, is_top1, label_mask). Everything else goes to TRL's head: evaluation
    mode, a model without the swapped fused loss (or restored), a LoRA adapter on the head, FSDP2
@@ -135,7 +135,7 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
     import types
 
     from ..swaps import sites, swap_kernels
-    from ..swaps.loss import OP
+    from ..swaps.loss.site import OP
     from ..swaps.ops import ops_from_env
 
     state = model.__dict__.get(sites.STATE_ATTR)
@@ -171,7 +171,7 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
 
 
 def _refusal(reason: str):
-    from ..swaps.loss import OP
+    from ..swaps.loss.site import OP
     from ..swaps.report import Refusal
 
     return Refusal("", OP, reason)
@@ -221,8 +221,8 @@ def _logit_scale(config) -> float:
 
 def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temperature) -> str | None:
     """None when accel-patch's head runs this call; "" for a plain call (TRL passes it on); else why not."""
-    from ..swaps.head import head_plan
-    from ..swaps.loss import OP
+    from ..swaps.loss.head import head_plan
+    from ..swaps.loss.site import OP
 
     if not fused_lm_head:
         return ""
@@ -252,8 +252,8 @@ def _fused_call(patch, model, args, kwargs, labels, shift_labels, num_items_in_b
     """What TRL's head returns for a fused call, through accel-patch's fused loss."""
     import torch
 
-    from ..swaps.head import head_plan
-    from ..swaps.token_logprobs import token_logprobs
+    from ..swaps.loss.head import head_plan
+    from ..swaps.loss.token_logprobs import token_logprobs
 
     kwargs["use_cache"] = False
     backbone = model.base_model(*args, **kwargs)

@@ -4,12 +4,12 @@
     print(report)                                     # what was swapped, what was refused and why
     accel_patch.restore_kernels(model)                # the model exactly as it was
 
-Layout: families.py (what the swap knows, as data), ops.py (which ops a call or
-ACCEL_PATCH_KERNELS asks for), probe.py (the numeric probe and its cache), sites.py (instance
-forwards and the undo log), norms.py / mlp.py / rope.py / loss.py / lora/ / tiled_mlp.py (one op kind each:
-candidate, probe, swapped forward; the loss's deferred-logits tensor is deferred.py, its stand-in
-while torch.compile traces is compiled_loss.py, and its per-call choice of head is head.py),
-apply.py (the walk over a model), report.py.
+Layout: the walk and the shared machinery at the top: apply.py (the walk over a model), probe.py
+(the numeric probe and its cache), sites.py (instance forwards, the undo log, the swap state),
+report.py, families.py (what the swap knows, as data), ops.py (which ops a call or
+ACCEL_PATCH_KERNELS asks for). Below it, one room per kind of site, each saying in its
+`__init__` what lives there: layers/ (norms, the gated MLP, RoPE, the tiled MLP), loss/ (the LM
+head and its loss, the deferred logits, TRL's token log-probs), lora/ (fused PEFT LoRA).
 
 Importing this package imports neither torch nor transformers; a swap does. swaps/ imports
 accel_kernels and at most the core of accel_patch, never patches/, integrations/ or cli/.
@@ -30,7 +30,7 @@ def swap_kernels(model, ops=None) -> SwapReport:
     `ops`: None for all, or names among "rms_norm", "rope", "glu", "fused_linear_cross_entropy",
     "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp" (a list or a comma-separated string;
     "swiglu"/"geglu" mean "glu", "lora" the three LoRA sites, which fuse PEFT LoRA layers decided
-    per call: lora/; "tiled_mlp" runs a long call of a gated MLP chunk by chunk: tiled_mlp.py).
+    per call: lora/; "tiled_mlp" runs a long call of a gated MLP chunk by chunk: layers/tiled_mlp.py).
 
     Each candidate site (found by structure) is swapped only after a numeric probe shows the kernel
     reproduces the module's own output; everything else stays stock and is listed in the report's

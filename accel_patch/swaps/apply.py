@@ -1,8 +1,8 @@
 """Swap kernels into one model instance and restore it: the walk over the model, site by site.
 
-For each module: is it a candidate (by structure: norms.py, mlp.py, rope.py), does the probe
+For each module: is it a candidate (by structure: layers/norms.py, layers/mlp.py, layers/rope.py), does the probe
 accept it (cached per class, dtype and device), then bind the kernel forward on that instance and
-record the change in the model's SwapState. The LM head and loss (loss.py) are one site, the
+record the change in the model's SwapState. The LM head and loss (loss/site.py) are one site, the
 model itself. Everything refused is recorded with its reason; nothing is swapped on a guess.
 """
 from __future__ import annotations
@@ -12,7 +12,10 @@ import weakref
 
 import torch
 
-from . import compiled_loss, lora, loss, mlp, norms, probe, rope, sites, tiled_mlp
+from . import lora, probe, sites
+from .layers import mlp, norms, rope, tiled_mlp
+from .loss import compiled_loss
+from .loss import site as loss
 from .ops import resolve_ops
 from .report import Refusal, SwapReport
 

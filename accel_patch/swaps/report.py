@@ -17,8 +17,8 @@ SUCCESSES = ("fused", "tiled")
 #: Another forward ran by design, so nothing fell back: an outcome starting with one of these.
 #: Nothing for the kernel to do (a LoRA site whose adapters are all disabled, e.g. DPO's reference
 #: pass; TRL's head in evaluation mode, which the model's own fused loss does not count either), or
-#: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss.py).
-#: The tiled MLP pays only for long sequences in training (swaps/tiled_mlp.py): a short sequence, a
+#: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss/site.py).
+#: The tiled MLP pays only for long sequences in training (swaps/layers/tiled_mlp.py): a short sequence, a
 #: call without grad or in eval mode runs the forward beneath by design.
 BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
              "short sequence", "no grad", "eval mode")

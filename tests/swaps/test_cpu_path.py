@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from accel_kernels import _dispatch, _triton
 
 from accel_patch import swap_kernels
-from accel_patch.swaps import loss, sites
+from accel_patch.swaps import sites
+from accel_patch.swaps.loss import site as loss
 from accel_patch.swaps.report import outcome_kind
 
 from _models import pair, padded_batch, rel, training_step

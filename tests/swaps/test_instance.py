@@ -10,7 +10,8 @@ import transformers.models.llama.modeling_llama as modeling_llama
 from accel_kernels import _launch
 
 from accel_patch import restore_kernels, swap_kernels
-from accel_patch.swaps import rope, sites
+from accel_patch.swaps import sites
+from accel_patch.swaps.layers import rope
 
 from _models import build, padded_batch, pair, rel, training_step
 

@@ -9,7 +9,8 @@ import pytest
 from peft import LoraConfig, get_peft_model
 
 import accel_patch
-from accel_patch.swaps import lora, report as report_module, tiled_mlp
+from accel_patch.swaps import lora, report as report_module
+from accel_patch.swaps.layers import tiled_mlp
 from accel_patch.swaps.report import SwapReport, fallback_line, fallbacks_since, outcome_kind
 
 from _models import build, padded_batch, training_step

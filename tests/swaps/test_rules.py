@@ -8,7 +8,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 import accel_patch
 from accel_patch import swap_kernels
-from accel_patch.swaps import norms, probe, sites
+from accel_patch.swaps import probe, sites
+from accel_patch.swaps.layers import norms
 from accel_patch.swaps.report import SwapReport
 
 from _models import build, padded_batch, rel, training_step

@@ -40,6 +40,8 @@ forward is not swapped again.
 
 One file per job: plans.py (which calls the fused path computes; candidates), functions.py (the
 math and its autograd), probe.py (verification at swap time), sites.py (the swapped forwards).
+These modules import the shared machinery of swaps/ (sites, probe, report, families) and
+layers/mlp.py (the GLU its MLP builds on), never the loss's room.
 """
 from .functions import fused_linears, fused_mlp
 from .plans import MLP_OP, O_OP, OPS, QKV_OP, attention_candidate, mlp_candidate, structure

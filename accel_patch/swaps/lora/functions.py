@@ -28,7 +28,7 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 
-from .. import mlp
+from ..layers import mlp
 from .plans import Dtypes, Proj, dtypes
 
 NAMESPACE = "accel_patch_lora"

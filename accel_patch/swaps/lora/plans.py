@@ -7,7 +7,8 @@ from collections import namedtuple
 
 import torch
 
-from .. import families, mlp
+from .. import families
+from ..layers import mlp
 
 MLP_OP, QKV_OP, O_OP = "lora_mlp", "lora_qkv", "lora_o"
 OPS = (MLP_OP, QKV_OP, O_OP)

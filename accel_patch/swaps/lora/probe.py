@@ -6,7 +6,8 @@ import contextlib
 
 import torch
 
-from .. import mlp, probe
+from .. import probe
+from ..layers import mlp
 from .functions import fused_linears, fused_mlp
 from .plans import Proj, _compute_4bit, _is_lora_layer, autocast_available, base_kind
 

@@ -12,7 +12,8 @@ import torch
 from accel_kernels import _launch
 
 from accel_patch import restore_kernels, swap_kernels
-from accel_patch.swaps import probe, rope
+from accel_patch.swaps import probe
+from accel_patch.swaps.layers import rope
 
 from _models import build, padded_batch, rel
 

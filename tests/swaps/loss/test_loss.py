@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from accel_patch import swap_kernels
-from accel_patch.swaps import deferred as deferred_logits
+from accel_patch.swaps.loss import deferred as deferred_logits
 from accel_patch.swaps import sites
 
 from _models import build, padded_batch, pair, rel, training_step

@@ -1,4 +1,4 @@
-"""The tiled MLP (accel_patch/swaps/tiled_mlp.py): a training step equals the untiled swap's over
+"""The tiled MLP (accel_patch/swaps/layers/tiled_mlp.py): a training step equals the untiled swap's over
 families, padding, batches and tokens not divisible by the chunk, with LoRA (PEFT) and a 4-bit base;
 it runs where it should (counted) and not at short sequences; with gradient checkpointing the MLP
 runs twice per step, not three times; autocast and dropout masks are replayed in backward; it stands
@@ -13,7 +13,8 @@ from peft import LoraConfig, get_peft_model
 
 from accel_patch import restore_kernels, swap_kernels
 from accel_kernels import _dispatch, _triton
-from accel_patch.swaps import OPS, apply, sites, tiled_mlp
+from accel_patch.swaps import OPS, apply, sites
+from accel_patch.swaps.layers import tiled_mlp
 
 from _models import build, padded_batch, rel, training_step
 from test_cpu_path import OpsSeen

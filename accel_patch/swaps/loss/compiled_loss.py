@@ -32,7 +32,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from . import sites
+from .. import sites
 from .deferred import fusable_cross_entropy, materialized
 
 _DTYPE_METHODS = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16, "double": torch.float64}

@@ -11,7 +11,8 @@ from peft import LoraConfig, get_peft_model
 
 import accel_patch
 from accel_patch import restore_kernels, swap_kernels
-from accel_patch.swaps import lora, ops, probe, sites, tiled_mlp
+from accel_patch.swaps import lora, ops, probe, sites
+from accel_patch.swaps.layers import tiled_mlp
 
 from _models import build, padded_batch, rel, training_step
 from test_peft_and_checkpoints import assert_same_files

@@ -35,7 +35,7 @@ from collections import namedtuple
 
 import torch
 
-from . import families, probe, sites
+from .. import families, probe, sites
 
 OP = "rope"
 

@@ -33,7 +33,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import sites
+from .. import sites
 from .deferred import DeferredLogits, _Head
 
 def _is_dtensor(t) -> bool:

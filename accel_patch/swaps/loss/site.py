@@ -30,7 +30,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from . import compiled_loss, probe, sites
+from .. import probe, sites
+from . import compiled_loss
 from .deferred import DeferredLogits, _Head
 from .head import capturing, head_leaf, head_plan
 
@@ -126,7 +127,7 @@ def candidate(model) -> str | None:
 
 def probe_verdict(model):
     """True when the fused loss reproduces F.cross_entropy(head(h).float(), y) for this head."""
-    from .sites import SwapState
+    from ..sites import SwapState
 
     leaf = head_leaf(model.get_output_embeddings())
     w = leaf.weight

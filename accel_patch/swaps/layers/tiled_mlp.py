@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from . import mlp, probe, sites
+from .. import probe, sites
+from . import mlp
 
 OP = "tiled_mlp"
 #: Instance attribute holding the tiled site's call-time data (`Site`).

@@ -1,4 +1,4 @@
-"""The fused loss where a sharding engine owns the LM head's weight (swaps/head.py,
+"""The fused loss where a sharding engine owns the LM head's weight (swaps/loss/head.py,
 `head_weight_for_loss`): fused where the weight is whole for the whole call, standing aside (stock
 head, reason counted) where it is a shard or a released partition, and never reading an empty one.
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import accel_patch
 from accel_patch.swaps import sites
-from accel_patch.swaps.deferred import DeferredLogits, _Head
+from accel_patch.swaps.loss.deferred import DeferredLogits, _Head
 from accel_patch.swaps.sites import SwapState
 
 from _models import pair, padded_batch
@@ -132,7 +132,7 @@ def test_fsdp2_fused_loss_where_the_head_stays_whole_or_stock_where_it_is_reshar
 
 
 def test_head_plan_stands_aside_for_a_zero3_partition_or_a_freed_weight():
-    from accel_patch.swaps.head import head_plan
+    from accel_patch.swaps.loss.head import head_plan
 
     zero3 = torch.nn.Linear(8, 16, bias=False)
     FakeZero3(zero3)

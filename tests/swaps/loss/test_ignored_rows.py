@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import accel_kernels
-from accel_patch.swaps import deferred
+from accel_patch.swaps.loss import deferred
 from accel_patch.swaps.sites import SwapState
-from accel_patch.swaps.token_logprobs import token_logprobs
+from accel_patch.swaps.loss.token_logprobs import token_logprobs
 
 N, H, V = 12, 16, 40
 
