@@ -6,11 +6,14 @@
 # stops its steps by BUDGET_S (540 s) so that it ends inside one call; the second fits what is left.
 #
 #   bash benchmarks/gpu_check.sh                                      # <= 500 s: the run plan (default STEPS)
-#   STEPS="long rank-sync" bash benchmarks/gpu_check.sh               # <= 360 s: long sequences, rank-sync checksum
-#   STEPS="compile" bash benchmarks/gpu_check.sh                      # <= 300 s: eager vs torch.compile (a later lease)
-#   STEPS="lora-compile" bash benchmarks/gpu_check.sh                 # <= 420 s: fused LoRA compiled (a later lease)
-#   STEPS="bench check unit-tests" bash benchmarks/gpu_check.sh       # <= 460 s: kernel timings, accel-patch check
-#   bash benchmarks/gpu_check.sh --dry-run                            # here, on a CPU: every step at tiny shapes
+#   STEPS="long" bash benchmarks/gpu_check.sh                         # <= 240 s: long sequences, if the lease has it
+# Later leases:
+#   STEPS="compile rank-sync" bash benchmarks/gpu_check.sh            # <= 420 s: eager vs torch.compile, checksum
+#   STEPS="lora-compile" bash benchmarks/gpu_check.sh                 # <= 420 s: fused LoRA compiled (Inductor)
+#   STEPS="bench check" bash benchmarks/gpu_check.sh                  # <= 360 s: kernel timings, accel-patch check
+# Here:
+#   bash benchmarks/gpu_check.sh --dry-run                            # every step on a CPU at tiny shapes
+#   bash benchmarks/gpu_check.sh --list                               # the steps, their limits, BUDGET_S
 #
 # The default STEPS, in order:
 #   versions      the versions and the GPU (benchmarks/versions.py)
@@ -47,12 +50,13 @@
 # variant, `--dry-run` for the tiny CPU shapes; pytest steps go through benchmarks/pytest_step.py.
 set -u
 cd "$(dirname "$0")/.."
-DRY=0
+DRY=0 LIST=0
 for arg in "$@"; do
     case $arg in
         --dry-run) DRY=1 ;;
+        --list) LIST=1 ;;  # the steps: name, limit, in the default STEPS or not; then BUDGET_S
         -h|--help) sed -n '2,/^set -u/{/^set -u/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument '$arg' (valid: --dry-run, --help)" >&2; exit 2 ;;
+        *) echo "gpu_check.sh: unknown argument '$arg' (valid: --dry-run, --list, --help)" >&2; exit 2 ;;
     esac
 done
 OUT=${OUT:-$PWD/out}
@@ -104,6 +108,14 @@ add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' --timeout 60 tests 
                         "$T -m 'not slow' --collect-only tests --ignore=tests/kernels"
 
 DEFAULT_STEPS="versions kernel-tests gpu-tests e2e lora"
+if [ "$LIST" = 1 ]; then
+    for s in "${NAMES[@]}"; do
+        case " $DEFAULT_STEPS " in *" $s "*) d=default ;; *) d=other ;; esac
+        echo "$s ${LIMIT[$s]} $d"
+    done
+    echo "BUDGET_S $BUDGET_S"
+    exit 0
+fi
 if [ -n "${STEPS:-}" ]; then
     for s in $STEPS; do
         [ -n "${LIMIT[$s]:-}" ] || { echo "gpu_check.sh: unknown step '$s' in STEPS (valid: ${NAMES[*]})" >&2; exit 2; }
@@ -133,7 +145,7 @@ for STEP in $STEPS; do
     STEP=$STEP timeout -k 10 "$limit" bash -c "$cmd" >"$steplog" 2>&1
     rc=$?
     note=""
-    if [ "$rc" = 0 ] && ! $PY -c 'import json, sys; json.load(open(sys.argv[1]))' "$OUT/$STEP.json" 2>/dev/null; then
+    if [ "$rc" = 0 ] && ! python3 -c 'import json, sys; assert json.load(open(sys.argv[1]))' "$OUT/$STEP.json" 2>/dev/null; then
         rc=3
         note=" (exited 0 without writing valid JSON to $OUT/$STEP.json)"
     fi
