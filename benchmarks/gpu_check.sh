@@ -62,7 +62,7 @@ done
 OUT=${OUT:-$PWD/out}
 PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-540}   # no step starts that could end past this many seconds after the start
-DRY_LIMIT_S=${DRY_LIMIT_S:-240}
+DRY_LIMIT_S=${DRY_LIMIT_S:-600}  # a dry step that hangs stops here
 mkdir -p "$OUT"
 export OUT PY PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Import the checkout without installing it: accel_patch from the root, accel_kernels from kernels/.

@@ -12,7 +12,7 @@ trainable parameters are inputs of the function, so autograd accumulates their g
 every engine that hooks them (DDP, FSDP2) sees them as from a stock backward.
 
 Decided at every call, counted in the model's `calls["tiled_mlp"]`: "tiled", or why the forward
-beneath ran instead (a short sequence, no grad, no gradient checkpointing, ...). Tiling pays once
+beneath ran instead (a short sequence, no grad, not checkpointed, ...). Tiling pays once
 tokens x intermediate reaches MIN_ELEMENTS; a chunk holds about CHUNK_ELEMENTS (chunk tokens x
 intermediate) elements.
 
@@ -64,7 +64,7 @@ TILED = "tiled"
 SHORT = "short sequence: the module's forward"
 NO_GRAD = "no grad: the module's forward"
 EVAL = "eval mode: the module's forward"
-NO_CHECKPOINTING = ("no gradient checkpointing: the module's forward (tiling would add one MLP forward; "
+NO_CHECKPOINTING = ("not checkpointed: the module's forward (tiling would add one MLP forward; "
                     "ask for tiled_mlp to tile anyway)")
 #: The attribute transformers' `gradient_checkpointing_enable` turns on, on every module that has it.
 CHECKPOINT_FLAG = "gradient_checkpointing"

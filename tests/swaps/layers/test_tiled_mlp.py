@@ -138,7 +138,7 @@ def test_with_checkpointing_the_mlp_runs_twice_per_step_as_untiled(forced, no_tr
 
 def test_by_default_it_tiles_only_under_checkpointing(forced, no_triton):
     """The default swap (no ops named): without gradient checkpointing the MLP runs once per layer
-    (counted "no gradient checkpointing"); with transformers' checkpointing it tiles (two passes, as
+    (counted "not checkpointed"); with transformers' checkpointing it tiles (two passes, as
     untiled); asked for by name it tiles without checkpointing too (two passes)."""
     model = build("llama")
     report = swap_kernels(model)
