@@ -76,15 +76,15 @@ fi
 NAMES=()
 declare -A LIMIT CMD DRYCMD
 add() { NAMES+=("$1"); LIMIT[$1]=$2; CMD[$1]=$3; DRYCMD[$1]=$4; }
-T='$PY benchmarks/pytest_step.py --json "$OUT/$STEP.json" -- -q -p no:cacheprovider'  # a pytest step
+T='$PY benchmarks/pytest_step.py --json "$OUT/$STEP.json" --per-test 60 -- -q -p no:cacheprovider'  # a pytest step, 60 s a test
 GPU_TESTS='-k cuda tests/swaps/lora/test_lora_dropout.py tests/swaps/layers/test_tiled_mlp.py'
 
 #   name          limit  GPU command / dry-run command
 add versions        20  '$PY benchmarks/versions.py --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/versions.py --json "$OUT/$STEP.json"'
-add kernel-tests   120  "TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda $T -m 'not slow' --timeout 60 tests/kernels" \
+add kernel-tests   120  "TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda $T -m 'not slow' tests/kernels" \
                         "$T -m 'not slow' --collect-only tests/kernels"
-add gpu-tests       60  "TRITON_INTERPRET=0 $T --timeout 60 $GPU_TESTS" \
+add gpu-tests       60  "TRITON_INTERPRET=0 $T $GPU_TESTS" \
                         "$T --collect-only $GPU_TESTS"
 add e2e            150  '$PY benchmarks/e2e.py --device cuda --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/e2e.py --dry-run --json "$OUT/$STEP.json"'
@@ -104,7 +104,7 @@ add bench          240  '$PY -m accel_kernels.bench --quick --json "$OUT/$STEP.j
                         '$PY -m accel_kernels.bench --quick --ops rms_norm --json "$OUT/$STEP.json"'
 add check          120  '$PY -m accel_patch.cli check --json > "$OUT/$STEP.json"' \
                         '$PY -m accel_patch.cli check --json --parts launch > "$OUT/$STEP.json"'
-add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' --timeout 60 tests --ignore=tests/kernels" \
+add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' tests --ignore=tests/kernels" \
                         "$T -m 'not slow' --collect-only tests --ignore=tests/kernels"
 
 DEFAULT_STEPS="versions kernel-tests gpu-tests e2e lora"
