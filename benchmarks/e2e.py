@@ -88,7 +88,8 @@ def child(variant: str, device: str, warmup: int, steps: int, shape_name: str) -
     model.train()
     if "compile" in variant:
         model = torch.compile(model, backend=COMPILE_BACKEND)  # the warm-up steps pay for the compilation
-    ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq"]), device=device)
+    gen = torch.Generator().manual_seed(0)  # the same tokens in every variant, whatever the swap drew
+    ids = torch.randint(0, config.vocab_size, (shape["batch"], shape["seq"]), generator=gen).to(device)
     batch = {"input_ids": ids, "labels": ids}
 
     first = {}

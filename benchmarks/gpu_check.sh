@@ -5,7 +5,7 @@
 # run plan, it decides (correctness first, then the e2e step judged by its losses, then LoRA) and
 # stops its steps by BUDGET_S (540 s) so that it ends inside one call; the second fits what is left.
 #
-#   bash benchmarks/gpu_check.sh                                      # <= 500 s: the run plan (default STEPS)
+#   bash benchmarks/gpu_check.sh                                      # <= 520 s: the run plan (default STEPS)
 #   STEPS="long" bash benchmarks/gpu_check.sh                         # <= 240 s: long sequences, if the lease has it
 # Later leases:
 #   STEPS="compile rank-sync" bash benchmarks/gpu_check.sh            # <= 420 s: eager vs torch.compile, checksum
@@ -86,18 +86,18 @@ add kernel-tests   120  "TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda $T -m 'not sl
                         "$T -m 'not slow' --collect-only tests/kernels"
 add gpu-tests       60  "TRITON_INTERPRET=0 $T $GPU_TESTS" \
                         "$T --collect-only $GPU_TESTS"
-add e2e            150  '$PY benchmarks/e2e.py --device cuda --json "$OUT/$STEP.json"' \
+add e2e            180  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 5 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/e2e.py --dry-run --json "$OUT/$STEP.json"'
-add lora           150  '$PY benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 --steps 5 --json "$OUT/$STEP.json"' \
+add lora           140  '$PY benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 --steps 5 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --json "$OUT/$STEP.json"'
 add long           240  '$PY benchmarks/long_context.py --device cuda --no-longest --steps 3 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/long_context.py --dry-run --json "$OUT/$STEP.json"'
 add rank-sync      120  '$PY benchmarks/rank_sync.py --device cuda --repeats 5 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/rank_sync.py --dry-run --json "$OUT/$STEP.json"'
 add compile        300  '$PY benchmarks/e2e.py --device cuda --compile --warmup 2 --steps 5 --json "$OUT/$STEP.json"' \
-                        '$PY benchmarks/e2e.py --dry-run --compile --backend aot_eager --json "$OUT/$STEP.json"'
+                        '$PY benchmarks/e2e.py --dry-run --compile --backend eager --json "$OUT/$STEP.json"'
 add lora-compile   420  '$PY benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 --compile inductor --warmup 2 --steps 3 --json "$OUT/$STEP.json"' \
-                        '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --compile aot_eager --json "$OUT/$STEP.json"'
+                        '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --compile eager --json "$OUT/$STEP.json"'
 add qlora          240  'if $PY -c "import bitsandbytes" 2>/dev/null; then $PY benchmarks/lora.py --device cuda --qlora --autocast bf16 --dropout 0.05 --steps 5 --json "$OUT/$STEP.json"; else echo "skipped: bitsandbytes is not installed (no 4-bit base to fuse)"; echo "{\"skipped\": \"no bitsandbytes\"}" > "$OUT/$STEP.json"; fi' \
                         'if $PY -c "import bitsandbytes" 2>/dev/null; then $PY benchmarks/lora.py --dry-run --qlora --json "$OUT/$STEP.json"; else echo "{\"skipped\": \"no bitsandbytes\"}" > "$OUT/$STEP.json"; fi'
 add bench          240  '$PY -m accel_kernels.bench --quick --json "$OUT/$STEP.json"' \

@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 2 on CPU, 10 on GPU)")
     p.add_argument("--autocast", choices=sorted(AUTOCAST), help="step under this autocast (as Trainer(bf16=True))")
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
-    p.add_argument("--compile", choices=("inductor", "aot_eager"), help="torch.compile every variant with this backend")
+    p.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), help="torch.compile every variant with this backend (eager: dynamo alone, for --dry-run)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON (after every variant)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
