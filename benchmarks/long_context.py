@@ -9,7 +9,8 @@ trains in a fixed memory budget.
     python benchmarks/long_context.py --pairs 4 --seqs 8192  # the two swapped variants timed alternately
     python benchmarks/long_context.py --device cuda        # GPU: Llama-3.2-1B shape, bf16, 8k/16k/32k,
                                                            # then the longest trainable sequence
-    python benchmarks/long_context.py --json long.json     # also every figure as JSON
+    python benchmarks/long_context.py --json long.json     # also every figure as JSON (after every length)
+    python benchmarks/long_context.py --dry-run            # the same code at a tiny shape on CPU, in seconds
 
 Every step is forward + backward of a causal-LM loss on one sequence (batch 1) with
 `gradient_checkpointing_enable({"use_reentrant": False})` (transformers' default); the optimizer
@@ -57,8 +58,17 @@ SHAPES = {
                              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                              max_position_embeddings=1048576, tie_word_embeddings=True, rope_theta=500000.0),
                  seqs=(8192, 16384, 32768), dtype="bfloat16"),
+    # --dry-run: the code of a run at a tiny shape on CPU (too short to tile: the paths, not figures).
+    "dry": dict(config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+                seqs=(128,), dtype="float32"),
 }
 VARIANTS = ("stock", "no tiled MLP", "swapped")
+
+
+def torch_device(device: str) -> str:
+    """The torch device of a --device value ("dry": the CPU)."""
+    return "cpu" if device == "dry" else device
 TARGETS = {"memory": 0.6, "time": 1.25, "at": 8192}  # swapped / no tiled MLP, CPU
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -87,7 +97,7 @@ def build(device: str, qlora: bool = False, checkpoint: str | None = None):
         return get_peft_model(model, LoraConfig(**LORA))
     torch.manual_seed(0)
     config = LlamaConfig(**shape["config"], attn_implementation="sdpa")
-    with torch.device(device):
+    with torch.device(torch_device(device)):
         return LlamaForCausalLM(config).to(dtype)
 
 
@@ -107,7 +117,7 @@ def prepared(variant: str, device: str, seq: int, qlora=False, checkpoint=None, 
     model.config.use_cache = False
     model.train()
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, SHAPES[device]["config"]["vocab_size"], (1, seq), generator=gen).to(device)
+    ids = torch.randint(0, SHAPES[device]["config"]["vocab_size"], (1, seq), generator=gen).to(torch_device(device))
     return model, {"input_ids": ids, "labels": ids}, report
 
 
@@ -154,7 +164,7 @@ def timed_step(model, batch, device: str) -> float:
 def timing_child(device: str, seq: int, warmup: int, steps: int) -> dict:
     import torch
 
-    if device == "cpu":
+    if device != "cuda":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     runs = {v: prepared(v, device, seq)[:2] for v in VARIANTS}
     times = {v: [] for v in VARIANTS}
@@ -305,7 +315,8 @@ def longest(budget_gib: float, start: int, cap: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    p.add_argument("--device", choices=("cpu", "cuda", "dry"), help="default: cuda when available (dry: --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="the same code at a tiny shape on CPU, one step each, no longest search")
     p.add_argument("--seqs", help="comma-separated sequence lengths (default: the device's)")
     p.add_argument("--warmup", type=int, default=None, help="steps before timing (default: 1 on CPU, 2 on GPU)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 2 on CPU, 5 on GPU)")
@@ -337,9 +348,9 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = "dry" if args.dry_run else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     warmup = args.warmup if args.warmup is not None else (2 if device == "cuda" else 1)
-    steps = args.steps if args.steps is not None else (5 if device == "cuda" else 2)
+    steps = args.steps if args.steps is not None else (5 if device == "cuda" else 1 if device == "dry" else 2)
     if args.pairs:
         for seq in ([int(v) for v in args.seqs.split(",")] if args.seqs else SHAPES[device]["seqs"]):
             r = pairs(device, seq, args.pairs)
@@ -374,10 +385,17 @@ def main(argv=None) -> int:
           f"{warmup} warm-up, median of {steps} steps"
           f"{'; glibc mmap threshold ' + ('fixed' if args.malloc == 'fixed' else 'default') if device == 'cpu' else ''}",
           flush=True)
+    def save(results, long_rows):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=device, machine=machine, shape=shape, malloc=args.malloc, results=results,
+                               longest=long_rows), f, indent=1)
+
+    save([], [])
     print(f"\n{'tokens':>7}  {'variant':<13}{'tokens/s':>10}{'step s':>9}{'peak growth MiB':>17}{'loss':>10}  tiled_mlp calls")
     results = []
     for seq in ([] if args.only_longest else seqs):
-        malloc = args.malloc if device == "cpu" else "default"
+        malloc = args.malloc if device != "cuda" else "default"
         rows = {v: run_child(["--device", device, "--child", v, "--seq", str(seq)], malloc) for v in VARIANTS}
         timed = ({v: float("nan") for v in VARIANTS} if args.memory_only else
                  run_child(["--device", device, "--child", "timing", "--seq", str(seq),
@@ -404,16 +422,16 @@ def main(argv=None) -> int:
                             if not args.memory_only else "time not measured]"))
             print(line, flush=True)
         results.append(dict(seq=seq, rows=rows))
+        save(results, [])  # after every length: a run cut short keeps what finished
     long_rows = []
     if device == "cuda" and not args.no_longest or args.only_longest:
         print(f"\nlongest sequence in {args.budget_gib:g} GiB (one step, gradient checkpointing; lengths "
               f"{args.start} x 2^k up to {args.cap})", flush=True)
         long_rows = longest(args.budget_gib, args.start, args.cap)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, machine=machine, shape=shape, malloc=args.malloc, results=results,
-                           longest=long_rows), f, indent=1)
-    return 0
+    save(results, long_rows)
+    failed = [r for res in results for r in res["rows"].values() if "error" in r]
+    failed += [r for r in long_rows if r.get("error")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """One LoRA r=16 training step (q, k, v, o, gate, up, down adapted): stock PEFT, swapped today (the
-kernel ops and the fused loss, without the LoRA ops), and swapped with fused LoRA.
+kernel ops and the fused loss, without the LoRA ops), swapped with fused LoRA, and fused LoRA with
+the tiled MLP (its own column: "fused LoRA" never includes it).
 
     python benchmarks/lora.py                  # CPU: hidden 1024, inter 2816, 4 layers, vocab 32000, 2048 tokens, fp32
     python benchmarks/lora.py --quick          # CPU, smaller: hidden 512, 2 layers, vocab 8000, 512 tokens
@@ -9,6 +10,7 @@ kernel ops and the fused loss, without the LoRA ops), and swapped with fused LoR
     python benchmarks/lora.py --autocast bf16  # the step under bf16 (or fp16) autocast, as Trainer(bf16=True) runs it
     python benchmarks/lora.py --dropout 0.1    # LoRA dropout 0.1 (combinable with --autocast and --compile)
     python benchmarks/lora.py --compile inductor   # every variant torch.compile'd (inductor, or aot_eager)
+    python benchmarks/lora.py --dry-run        # the same code at a tiny shape on CPU, in seconds
 
 Each variant's memory is measured in a fresh process (random weights from a config, nothing downloaded; a 4-bit
 base is saved once to a temporary directory and loaded quantized), without TRITON_INTERPRET.
@@ -22,9 +24,15 @@ base is saved once to a temporary directory and loaded quantized), without TRITO
   layer and of its MLP (torch.autograd.graph.saved_tensors_hooks; parameters and their 4-bit
   packs excluded, each storage counted once), beside the MLP's theoretical minimum: x plus the
   gate and up pre-activations.
+- loss: the first step's loss of each variant (the same weights, adapters and tokens); a swapped
+  variant more than LOSS_BOUND (relative) from stock fails the run (exit 1): a wrong kernel does
+  not look fast. With dropout the masks differ between stock and fused (each draws its own), so
+  the bound is then a sanity bound, not a match.
+- --json PATH is written again after every variant, so a run cut short keeps what finished.
 - ratios: fused LoRA / swapped today (and / stock) for memory, tokens/s ratio for speed; the CPU
   targets (peak growth <= 0.85x of swapped today, time <= 1.0x; compiled: peak growth <= 0.8x)
-  print PASS or MISS beside them.
+  print PASS or MISS beside them (a MISS is a figure, not a failure); the tiled MLP's variant
+  against fused LoRA.
 - --compile: each variant's model is `torch.compile`d (not fullgraph) with the backend named; the
   warm-up steps pay for the compilation. The CPU peak is then the rise of the resident set's
   high-water mark (VmHWM, reset through /proc/self/clear_refs after the warm-up) over a later
@@ -54,14 +62,24 @@ SHAPES = {
     "quick": dict(config=dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
                               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512),
                   batch=1, seq=512, dtype="float32"),
+    "dry": dict(config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                batch=1, seq=64, dtype="float32"),
     # Llama-3.2-1B: hidden 2048, 16 layers, 32 query / 8 key-value heads of 64, vocab 128256, tied.
     "cuda": dict(config=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                              max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0),
                  batch=4, seq=2048, dtype="bfloat16"),
 }
-VARIANTS = ("stock", "swapped today", "fused LoRA")
+VARIANTS = ("stock", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
 TODAY_OPS = "rms_norm,rope,glu,fused_linear_cross_entropy"
+#: The ops each swapped variant names (the tiled MLP only in its own variant).
+VARIANT_OPS = {"swapped today": TODAY_OPS,
+               "fused LoRA": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o",
+               "fused LoRA + tiled MLP": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o,tiled_mlp"}
+#: Largest relative difference of a swapped variant's first-step loss from stock's, by the step's
+#: compute dtype (dropout: a sanity bound, see the docstring).
+LOSS_BOUND = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-4, "dropout": 0.2}
 # fused LoRA against swapped today on CPU; against stock PEFT on GPU (the issue's targets)
 TARGETS = {"cpu": dict(memory=0.85, time=1.0, against="swapped today"),
            "cuda": dict(memory=0.6, time=1 / 1.5, against="stock")}
@@ -146,7 +164,7 @@ def prepared(variant: str, shape_name: str, device: str, qlora: bool, checkpoint
     model = get_peft_model(model, LoraConfig(**{**LORA, "lora_dropout": run.dropout}))
     report = None
     if variant != "stock":
-        report = accel_patch.swap_kernels(model, TODAY_OPS if variant == "swapped today" else None)
+        report = accel_patch.swap_kernels(model, VARIANT_OPS[variant])
     model.train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["config"]["vocab_size"], (shape["batch"], shape["seq"]), generator=gen).to(device)
@@ -155,7 +173,7 @@ def prepared(variant: str, shape_name: str, device: str, qlora: bool, checkpoint
     return model, {"input_ids": ids, "labels": ids}, report
 
 
-def step(model, batch, run: Run) -> None:
+def step(model, batch, run: Run) -> float:
     import torch
 
     device = batch["input_ids"].device.type
@@ -164,6 +182,7 @@ def step(model, batch, run: Run) -> None:
         loss = model(**batch).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def _resident_mib(field: str) -> float | None:
@@ -194,9 +213,11 @@ def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkp
     import torch
 
     model, batch, report = prepared(variant, shape_name, device, qlora, checkpoint, run)
+    first_loss = None
     if device == "cuda":
         for _ in range(warmup):
-            step(model, batch, run)
+            loss = step(model, batch, run)
+            first_loss = loss.item() if first_loss is None else first_loss
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -207,7 +228,8 @@ def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkp
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
         if run.compile:  # compile in the warm-up, then the high-water mark of a later step
             for _ in range(warmup):
-                step(model, batch, run)
+                loss = step(model, batch, run)
+                first_loss = loss.item() if first_loss is None else first_loss
             if not _reset_resident_peak():
                 return dict(variant=variant, error="--compile on CPU needs /proc/self/clear_refs (Linux)")
             base = _resident_mib("VmRSS")
@@ -215,7 +237,7 @@ def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkp
             growth = _resident_mib("VmHWM") - base
         else:
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            step(model, batch, run)  # the first step sets the high-water mark: its rise is the step's peak growth
+            first_loss = step(model, batch, run).item()  # the first step sets the high-water mark: its rise is the step's peak growth
             growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     saved = saved_bytes(model, batch, run) if not run.compile else {"layer": None, "mlp": None}
     shape = SHAPES[shape_name]
@@ -223,7 +245,7 @@ def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkp
     tokens = shape["batch"] * shape["seq"]
     element = torch.finfo(getattr(torch, AUTOCAST[run.autocast] if run.autocast else shape["dtype"])).bits // 8
     mib = (lambda b: None if b is None else b / 2**20)
-    return dict(variant=variant, peak_growth_mib=growth,
+    return dict(variant=variant, peak_growth_mib=growth, loss=first_loss,
                 saved_layer_mib=mib(saved["layer"]), saved_mlp_mib=mib(saved["mlp"]),
                 mlp_minimum_mib=tokens * (c["hidden_size"] + 2 * c["intermediate_size"]) * element / 2**20,
                 calls=(report.calls if report is not None else None),
@@ -280,23 +302,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument("--quick", action="store_true", help="the smaller CPU shape")
+    p.add_argument("--dry-run", action="store_true", help="the same code at a tiny shape on CPU, one step each")
     p.add_argument("--qlora", action="store_true", help="a bitsandbytes 4-bit (nf4) base")
     p.add_argument("--warmup", type=int, default=None, help="steps before timing (default: 1 on CPU, 3 on GPU)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 2 on CPU, 10 on GPU)")
     p.add_argument("--autocast", choices=sorted(AUTOCAST), help="step under this autocast (as Trainer(bf16=True))")
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
-    p.add_argument("--compile", choices=("inductor", "aot_eager"), help="torch.compile every variant with this backend")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), help="torch.compile every variant with this backend (eager: dynamo alone, for --dry-run)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON (after every variant)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shape_name = args.shape or ("cuda" if device == "cuda" else ("quick" if args.quick else "cpu"))
+    device = "cpu" if args.dry_run else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shape_name = args.shape or ("dry" if args.dry_run else "cuda" if device == "cuda" else ("quick" if args.quick else "cpu"))
     warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" else 1)
-    steps = args.steps if args.steps is not None else (10 if device == "cuda" else 2)
+    steps = args.steps if args.steps is not None else (10 if device == "cuda" else (1 if args.dry_run else 2))
     if warmup < 1 or steps < 1:
         p.error(f"--warmup and --steps must be >= 1, got {warmup} and {steps}")
     if not 0.0 <= args.dropout < 1.0:
@@ -317,17 +340,37 @@ def main(argv=None) -> int:
                else f"CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
     c = shape["config"]
     print(f"accel-patch fused LoRA step, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {machine}, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}")
+          f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}"
+          f"{', DRY RUN (tiny shape, no figures)' if args.dry_run else ''}")
     print(f"Llama: hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
           f"vocab {c['vocab_size']}, {shape['batch']} x {shape['seq']} tokens, {shape['dtype']}"
           f"{' 4-bit nf4 base' if args.qlora else ''}, LoRA r=16 on q,k,v,o,gate,up,down; {run.describe()}; "
-          f"{warmup} warm-up, median of {steps} steps")
+          f"{warmup} warm-up, median of {steps} steps", flush=True)
+    compute = AUTOCAST[run.autocast] if run.autocast else shape["dtype"]
+    bound = LOSS_BOUND["dropout"] if run.dropout else LOSS_BOUND[compute]
+    results = dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, device=device,
+                   dry_run=args.dry_run, shape=shape, qlora=args.qlora, autocast=run.autocast, dropout=run.dropout,
+                   compile=run.compile, torch=torch.__version__, transformers=transformers.__version__,
+                   peft=peft.__version__, loss_bound=bound, rows=[])
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    save()
+    rows = results["rows"]
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if args.qlora:
             checkpoint = os.path.join(tmp, "base")
             save_base(shape_name, checkpoint)
-        rows = [run_child(v, shape_name, device, args.qlora, checkpoint, warmup, steps, run) for v in VARIANTS]
+        for v in VARIANTS:
+            rows.append(run_child(v, shape_name, device, args.qlora, checkpoint, warmup, steps, run))
+            r = rows[-1]
+            print(f"  {v}: " + (f"FAILED: {r['error']}" if "error" in r else
+                                f"peak growth {r['peak_growth_mib']:.0f} MiB, loss {r['loss']:.4f}"), flush=True)
+            save()  # after every variant: a run cut short keeps what finished
         timed = run_child("timing", shape_name, device, args.qlora, checkpoint, warmup, steps, run)
     for r in rows:
         if "error" in timed:
@@ -335,23 +378,32 @@ def main(argv=None) -> int:
         elif "error" not in r:
             r["step_s"] = timed[r["variant"]]
             r["tokens_per_s"] = shape["batch"] * shape["seq"] / r["step_s"]
-    print(f"\n{'variant':<15}{'tokens/s':>10}{'step s':>9}{'peak growth MiB':>17}{'saved/layer MiB':>17}"
-          f"{'saved/MLP MiB':>15}{'MLP minimum MiB':>17}")
+    save()
+    print(f"\n{'variant':<24}{'tokens/s':>10}{'step s':>9}{'peak growth MiB':>17}{'saved/layer MiB':>17}"
+          f"{'saved/MLP MiB':>15}{'MLP minimum MiB':>17}{'loss':>10}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<15}FAILED: {r['error']}")
+            print(f"{r['variant']:<24}FAILED: {r['error']}")
         else:
             cols = [f"{r[k]:>{w}.1f}" if r[k] is not None else f"{'-':>{w}}"
                     for k, w in (("saved_layer_mib", 17), ("saved_mlp_mib", 15))]
-            print(f"{r['variant']:<15}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_growth_mib']:>17.0f}"
-                  f"{''.join(cols)}{r['mlp_minimum_mib']:>17.1f}")
+            print(f"{r['variant']:<24}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_growth_mib']:>17.0f}"
+                  f"{''.join(cols)}{r['mlp_minimum_mib']:>17.1f}{r['loss']:>10.4f}")
     byname = {r["variant"]: r for r in rows}
     fused = byname["fused LoRA"]
     target = dict(TARGETS[device])
     if run.compile and device == "cpu":  # the issue's compiled target: memory only
         target.update(memory=COMPILED_TARGET, time=None)
     verdicts = {}
-    if not any("error" in r for r in rows):
+    ok = not any("error" in r for r in rows)
+    if ok:
+        stock_loss = byname["stock"]["loss"]
+        for r in rows[1:]:
+            r["loss_rel_diff"] = abs(r["loss"] - stock_loss) / max(abs(stock_loss), 1e-30)
+            r["correct"] = r["loss_rel_diff"] <= bound  # (NaN fails)
+            ok = ok and r["correct"]
+            print(f"{r['variant']}: loss {r['loss_rel_diff']:.1e} from stock's ({'OK' if r['correct'] else 'WRONG'}: "
+                  f"bound {bound:g})")
         for against in ("swapped today", "stock"):
             other = byname[against]
             memory = fused["peak_growth_mib"] / other["peak_growth_mib"]
@@ -366,13 +418,18 @@ def main(argv=None) -> int:
                     line += f", time <= {target['time']:.2f}x {verdicts['time_verdict']}"
                 line += ")"
             print(line)
+        tiled = byname["fused LoRA + tiled MLP"]
+        tiled_memory, tiled_time = (tiled["peak_growth_mib"] / max(fused["peak_growth_mib"], 1e-9),
+                                    tiled["step_s"] / fused["step_s"])
+        verdicts.update(tiled_memory_ratio=tiled_memory, tiled_time_ratio=tiled_time)
+        print(f"fused LoRA + tiled MLP / fused LoRA: peak growth {tiled_memory:.2f}x, time {tiled_time:.2f}x "
+              "(no checkpointing here: the tiled MLP's recompute is one more MLP forward)")
         print(f"fused LoRA calls: {fused['calls']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, device=device,
-                           shape=shape, qlora=args.qlora, autocast=run.autocast, dropout=run.dropout,
-                           compile=run.compile, torch=torch.__version__, rows=rows, **verdicts), f, indent=1)
-    return 0 if verdicts and "MISS" not in verdicts.values() else 1
+    results.update(verdicts, correct=ok)
+    save()
+    if not ok:
+        print("FAILED: a variant did not run, or a swapped variant's loss is not stock's")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

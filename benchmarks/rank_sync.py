@@ -4,7 +4,8 @@ per step against the step time of a 2-rank DDP run on CPU (gloo).
     python benchmarks/rank_sync.py                     # CPU: the checksum, then a 2-rank torchrun
     python benchmarks/rank_sync.py --device cuda       # the checksum on the GPU (no 2-rank run)
     python benchmarks/rank_sync.py --layers 4          # a scaled parameter set (4 of 16 layers)
-    python benchmarks/rank_sync.py --json r.json
+    python benchmarks/rank_sync.py --json r.json       # (written after each part)
+    python benchmarks/rank_sync.py --dry-run           # the same code on a tiny parameter set, no DDP run
 
 1. The checksum (`core.rank_sync.digest_tensors`, what every check computes before its one
    collective) of the trainable parameters of a full fine-tune of Llama-3.2-1B (bf16: embedding
@@ -30,11 +31,14 @@ import tempfile
 import time
 
 LLAMA_1B = dict(vocab=128256, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8)
+#: --dry-run: the same shapes' structure at a tiny size.
+DRY = dict(vocab=512, hidden=64, heads=4, kv_heads=2, intermediate=128)
+SHAPE = LLAMA_1B
 
 
 def llama_shapes(layers: int) -> list[tuple[int, ...]]:
     """The parameter shapes of Llama-3.2-1B (tied embedding) with `layers` decoder layers."""
-    c = LLAMA_1B
+    c = SHAPE
     head_dim = c["hidden"] // c["heads"]
     kv = c["kv_heads"] * head_dim
     layer = [(c["hidden"], c["hidden"]), (kv, c["hidden"]), (kv, c["hidden"]), (c["hidden"], c["hidden"]),
@@ -141,8 +145,13 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2, help="processes of the CPU DDP run (0: skip it)")
     p.add_argument("--steps", type=int, default=10, help="timed steps of the DDP run")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--dry-run", action="store_true", help="a tiny parameter set on the CPU, one repeat, no DDP run")
     p.add_argument("--ddp-child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.dry_run:
+        global SHAPE
+        SHAPE = DRY
+        args.device, args.layers, args.repeats, args.ranks = "cpu", 2, 1, 0
     if args.ddp_child:
         ddp_child(args.steps, args.ddp_child)
         return 0
@@ -163,7 +172,8 @@ def main() -> int:
     lora = time_digest(lora_shapes(args.layers), torch.float32, device, args.repeats)
     print(f"checksum, Llama-3.2-1B LoRA r=16 adapters{scale}: {lora['elements'] / 1e6:.1f}e6 float32 elements in "
           f"{lora['tensors']} tensors: {lora['best_s'] * 1e3:.2f} ms (median {lora['median_s'] * 1e3:.2f})")
-    figures.update(full_finetune=full, lora=lora, layers=args.layers)
+    figures.update(full_finetune=full, lora=lora, layers=args.layers, dry_run=args.dry_run)
+    save(args.json, figures)
     if args.ranks and device.type == "cpu":
         ranks = ddp_run(args.ranks, args.steps)
         r0 = ranks[0]
@@ -173,10 +183,14 @@ def main() -> int:
               f"({r0['check_share'] * 100 / max(r['auto_every'] for r in ranks):.3f}% per step); "
               f"verdicts {r0['states']}")
         figures["ddp"] = ranks
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+    save(args.json, figures)
     return 0
+
+
+def save(path, figures) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

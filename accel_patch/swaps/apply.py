@@ -74,8 +74,10 @@ def _verdict(key, run):
 class _Walk:
     """One swap call over one model."""
 
-    def __init__(self, model, state: sites.SwapState, todo: tuple[str, ...], top_level: bool) -> None:
+    def __init__(self, model, state: sites.SwapState, todo: tuple[str, ...], top_level: bool,
+                 tiled_requested: bool = False) -> None:
         self.model, self.state, self.todo, self.top_level = model, state, todo, top_level
+        self.tiled_requested = tiled_requested  # named by the caller: tile without checkpointing too
         self.dtype = activation_dtype(model)
         self.config = _text_config(model)
         self.rope_held: set = set()
@@ -211,7 +213,8 @@ class _Walk:
         if isinstance(verdict, str):
             self.refuse(where, tiled_mlp.OP, verdict)
             return
-        tiled_mlp.install(self.state, module, tiled_mlp.Site(*found, self.state.calls))
+        tiled_mlp.install(self.state, module, tiled_mlp.Site(*found, self.state.calls, self.tiled_requested,
+                                                             tiled_mlp.checkpoint_holders(self.model, where)))
         self.state.counts[tiled_mlp.OP] = self.state.counts.get(tiled_mlp.OP, 0) + 1
         self.new += 1
 
@@ -282,13 +285,14 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
     """See `accel_patch.swap_kernels`. `top_level=False` leaves the model's own forward alone
     (after the model was prepared), so the fused loss is refused."""
     todo_all = resolve_ops(ops)
+    tiled_requested = ops is not None and tiled_mlp.OP in todo_all  # named, not the default (tiled_mlp.py)
     target = unwrap(model)
     state = target.__dict__.get(sites.STATE_ATTR)
     if state is None:
         state = sites.SwapState()
     todo = tuple(op for op in todo_all if op not in state.ops)
     if todo:
-        walk = _Walk(target, state, todo, top_level)
+        walk = _Walk(target, state, todo, top_level, tiled_requested)
         target.__dict__[sites.STATE_ATTR] = state
         try:
             walk.run()
@@ -299,6 +303,8 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
         new = walk.new
     else:
         new = 0
+    if tiled_requested:  # sites installed by an earlier default call tile every long call from now on
+        tiled_mlp.request(target)
     report = SwapReport(type(target).__name__, state.counts, state.refused, new=new, head=state.head,
                         calls=state.calls, waiting=waiting_for_adapters(target))
     if todo:

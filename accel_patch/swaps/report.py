@@ -19,9 +19,10 @@ SUCCESSES = ("fused", "tiled")
 #: pass; TRL's head in evaluation mode, which the model's own fused loss does not count either), or
 #: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss/site.py).
 #: The tiled MLP pays only for long sequences in training (swaps/layers/tiled_mlp.py): a short sequence, a
-#: call without grad or in eval mode runs the forward beneath by design.
+#: call without grad or in eval mode runs the forward beneath by design, and so does a call that is
+#: not checkpointed ("not checkpointed") unless the op was asked for by name.
 BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
-             "short sequence", "no grad", "eval mode")
+             "short sequence", "no grad", "eval mode", "not checkpointed")
 #: Prefix of an outcome counted while torch.compile traces a site (once per compiled graph, not per
 #: call: swaps/lora/sites.py); what follows it is classified like any outcome.
 COMPILED = "compiled: "

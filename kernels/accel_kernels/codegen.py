@@ -241,6 +241,13 @@ def _specialize_by_rule(kernel, args, meta, backend):
     return signature, constexprs, attrs, options
 
 
+def specialization_key(signature, constexprs, attrs):
+    """What a specialization means to the compiler: an empty attribute list specializes nothing, so
+    an argument listed with [] and one left out are the same one (triton 3.9's binder lists every
+    constant with [], 3.6's leaves them out, the rule above lists them)."""
+    return signature, constexprs, {k: v for k, v in attrs.items() if v}
+
+
 _TYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                torch.int32: "i32"}
 

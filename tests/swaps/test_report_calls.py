@@ -21,10 +21,10 @@ def test_one_rule_says_which_outcome_ran_the_kernel_and_which_fell_back():
     for outcome in (lora.FUSED, "fused (in TRL's head)", "tiled"):
         assert outcome_kind(outcome) == "success", outcome
     # nothing for the kernel to do, or stock the faster choice (small logits on CPU without Triton)
-    # ... or a call the tiled MLP does not pay for (short, no grad, eval)
+    # ... or a call the tiled MLP does not pay for (short, no grad, eval, not checkpointed by default)
     for outcome in (lora.NO_ADAPTER, "TRL's head: evaluation mode",
                     "stood aside: small logits on CPU without Triton (stock is faster there)",
-                    tiled_mlp.SHORT, tiled_mlp.NO_GRAD, tiled_mlp.EVAL):
+                    tiled_mlp.SHORT, tiled_mlp.NO_GRAD, tiled_mlp.EVAL, tiled_mlp.NO_CHECKPOINTING):
         assert outcome_kind(outcome) == "by design", outcome
     # a site traced by torch.compile counts once per graph: classified by what follows the prefix
     assert outcome_kind(lora.COMPILED + lora.FUSED) == "success"

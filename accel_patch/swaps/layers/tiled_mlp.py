@@ -12,8 +12,19 @@ trainable parameters are inputs of the function, so autograd accumulates their g
 every engine that hooks them (DDP, FSDP2) sees them as from a stock backward.
 
 Decided at every call, counted in the model's `calls["tiled_mlp"]`: "tiled", or why the forward
-beneath ran instead (a short sequence, no grad, ...). Tiling pays once tokens x intermediate
-reaches MIN_ELEMENTS; a chunk holds about CHUNK_ELEMENTS (chunk tokens x intermediate) elements.
+beneath ran instead (a short sequence, no grad, not checkpointed, ...). Tiling pays once
+tokens x intermediate reaches MIN_ELEMENTS; a chunk holds about CHUNK_ELEMENTS (chunk tokens x
+intermediate) elements.
+
+When it engages (docs/decisions.md, "The tiled MLP's default"): the backward's chunk recompute is
+one more MLP forward, which gradient checkpointing pays anyway. So by default (`ops=None`, no
+ACCEL_PATCH_KERNELS, no config entry) a long call tiles only under transformers' gradient
+checkpointing: the `gradient_checkpointing` flag of the nearest module above the MLP that has one
+(the decoder layer; `gradient_checkpointing_enable` / `activation_checkpointing_enable` set it,
+per layer with `every_n_layers`) is on and that module is training, read at every call. Elsewhere it tiles only when the caller named the op (`ops=` with "tiled_mlp",
+ACCEL_PATCH_KERNELS, the config entry): `Site.requested`. No memory rule engages it on its own: a
+site sees one MLP, not what else the step holds. Checkpointing by other means (torch.utils.checkpoint
+by hand, FSDP's checkpoint wrapper) sets no such flag: ask for the op there.
 
 Gradient checkpointing (non-reentrant, transformers' default): the input is saved by a separate
 identity node before the chunks run, and the function saves nothing itself, so checkpoint's
@@ -53,17 +64,48 @@ TILED = "tiled"
 SHORT = "short sequence: the module's forward"
 NO_GRAD = "no grad: the module's forward"
 EVAL = "eval mode: the module's forward"
+NO_CHECKPOINTING = ("not checkpointed: the module's forward (tiling would add one MLP forward; "
+                    "ask for tiled_mlp to tile anyway)")
+#: The attribute transformers' `gradient_checkpointing_enable` turns on, on every module that has it.
+CHECKPOINT_FLAG = "gradient_checkpointing"
 
 
 class Site:
-    """What a tiled site reads at call time: the MLP's widths and the model's call counts."""
+    """What a tiled site reads at call time: the MLP's widths, the model's call counts, whether the
+    caller asked for the op by name (`requested`: tile every long training call), and the modules
+    above the MLP whose `gradient_checkpointing` flag says the layer is checkpointed (`holders`)."""
 
-    def __init__(self, hidden: int, intermediate: int, calls) -> None:
+    def __init__(self, hidden: int, intermediate: int, calls, requested: bool = False, holders=()) -> None:
         self.hidden, self.intermediate, self.calls = hidden, intermediate, calls
+        self.requested, self.holders = requested, tuple(holders)
+
+    def checkpointed(self) -> bool:
+        """Whether transformers checkpoints the layer of this MLP now: the flag of the nearest module
+        above that carries one (the decoder layer in transformers 5, whose flag `every_n_layers`
+        sets per layer; the base model in 4.x), in training."""
+        if not self.holders:
+            return False
+        nearest = self.holders[-1]
+        return getattr(nearest, CHECKPOINT_FLAG, False) is True and nearest.training
 
     def count(self, outcome: str) -> None:
         per_op = self.calls.setdefault(OP, {})
         per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+def checkpoint_holders(model, where: str) -> list:
+    """The modules above `where` (a name in `model.named_modules()`) that carry transformers'
+    `gradient_checkpointing` flag, outermost first: the base model, the decoder layer."""
+    parts = where.split(".") if where else []
+    holders = [model] if hasattr(model, CHECKPOINT_FLAG) else []
+    for i in range(1, len(parts)):
+        try:
+            module = model.get_submodule(".".join(parts[:i]))
+        except AttributeError:
+            continue
+        if hasattr(module, CHECKPOINT_FLAG):
+            holders.append(module)
+    return holders
 
 
 def chunk_tokens(hidden: int, intermediate: int) -> int:
@@ -91,6 +133,8 @@ def decide(site: Site, module, x) -> str | None:
         return NO_GRAD
     if not module.training:  # (bitsandbytes' Linear4bit repacks its weight at a no-grad call in eval mode)
         return EVAL
+    if not site.requested and not site.checkpointed():
+        return NO_CHECKPOINTING
     if _is_dtensor(x) or any(_is_dtensor(p) for p in module.parameters()):
         return "DTensor input or parameters: the module's forward"
     return None
@@ -320,6 +364,15 @@ def install(state, module, site: Site) -> None:
     """Bind the tiled forward on top of whatever the module runs now (kept in INNER_ATTR)."""
     state.set(module, SITE_ATTR, site)
     sites.install(state, module, sites.signed(forward, type(module), OP), INNER_ATTR)
+
+
+def request(model) -> None:
+    """Every tiled site of `model` tiles long training calls without checkpointing too (the caller
+    named the op after a default swap had installed them)."""
+    for module in model.modules():
+        site = module.__dict__.get(SITE_ATTR)
+        if site is not None:
+            site.requested = True
 
 
 def op_of(module) -> str | None:

@@ -1,11 +1,14 @@
 """The tiled MLP (accel_patch/swaps/layers/tiled_mlp.py): a training step equals the untiled swap's over
 families, padding, batches and tokens not divisible by the chunk, with LoRA (PEFT) and a 4-bit base;
-it runs where it should (counted) and not at short sequences; with gradient checkpointing the MLP
-runs twice per step, not three times; autocast and dropout masks are replayed in backward; it stands
-aside under torch.compile; checkpoint offloading gives the stock losses; restore undoes it."""
+it runs where it should (counted) and not at short sequences; by default only under gradient
+checkpointing (one MLP forward per layer without it), everywhere when asked for by name; with
+gradient checkpointing the MLP runs twice per step, not three times; autocast and dropout masks are
+replayed in backward; it stands aside under torch.compile; checkpoint offloading gives the stock
+losses; restore undoes it. Tests of the tiled machinery itself ask for the op by name (`OPS`)."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -44,10 +47,11 @@ def calls(model) -> dict:
 
 
 def twins(base, prepare=lambda m: m):
-    """(untiled, tiled): the same model swapped without and with the tiled MLP."""
+    """(untiled, tiled): the same model swapped without and with the tiled MLP (asked for by name:
+    it tiles without checkpointing too)."""
     untiled, tiled = prepare(copy.deepcopy(base)), prepare(copy.deepcopy(base))
     swap_kernels(untiled, UNTILED)
-    report = swap_kernels(tiled)
+    report = swap_kernels(tiled, OPS)
     return untiled, tiled, report
 
 
@@ -84,7 +88,7 @@ def test_a_tiled_step_equals_the_untiled_swap(forced, request, family, kernels):
 
 def test_short_sequences_run_the_forward_beneath_and_are_counted(monkeypatch, no_triton):
     model = build("llama")
-    swap_kernels(model)
+    swap_kernels(model, OPS)
     training_step(model, padded_batch())
     layers = model.config.num_hidden_layers
     assert calls(model)["tiled_mlp"] == {tiled_mlp.SHORT: layers}  # the default threshold: 30 tokens are short
@@ -132,6 +136,64 @@ def test_with_checkpointing_the_mlp_runs_twice_per_step_as_untiled(forced, no_tr
     assert calls(tiled)["tiled_mlp"] == {tiled_mlp.TILED: untiled.config.num_hidden_layers}
 
 
+def test_by_default_it_tiles_only_under_checkpointing(forced, no_triton):
+    """The default swap (no ops named): without gradient checkpointing the MLP runs once per layer
+    (counted "not checkpointed"); with transformers' checkpointing it tiles (two passes, as
+    untiled); asked for by name it tiles without checkpointing too (two passes)."""
+    model = build("llama")
+    report = swap_kernels(model)
+    layers = model.config.num_hidden_layers
+    assert report.swapped["tiled_mlp"] == layers  # installed: it decides per call
+    rows = mlp_rows(model)
+    tokens = padded_batch()["input_ids"].numel() * layers
+    training_step(model, padded_batch())
+    assert rows[0] == tokens and calls(model)["tiled_mlp"] == {tiled_mlp.NO_CHECKPOINTING: layers}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    training_step(model, padded_batch())
+    assert rows[0] == 3 * tokens and calls(model)["tiled_mlp"][tiled_mlp.TILED] == layers
+    model.gradient_checkpointing_disable()
+    swap_kernels(model, "tiled_mlp")  # named after the default swap: the sites it installed tile from now on
+    training_step(model, padded_batch())
+    assert rows[0] == 5 * tokens and calls(model)["tiled_mlp"][tiled_mlp.TILED] == 2 * layers
+
+
+def test_by_default_it_follows_each_layers_own_checkpointing(forced, no_triton):
+    """`every_n_layers=2` checkpoints layer 0 of 2 (the base model's flag is on for both): only the
+    checkpointed layer tiles, the other runs its MLP once."""
+    model = build("llama")
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    if "every_n_layers" not in inspect.signature(enable).parameters:
+        pytest.skip("this transformers has no every_n_layers")
+    swap_kernels(model)
+    enable({"use_reentrant": False}, every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    training_step(model, padded_batch())
+    assert calls(model)["tiled_mlp"] == {tiled_mlp.TILED: 1, tiled_mlp.NO_CHECKPOINTING: 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [None, "non-reentrant"])
+def test_mlp_forwards_per_layer_at_4096_tokens_by_default(no_triton, checkpointing):
+    """The default thresholds at 4096 tokens x intermediate 2816 (past MIN_ELEMENTS, several chunks):
+    a training step runs one MLP forward per layer without checkpointing, at most two with
+    non-reentrant checkpointing (forwards counted by the rows the down projections see)."""
+    model = build("llama", intermediate_size=2816, max_position_embeddings=4096)
+    swap_kernels(model)
+    layers, inter = model.config.num_hidden_layers, model.config.intermediate_size
+    tokens = 4096
+    assert tokens * inter >= tiled_mlp.MIN_ELEMENTS and tokens >= 2 * tiled_mlp.chunk_tokens(model.config.hidden_size, inter)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rows = mlp_rows(model)
+    ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(0))
+    training_step(model, {"input_ids": ids, "labels": ids})
+    forwards = rows[0] / (tokens * layers)
+    if checkpointing:
+        assert forwards <= 2 and calls(model)["tiled_mlp"] == {tiled_mlp.TILED: layers}
+    else:
+        assert forwards == 1 and calls(model)["tiled_mlp"] == {tiled_mlp.NO_CHECKPOINTING: layers}
+
+
 @pytest.mark.slow
 def test_reentrant_checkpointing_tiles_the_recompute(forced, no_triton):
     """Reentrant checkpointing runs the forward without grad (the forward beneath, counted) and tiles
@@ -170,7 +232,7 @@ def test_lora_dropout_masks_are_replayed_chunk_by_chunk(forced, no_triton):
     """With dropout the recompute must draw the forward's masks: the tiled gradients equal those of
     the same chunks computed one after another with grad (the same RNG stream)."""
     model = with_lora(build("llama"), lora_dropout=0.5)
-    swap_kernels(model)
+    swap_kernels(model, OPS)
     model.train()
     mlp = model.base_model.model.model.layers[0].mlp
     x = torch.randn(2, 9, model.config.hidden_size, requires_grad=True)
@@ -193,7 +255,7 @@ def test_lora_dropout_masks_are_replayed_chunk_by_chunk(forced, no_triton):
 def test_the_recompute_runs_under_the_forwards_autocast(forced, no_triton):
     """Backward runs without autocast: the recompute must re-enter the forward's (bf16 on CPU)."""
     model = build("llama")
-    swap_kernels(model)
+    swap_kernels(model, OPS)
     dtypes = []
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
     model.train()
@@ -215,7 +277,7 @@ def test_a_qlora_4bit_base_tiles_as_it_trains_untiled(forced, no_triton, tmp_pat
     base = LlamaForCausalLM.from_pretrained(tmp_path / "llama", quantization_config=quant)
     untiled, tiled = with_lora(copy.deepcopy(base)), with_lora(copy.deepcopy(base))
     swap_kernels(untiled, UNTILED)
-    swap_kernels(tiled)
+    swap_kernels(tiled, OPS)
     assert type(tiled.base_model.model.model.layers[0].mlp.gate_proj.base_layer).__name__ == "Linear4bit"
     assert_same_step(untiled, tiled)
     assert calls(tiled)["tiled_mlp"] == {tiled_mlp.TILED: 2}
@@ -239,7 +301,7 @@ def test_under_torch_compile_the_tiled_site_stands_aside(forced, no_triton):
     """Dynamo cannot trace an autograd function calling autograd.grad in its backward, and a count
     written per call would be a guard that fails at every call: the forward beneath runs, uncounted."""
     model = build("llama")
-    swap_kernels(model)
+    swap_kernels(model, OPS)
     model.train()
     mlp = model.model.layers[0].mlp
     x = torch.randn(3, 10, model.config.hidden_size, requires_grad=True)
@@ -268,8 +330,9 @@ def test_checkpoint_offloading_gives_the_stock_losses(forced, no_triton, monkeyp
     stock = build("llama").to(device)
     swapped = copy.deepcopy(stock)
     swap_kernels(swapped)
-    for m in (stock, swapped):
-        m.activation_checkpointing_enable({"use_reentrant": reentrant}, offload=True)
+    for m in (stock, swapped):  # transformers 5.17 has only the older name, with the same offload
+        enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+        enable({"use_reentrant": reentrant}, offload=True)
     assert_same_step(stock, swapped, {k: v.to(device) for k, v in padded_batch().items()})
     assert calls(swapped)["tiled_mlp"][tiled_mlp.TILED] == stock.config.num_hidden_layers
 
@@ -282,6 +345,7 @@ def test_trl_activation_offloading_gives_the_stock_losses(forced, no_triton, mon
     `torch.accelerator.current_accelerator()` is None): on CPU the test names the CPU as the
     accelerator, so every saved tensor (the kernels', the tiled MLP's, the fused loss's) still goes
     through TRL's own copy out and back, without streams or pinned memory."""
+    pytest.importorskip("trl", reason="TRL's activation offloading needs trl (not on the GPU image)")
     from trl.models import activation_offloading
 
     if device == "cpu":
@@ -289,7 +353,7 @@ def test_trl_activation_offloading_gives_the_stock_losses(forced, no_triton, mon
         monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # called once bitsandbytes is imported
     stock = build("llama").to(device)
     swapped = copy.deepcopy(stock)
-    swap_kernels(swapped)
+    swap_kernels(swapped, OPS)  # no checkpointing here: asked for by name
     batch = {k: v.to(device) for k, v in padded_batch().items()}
     results = []
     for model in (stock, swapped):
