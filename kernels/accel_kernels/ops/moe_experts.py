@@ -95,13 +95,17 @@ ACTIVATIONS = {"silu": SILU, "gelu": GELU_ERF, "gelu_tanh": GELU_TANH, "gpt_oss"
 @jit
 def _to(x, CT: tl.constexpr):
     """x as a GEMM operand of compute dtype CT (rounded to nearest even, also under the interpreter)."""
+    # one return: the compiler types every return statement, also those of branches it drops
     if CT == 1:
         if x.dtype == tl.bfloat16:
-            return x
-        return cast_rounded(x.to(tl.float32), tl.bfloat16)
-    if CT == 2:
-        return x.to(tl.float16)
-    return x.to(tl.float32)
+            y = x
+        else:
+            y = cast_rounded(x.to(tl.float32), tl.bfloat16)
+    elif CT == 2:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 @jit
@@ -109,8 +113,10 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b, fp32 accumulation. Triton 3.9's interpreter multiplies bf16 operands wrongly
     (garbage of order 1e10); there they are multiplied as the fp32 they convert to exactly."""
     if SOFTWARE_BF16_ROUNDING and a.dtype == tl.bfloat16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
 
 
 @jit
