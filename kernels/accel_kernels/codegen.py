@@ -109,7 +109,7 @@ MOE_DTYPES = ("bf16", "fp32")
 MOE_LORA_RANK = 16
 
 QUICK_MODELS = ("Llama-3-8B", "Gemma-2-9B")
-QUICK_MOE_MODELS = ("Qwen3-30B-A3B",)
+QUICK_MOE_MODELS = ("Qwen3-30B-A3B",)  # at QUICK_TOKENS, without LoRA
 QUICK_DTYPES = ("bf16",)
 QUICK_TOKENS = (4096,)
 
@@ -196,10 +196,10 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int):
                                                  need_h=True, need_w=True, need_b=False, **mode)
 
 
-def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int):
+def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = True):
     """moe_experts' host functions at the model's shapes (meta tensors): full fine-tuning (every
-    weight's gradient) and split LoRA of rank MOE_LORA_RANK on PEFT's strided views with float32
-    adapters under autocast to `dtype` (the base frozen), forward and backward."""
+    weight's gradient) and, with lora, split LoRA of rank MOE_LORA_RANK on PEFT's strided views
+    with float32 adapters under autocast to `dtype` (the base frozen), forward and backward."""
     from .ops import moe_experts
 
     E, H, I, K = model.experts, model.hidden, model.intermediate, model.top_k
@@ -212,8 +212,9 @@ def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int):
     r = MOE_LORA_RANK
     adapters = _meta((r * E, H), torch.float32).view(E, r, H), _meta((2 * I, r, E), torch.float32).permute(2, 0, 1), \
         _meta((r * E, I), torch.float32).view(E, r, I), _meta((H, r, E), torch.float32).permute(2, 0, 1)
-    for lora, needs in ((None, (True,) * 6 + (False,) * 4), (adapters, (True, True) + (False,) * 4 + (True,) * 4)):
-        params = moe_experts._Params(gate_up, down, *biases, *(lora or (None,) * 4), 2.0, model.transposed,
+    variants = [(None, (True,) * 6 + (False,) * 4)] + [(adapters, (True, True) + (False,) * 4 + (True,) * 4)] * lora
+    for adapter, needs in variants:
+        params = moe_experts._Params(gate_up, down, *biases, *(adapter or (None,) * 4), 2.0, model.transposed,
                                      model.interleaved, act, 1.702, 7.0, dtype)
         moe_experts._forward_triton(hidden, weights, order, offsets, params)
         moe_experts._backward_triton(grad, hidden, weights, order, offsets, params, needs)
@@ -431,9 +432,9 @@ def _configurations(quick: bool) -> dict:
                     _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
         for model_name in QUICK_MOE_MODELS if quick else tuple(MOE_MODELS):
             for dtype_name in QUICK_DTYPES if quick else MOE_DTYPES:
-                for tokens in MOE_TOKENS:
+                for tokens in QUICK_TOKENS if quick else MOE_TOKENS:
                     with _launch.capturing() as launches:
-                        _drive_moe(MOE_MODELS[model_name], DTYPES[dtype_name], tokens)
+                        _drive_moe(MOE_MODELS[model_name], DTYPES[dtype_name], tokens, lora=not quick)
                     _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
     return found
 
