@@ -20,9 +20,17 @@ launch for all experts over those sorted rows:
 
 - gate/up: x rows gathered by token, times each expert's gate_up, bias added and the GLU applied
   in the GEMM's epilogue: only act(gate) * up [T*K, I] is written, never the [T*K, 2I] gate/up;
-- down: that times each expert's down, bias added and the routing weight applied in the epilogue,
-  each row written to its (token, slot) place; a combine sums a token's K slots in fp32 and
-  writes hidden's dtype once (transformers: `out * w` then `index_add_`, in hidden's dtype).
+- down: that times each expert's down, bias added and the routing weight applied in fp32 in the
+  epilogue, one rounding to the compute dtype; a combine kernel sums each token's K slots (read at
+  their sorted positions) in fp32 and writes hidden's dtype once (transformers: `out * w`, then
+  `index_add_` in hidden's dtype).
+
+The tile list (expert and first sorted row of each BLOCK_M-row tile) is built on the device from
+`offsets`, and the grid is the bound cdiv(T*K, BLOCK_M) + E: no host synchronisation, and a
+program past the last tile returns at once. Forward: 3 launches (4 with LoRA on down, +1 on
+gate_up); its temporaries are act(gate) * up [T*K, I] and the down output [T*K, H] in the compute
+dtype, as stock's. Backward: 6 launches without LoRA (dh, gate/up recomputed with the GLU
+backward, dx and its combine, one weight gradient each for gate_up and down with the bias sums).
 
 Backward recomputes gate/up from x (one more grouped GEMM, as the fused LoRA MLP recomputes), so
 what is saved is x, the routing weights and the sort. Then, per sorted row r of expert e, token t
@@ -55,13 +63,15 @@ hidden's dtype. Without autocast_dtype, gate_up, down and the biases must have h
 stock's matmuls demand); LoRA A and B may be of any floating dtype. Gradients come back in each
 input's own dtype (a weight's from an fp32 accumulation).
 
-Saved for backward, per layer (T tokens, K slots, H hidden, E experts): hidden [T, H], the
-routing weights [T, K], `order` [T*K] int32 and `offsets` [E+1] int32 (the parameters are saved
-by reference, no bytes). At Qwen3-30B-A3B (T 4096, H 2048, K 8, E 128, bf16): 16 MiB + 64 KiB +
-128 KiB + 516 B = 16.19 MiB, against a minimum of 16.06 MiB (hidden and the router's index and
-weights, int64 index: what any backward needs to redo the layer) and, for transformers' grouped_mm
-path, the gathered x [T*K, H], gate/up [T*K, 2I], act(gate) * up [T*K, I], and y [T*K, H] (about
-13 activation-sized tensors over 400 MiB). `tests/kernels/test_moe_experts.py` measures it.
+Saved for backward, per layer (T tokens, K slots, H hidden, I intermediate, E experts, S = T*K):
+hidden [T, H], the routing weights [T, K], `order` [S] int32 and `offsets` [E+1] int32; the
+parameters are saved by reference (no bytes). That is the minimum a backward that recomputes the
+layer needs: its input and the routing, with one int32 per (token, slot) for the sort. At
+Qwen3-30B-A3B in bf16 with 4096 tokens (H 2048, I 768, E 128, K 8): 16 MiB + 64 KiB + 128 KiB +
+516 B = 16.19 MiB. transformers' grouped_mm path keeps S * (4H + 8I + 26) + 64 bytes (the gathered
+x, gate/up, silu(gate), act * up, the down output, the sort), 448.8 MiB there (27.7x); its eager
+loop keeps more. Measured with saved-tensor hooks at small shapes, where both formulas are exact
+(`tests/kernels/test_moe_experts.py` asserts ours).
 
 Paths. Triton on GPU tensors and under the interpreter; the plain-torch twin elsewhere, with the
 same saved tensors and the same hand-written backward (so the memory holds on CPU too), computing
