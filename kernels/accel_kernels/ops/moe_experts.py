@@ -389,6 +389,9 @@ BLOCK_K = 64
 GATE_UP_BLOCK_K = 32
 WEIGHT_GRAD_BLOCK_M = 32
 COMBINE_BLOCK_H = 1024
+# gpt-oss's interleaved gate/up: stride-2 weight columns and the GLU backward's epilogue spill at
+# 4 warps (255 registers, 112-352 B on sm_80/sm_90a at 4096 tokens); 8 warps hold them
+GATE_UP_BACKWARD_INTERLEAVED_WARPS = 8
 _CT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -483,7 +486,8 @@ def _gate_up(hidden, r: _Routing, p: "_Params", xa, *, dh=None) -> tuple:
         h.stride(0), dh.stride(0) if dh is not None else 0, dgu.stride(0), dw.stride(0) if not forward else 0,
         float(p.scaling), float(p.alpha), float(p.limit),
         ACT=p.act, FORWARD=forward, HAS_BIAS=bias is not None, LORA=xa is not None, R=_rank_block(rank),
-        BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(H, GATE_UP_BLOCK_K), **_meta(p.ct))
+        BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(H, GATE_UP_BLOCK_K),
+        **dict(_meta(p.ct), **({} if forward or not p.interleaved else {"num_warps": GATE_UP_BACKWARD_INTERLEAVED_WARPS})))
     return (h,) if forward else (h, dgu, dw)
 
 
