@@ -8,7 +8,6 @@ model itself. Everything refused is recorded with its reason; nothing is swapped
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
@@ -248,9 +247,8 @@ class _Walk:
         """Hold the module global of `plan` for this model (once), then the attention forward for it."""
         fn = plan.key
         if fn not in self.rope_held:
-            release = rope.interceptions.acquire(fn, plan.cast_back)
-            self.state.releases.append(release)
-            weakref.finalize(self.model, release)  # a swapped model dropped without restore lets go too
+            # the model's own hold: copied and pickled with its state, counted down when it is collected
+            self.state.releases.append(rope.Hold(fn, plan.cast_back).release)
             self.rope_held.add(fn)
         return rope.forward_for(fn)
 
@@ -283,6 +281,7 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
     (after the model was prepared), so the fused loss is refused."""
     todo_all = resolve_ops(ops)
     target = unwrap(model)
+    rope.interceptions.sweep()  # RoPE globals whose models were collected go back now
     state = target.__dict__.get(sites.STATE_ATTR)
     if state is None:
         state = sites.SwapState()
@@ -360,6 +359,7 @@ def restore(model) -> bool:
     target = unwrap(model)
     swapped = sites.STATE_ATTR in target.__dict__
     kept = _restore(target)
+    rope.interceptions.sweep()
     _history.forget(target)
     if kept:
         log.warning("accel_patch: restore_kernels(%s): %s were wrapped again after the swap and were left "
