@@ -123,7 +123,7 @@ class _Walk:
     def lora(self, where, module, ops) -> None:
         there = lora.op_of(module)
         if there == tiled_mlp.OP:
-            if lora.MLP_OP in ops:
+            if lora.MLP_OP in ops and lora.SITE_ATTR not in module.__dict__:  # a LoRA site beneath it serves
                 self.refuse(where, lora.MLP_OP, "the tiled MLP is installed already: ask for lora_mlp "
                                                 "in the same call as (or before) tiled_mlp")
             return
@@ -285,6 +285,8 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
     state = target.__dict__.get(sites.STATE_ATTR)
     if state is None:
         state = sites.SwapState()
+    if _absorb_parts(target, state):
+        target.__dict__[sites.STATE_ATTR] = state
     todo = tuple(op for op in todo_all if op not in state.ops)
     if todo:
         walk = _Walk(target, state, todo, top_level)
@@ -305,6 +307,21 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
         if report.swapped or report.refused:
             log.info("accel_patch: %s", report.summary())
     return report
+
+
+def _absorb_parts(target, state: sites.SwapState) -> bool:
+    """One swap state per top-level model, whoever swapped its parts first: a part swapped on its
+    own before (a VLM's language model, by `swap_kernels` or an older load hook) hands its state to
+    `target`'s, so `report(model)` holds every site and call and restore undoes them all."""
+    absorbed = False
+    for where, module in target.named_modules():
+        part = module.__dict__.get(sites.STATE_ATTR) if module is not target else None
+        if part is not None:
+            del module.__dict__[sites.STATE_ATTR]
+            state.absorb(part, where, list(module.modules()))
+            _history.forget(module)
+            absorbed = True
+    return absorbed
 
 
 def waiting_for_adapters(target) -> dict[str, int]:

@@ -79,6 +79,26 @@ class SwapState:
             self.releases.pop()()
         return kept
 
+    def absorb(self, part: "SwapState", where: str, modules) -> None:
+        """Take over the state of a part swapped on its own before (`where`: its path in this
+        model; `modules`: its modules): one swap state per top-level model. Its undo log goes
+        beneath this one's (undone after it), its holds, counts, refusals and calls join these,
+        and the sites counting into its calls count into these."""
+        self._undo[:0] = part._undo
+        self.releases[:0] = part.releases
+        for op, n in part.counts.items():
+            self.counts[op] = self.counts.get(op, 0) + n
+        self.refused.extend(r._replace(where=f"{where}.{r.where}") for r in part.refused)
+        for op, outcomes in part.calls.items():
+            mine = self.calls.setdefault(op, {})
+            for outcome, n in outcomes.items():
+                mine[outcome] = mine.get(outcome, 0) + n
+        for module in modules:
+            for value in list(module.__dict__.values()):
+                if getattr(value, "calls", None) is part.calls:
+                    value.calls = self.calls
+        self.head = self.head or part.head
+
     @property
     def loss_calls(self) -> dict[str, int]:
         """The fused loss's calls: outcome -> count, live (the dict `calls[LOSS_OP]`)."""
