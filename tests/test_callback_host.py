@@ -84,3 +84,23 @@ def test_a_bad_rank_sync_switch_stops_a_run_of_several_processes_and_warns_in_on
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(callback_module.RunStopped, match=f"{name}={value!r} is not valid.*the run stops here"):
         CallbackHandler([], torch.nn.Linear(4, 4), None, None, None).on_train_begin(trainer_args, state, control)
+
+
+@pytest.mark.parametrize("rank, warns", [("0", True), ("1", False)])
+def test_drift_is_warned_by_rank_0_only_even_where_every_rank_reads_as_process_zero(
+        caplog, monkeypatch, rank, warns):
+    """Under accelerate state NO every rank is the Trainer's process zero: the group's (here the
+    launcher's) rank decides who warns; every rank keeps the value for its logs."""
+    from accel_patch.core import rank_sync
+
+    drift = rank_sync.RankSync("drift", 3, 2, (1,), 4, 1, 1e-3, "w", 0, None, 0.0,
+                               "DRIFT: rank(s) 1 differ from rank 0 at step 3: 1/4 tensors, ~1.0e-03, w")
+    monkeypatch.setattr(rank_sync, "check_rank_sync", lambda *a, **k: drift)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    ours, state = AccelPatchCallback(), TrainerState(global_step=3)
+    assert state.is_world_process_zero
+    with caplog.at_level(logging.WARNING, logger="accel_patch"):
+        ours._check_sync(torch.nn.Linear(2, 2), state)
+    assert any("DRIFT" in w for w in warnings_of(caplog)) == warns
+    assert ours._sync_logged is drift
