@@ -65,9 +65,8 @@ def main():
     rank = int(os.environ.get("RANK") or 0)
     warnings = Warnings()
     logging.getLogger("accel_patch").addHandler(warnings)
-    # One TrainingArguments for the three runs: a second one would rebuild accelerate's state while
-    # the first run's process group is up, which accelerate leaves undistributed on CPU (each rank
-    # alone: a drift this check reports too, but not the one these runs are about).
+    # One TrainingArguments for the three runs: a second one rebuilds accelerate's state beside the
+    # first run's process group (test_launchers.py covers that case).
     targs = TrainingArguments(output_dir=os.path.join(args.out, f"trainer{rank}"), max_steps=5,
                               per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
                               save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True,

@@ -24,6 +24,26 @@ def test_torchrun_two_processes_train_in_sync(tmp_path, out_dir, home):
     assert_ddp_in_sync(results)
 
 
+def test_ranks_beside_an_existing_process_group_train_in_sync_with_a_second_trainer_too(tmp_path, out_dir, home):
+    """The script makes its own gloo group before the Trainer, then trains a second model with a
+    second Trainer (whose TrainingArguments rebuilds accelerate's state beside the live group):
+    stock accelerate gives state NO both times on CPU, every rank alone, exit 0."""
+    args = ["--out", str(out_dir), "--seed-per-rank", "--own-group", "--second-trainer"]
+    proc = run(torchrun_cmd(args, nproc=2, port=free_port()), worker_env(home), tmp_path)
+    require_success([proc])
+    results = read_ranks(out_dir, 2, [proc])
+    assert_ddp_in_sync(results)  # the first Trainer, over the script's own group
+    seconds = [r["second"] for r in results]
+    info = "\n".join(str(s) for s in seconds)
+    for second in seconds:
+        assert second["distributed_type"] == "MULTI_CPU" and second["num_processes"] == 2, info
+        assert second["ddp_wrapped"], info
+    assert sorted(s["process_index"] for s in seconds) == [0, 1], info
+    assert seconds[0]["initial_digest"] != seconds[1]["initial_digest"], info  # seeded per rank
+    gap = float((results[0]["weights"]["second_final"] - results[1]["weights"]["second_final"]).abs().max())
+    assert gap <= 1e-6, f"the second Trainer's ranks drifted apart by {gap:.3g}\n{info}"
+
+
 def test_two_nodes_one_process_each_train_in_sync(tmp_path, out_dir, home):
     # One device per node: WORLD_SIZE=2 but LOCAL_RANK=0 and LOCAL_WORLD_SIZE=1 on both nodes.
     args = ["--out", str(out_dir), "--seed-per-rank"]

@@ -11,6 +11,11 @@ tests) and exits.
 
 `--without-import` makes it a plain Trainer script that never imports accel_patch itself: accel-patch
 then runs only if the start-up hook of `accel-patch config` loads it.
+
+`--own-group` creates the process group itself (`init_process_group("gloo")`) before the Trainer,
+as some scripts do; `--second-trainer` then trains a second model with a second Trainer in the
+same process (its TrainingArguments rebuilds accelerate's state beside the live group), seeded
+per rank again, and writes what it saw under "second" (weights: "second_initial", "second_final").
 """
 import sys
 
@@ -119,6 +124,8 @@ def train(args):
     else:
         torch.manual_seed(1000)
 
+    if args.own_group:
+        torch.distributed.init_process_group("gloo")  # the launcher's env:// variables
     model, load_info = load_model(args)
     initial = flat_trainable(model)
     t.append(time.time())
@@ -184,7 +191,10 @@ def train(args):
         "status": [{"name": r.name, "state": r.state, "reason": r.reason}
                    for r in (accel.status() if accel else [])],
     }
-    torch.save({"initial": initial, "final": final}, os.path.join(args.out, f"rank{rank}.pt"))
+    weights = {"initial": initial, "final": final}
+    if args.second_trainer:
+        result["second"], weights["second_initial"], weights["second_final"] = _second_trainer(args, rank)
+    torch.save(weights, os.path.join(args.out, f"rank{rank}.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"[worker rank {rank}] {result['distributed_type']} loss {losses[0]:.3f} -> {losses[-1]:.3f}",
@@ -192,6 +202,30 @@ def train(args):
     if torch.distributed.is_initialized():  # ranks leave together: no rank tears gloo down under another
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def _second_trainer(args, rank):
+    """A second model and Trainer in the same process: (what it saw, initial and final weights)."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(2000 + rank if args.seed_per_rank else 2000)
+    model, _ = load_model(args)
+    initial = flat_trainable(model)
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.out, f"trainer2_rank{rank}"), max_steps=args.steps,
+        per_device_train_batch_size=4, learning_rate=args.lr, logging_steps=1, save_strategy="no",
+        report_to="none", dataloader_num_workers=0, disable_tqdm=True, seed=42)
+    trainer = Trainer(model=model, args=targs, train_dataset=PatternData())
+    trainer.train()
+    final = flat_trainable(trainer.model)
+    state = trainer.accelerator.state
+    seen = {"distributed_type": str(state.distributed_type).split(".")[-1], "num_processes": state.num_processes,
+            "process_index": state.process_index,
+            "ddp_wrapped": isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel),
+            "initial_digest": digest(initial), "final_digest": digest(final),
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    return seen, initial, final
 
 
 def _lora_calls(model):
@@ -222,6 +256,8 @@ def main(argv=None):
                    help="--qlora adapts q,v (qv) or q,k,v,o,gate,up,down (all)")
     p.add_argument("--save-checkpoint", metavar="DIR")
     p.add_argument("--without-import", action="store_true", help="never import accel_patch in this script")
+    p.add_argument("--own-group", action="store_true", help="init_process_group('gloo') before the Trainer")
+    p.add_argument("--second-trainer", action="store_true", help="then a second model and Trainer in this process")
     args = p.parse_args(argv)
     if args.save_checkpoint:
         save_checkpoint(args.save_checkpoint)

@@ -490,6 +490,33 @@ def test_process_group_created_by_the_user_is_left_as_it_is(monkeypatch, tmp_pat
     assert "process group already exists" in record().reason
 
 
+# (local accelerators, the existing group's size and backend, cpu=) -> decision
+BESIDE_A_GROUP = {
+    "cpu-gloo": ((0, 2, "gloo", False), CPU_DISTRIBUTED),
+    "cpu-mpi": ((0, 2, "mpi", False), CPU_DISTRIBUTED),
+    "gpus-nccl": ((2, 2, "nccl", False), UNTOUCHED),  # accelerate's own GPU path uses the group
+    "cpu-one-process": ((0, 1, "gloo", False), UNTOUCHED),
+    "cpu-requested": ((0, 2, "gloo", True), UNTOUCHED),  # accelerate's own CPU path already
+    "cpu-backend-needs-a-gpu": ((0, 2, "nccl", False), UNTOUCHED),
+}
+
+
+@pytest.mark.parametrize("case", list(BESIDE_A_GROUP))
+def test_beside_an_existing_group_without_accelerators_the_cpu_distributed_path_runs(
+        monkeypatch, fake_accelerators, case):
+    """The script's own group, or the one a second Trainer's rebuilt state finds: stock accelerate
+    gives state NO beside it on CPU, every rank alone (integration_tests/test_launchers.py runs it)."""
+    (count, size, backend, cpu), expected = BESIDE_A_GROUP[case]
+    fake_accelerators(count)
+    from accel_patch.core import accelerate_decision
+
+    monkeypatch.setattr(accelerate_decision, "existing_group", lambda: (size, backend))
+    env = torchrun_vars(size, size - 1, size - 1, size)
+    decision = decide(topology(env), cpu=cpu, environ=env)
+    assert decision.action == expected, decision
+    assert "process group already exists" in decision.reason
+
+
 def test_state_built_before_the_patch_bound_is_left_as_is_and_later_states_are_patched():
     accel_patch.disable()
     original_init = PartialState.__dict__["__init__"]

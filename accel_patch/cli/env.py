@@ -51,7 +51,13 @@ def print_report(report: dict) -> None:
     entry = report["config_entry"]
     settings = ", ".join(f"{k}: {v}" for k, v in (entry["settings"] or {}).items())
     print(f"\nconfig entry (accel-patch config): {entry['state']}")
-    print(f"  settings   {entry['config_file']}" + (f" ({settings})" if settings else " (absent)"))
+    if entry.get("settings_problem"):
+        found = f"unreadable: {entry['settings_problem']}"
+    elif settings:
+        found = settings
+    else:
+        found = "empty: the defaults" if entry.get("settings_file_exists") else "absent"
+    print(f"  settings   {entry['config_file']} ({found})")
     print(f"  start-up   {entry['hook_file']} ({'installed' if entry['hook_installed'] else 'absent'})")
     print(f"  this process: {entry['this_process']}")
     if entry["advice"]:

@@ -16,8 +16,13 @@ environment after the user's imports):
   and the AcceleratorState built on it runs accelerate's FSDP2 (`fsdp_state`: FSDP2 runs on CPU
   with gloo). Stock accelerate gives state NO there (or, with `cpu=True`, DDP that ignores FSDP).
   FSDP1 there stops with a one-line error naming the fix: accelerate's FSDP1 needs an accelerator;
-- DeepSpeed or FSDP requested otherwise, XLA, SageMaker, or a process group the user created:
-  untouched.
+- a process group that exists before accelerate builds its state (the script's own, or the one
+  of a state that TrainingArguments reset and rebuilds: a second Trainer), world size > 1: with
+  accelerators, accelerate's own path (it uses the group); without, accelerate's CPU distributed
+  path over that group when its backend runs on CPU (gloo, MPI), where stock accelerate gives
+  state NO beside it; a group of one process, or of a backend that needs an accelerator, is left
+  to accelerate;
+- DeepSpeed or FSDP requested otherwise, XLA or SageMaker: untouched.
 
 Pure decision: nothing here wraps or changes accelerate (patches/accelerate_state.py applies it).
 """
@@ -58,6 +63,19 @@ def _flag(env, name: str) -> bool:
     return env.get(name, "").strip().lower() in _TRUE
 
 
+#: Backends of an existing process group that accelerate's CPU distributed path can run over.
+CPU_BACKENDS = ("gloo", "mpi")
+
+
+def existing_group():
+    """(world size, backend) of a process group initialized before accelerate's state, else None.
+    Reads torch only when the program imported it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed.get_world_size(), str(torch.distributed.get_backend()).lower()
+
+
 def _xla_available() -> bool:
     try:
         from accelerate.utils import is_torch_xla_available
@@ -71,17 +89,15 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
     env = os.environ if environ is None else environ
     if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
         return Decision(UNTOUCHED, "DeepSpeed requested (ACCELERATE_USE_DEEPSPEED): accelerate's own set-up")
+    group = existing_group()
     if _flag(env, "ACCELERATE_USE_FSDP"):
-        torch = sys.modules.get("torch")
-        grouped = torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
-        if topo.world_size > 1 and topo.device_count == 0 and not grouped:
+        if topo.world_size > 1 and topo.device_count == 0 and group is None:
             return fsdp_without_accelerator(topo, env.get("FSDP_VERSION", "").strip() or None)
         return Decision(UNTOUCHED, "FSDP requested (ACCELERATE_USE_FSDP): accelerate's own set-up")
     if _flag(env, "ACCELERATE_USE_SAGEMAKER"):
         return Decision(UNTOUCHED, "SageMaker requested (ACCELERATE_USE_SAGEMAKER): accelerate's own set-up")
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return Decision(UNTOUCHED, "a process group already exists (created before accelerate): left as it is")
+    if group is not None:
+        return _over_existing_group(topo, group, cpu)
     if _xla_available():
         return Decision(UNTOUCHED, "XLA is available: accelerate's own set-up")
     if topo.single_device:
@@ -109,6 +125,17 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
         f"world size {topo.world_size} ({topo.num_nodes} node(s), {topo.device_count} local "
         f"{topo.device_type} device(s)): accelerate's own distributed set-up",
     )
+
+
+def _over_existing_group(topo: Topology, group, cpu: bool) -> Decision:
+    """The decision beside a process group that exists already (`group`: its world size and backend)."""
+    size, backend = group
+    where = (f"a process group already exists ({backend}, {size} process{'es' if size != 1 else ''}: the "
+             f"script's own, or the one a rebuilt state found)")
+    if size > 1 and topo.device_count == 0 and not cpu and any(b in backend for b in CPU_BACKENDS):
+        return Decision(CPU_DISTRIBUTED, f"{where}, no accelerator: accelerate's CPU distributed path over it "
+                                         f"(stock accelerate would let every rank train alone beside it)")
+    return Decision(UNTOUCHED, f"{where}: accelerate's own set-up uses it")
 
 
 def _fsdp1_refusal(topo: Topology) -> str:

@@ -24,6 +24,14 @@
   carries `accel_patch_rank_sync`, "in sync (...)" or "DRIFT: rank(s) ... differ from rank 0 ...",
   rank 0's logger warns on drift, and ACCEL_PATCH_SYNC_CHECK=error stops the run instead.
 
+Never breaking the host: every event runs the callback's work in parts (swap, metrics, rank sync,
+fall-backs, the log write), each guarded: an exception of its own never reaches the Trainer, it
+is logged once, and that part is off for the rest of the run while the others go on. A model that
+is not a `torch.nn.Module` (transformers' own tests hand callbacks a string) is skipped by the
+parts that need one, said once. Only the stops the user asked for get through: DRIFT under
+ACCEL_PATCH_SYNC_CHECK=error, and a bad value of a rank-sync switch in a run of several processes
+(`RunStopped`).
+
 Every string the callback logs is at most 100 characters (transformers' console printer replaces
 longer ones); the details are in the swap report.
 
@@ -44,6 +52,13 @@ from ..core import rank_sync
 from ..core.log_line import fit
 
 log = logging.getLogger("accel_patch")
+
+SWAP, METRICS, RANK_SYNC, FALLBACKS, WRITE = "swap", "metrics", "rank sync", "fall-backs", "log write"
+
+
+class RunStopped(RuntimeError):
+    """A stop the user asked for (ACCEL_PATCH_SYNC_CHECK=error on drift, a bad rank-sync setting in
+    a run of several processes): the one exception of the callback that reaches the Trainer."""
 
 
 class AccelPatchCallback(TrainerCallback):
@@ -71,6 +86,32 @@ class AccelPatchCallback(TrainerCallback):
         self._sync_logged = None  # the RankSync to put in the next log
         self._step_clock = None  # (time, step) at the last step end, for the automatic interval
         self._step_s = None  # mean step time since the last check, the checks' own time left out
+        self._off = set()  # parts that raised once: off for the rest of the run
+
+    # --- guarding the host ----------------------------------------------------------------------
+    def _guarded(self, part: str, work, *args, **kwargs):
+        """`work(*args, **kwargs)`, or None when `part` is off or raises (logged once, then off)."""
+        if part in self._off:
+            return None
+        try:
+            return work(*args, **kwargs)
+        except RunStopped:
+            raise
+        except Exception as exc:  # the user's training must go on
+            self._off.add(part)
+            log.warning("accel_patch: the callback's %s failed and is off for this run (training goes on): %s: %s",
+                        part, type(exc).__name__, exc)
+            return None
+
+    def _module(self, model, part: str):
+        """`model` when it is a torch.nn.Module, else None (said once per part and kind)."""
+        if model is None or isinstance(model, torch.nn.Module):
+            return model
+        if ("not a module", part) not in self._warned:
+            self._warned.add(("not a module", part))
+            log.warning("accel_patch: the Trainer handed the callback a %s as its model, not a torch.nn.Module: "
+                        "no %s for it", type(model).__name__, part)
+        return None
 
     # --- swapping ---------------------------------------------------------------------------
     def _ops(self):
@@ -102,23 +143,41 @@ class AccelPatchCallback(TrainerCallback):
                         type(exc).__name__, exc)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        self._swap(model, prepared=False)
+        self._guarded(SWAP, self._swap, self._module(model, "kernel swap"), prepared=False)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._swap(model, prepared=True)
-        self._sync_every = rank_sync.sync_every()  # a bad value stops here, naming the variable
-        self._sync_mode = rank_sync.sync_mode()
+        self._guarded(SWAP, self._swap, self._module(model, "kernel swap"), prepared=True)
+        self._guarded(RANK_SYNC, self._start_sync, state)
+        if self.metrics:
+            self._guarded(METRICS, self._start_metrics, args, state, model)
+
+    def _start_sync(self, state) -> None:
+        try:
+            self._sync_every, self._sync_mode = rank_sync.sync_every(), rank_sync.sync_mode()
+        except ValueError as exc:  # a safety switch: never run silently without the guard
+            if _distributed():
+                raise RunStopped(f"accel_patch: {exc}; the run stops here rather than train its ranks "
+                                 f"unchecked") from None
+            self._sync_every, self._sync_mode = 0, "warn"
+            if "bad sync setting" not in self._warned:
+                self._warned.add("bad sync setting")
+                log.warning("accel_patch: %s; one process here, so the rank-sync check never runs and training "
+                            "goes on (with several processes the run would stop)", exc)
         self._sync_next, self._sync_last, self._sync_logged = None, None, None
         self._step_clock, self._step_s = (time.perf_counter(), state.global_step), None
-        if not self.metrics:
-            return
-        if model is not None and args.include_num_input_tokens_seen in ("no", False, None):
-            self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+
+    def _start_metrics(self, args, state, model) -> None:
+        module = self._module(model, "token count")
+        if module is not None and args.include_num_input_tokens_seen in ("no", False, None):
+            self._hook = module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._mark = (time.perf_counter(), state.global_step, 0.0)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._guarded(METRICS, self._stop_counting)
+
+    def _stop_counting(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -162,6 +221,9 @@ class AccelPatchCallback(TrainerCallback):
 
     # --- rank sync --------------------------------------------------------------------------
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        self._guarded(RANK_SYNC, self._step_end, state, self._module(model, "rank-sync check"))
+
+    def _step_end(self, state, model) -> None:
         now = time.perf_counter()
         if self._step_clock is not None and state.global_step > self._step_clock[1]:
             per_step = (now - self._step_clock[0]) / (state.global_step - self._step_clock[1])
@@ -194,8 +256,10 @@ class AccelPatchCallback(TrainerCallback):
                      result.sharded, result.tensors)
         if not result.ok:
             if self._sync_mode == "error":
-                raise RuntimeError(f"accel_patch: {result.message} ({rank_sync.MODE_VAR}=error)")
-            if state.is_world_process_zero and ("drift", result.ranks) not in self._warned:
+                raise RunStopped(f"accel_patch: {result.message} ({rank_sync.MODE_VAR}=error)")
+            # rank 0 of the group warns (under state NO every rank reads as the Trainer's process
+            # zero); every rank keeps the value in its logs
+            if _rank() == 0 and ("drift", result.ranks) not in self._warned:
                 self._warned.add(("drift", result.ranks))
                 log.warning("accel_patch: %s. Those ranks now train other weights than rank 0: check that "
                             "every process wraps the model for data parallelism (DDP, accelerate's prepare) "
@@ -240,30 +304,37 @@ class AccelPatchCallback(TrainerCallback):
         return None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or "loss" not in logs:
+        if not isinstance(logs, dict) or "loss" not in logs:
             return  # evaluation logs and the end-of-training summary carry their own figures
         model = kwargs.get("model")
         added = {}
         first, self._first_log = self._first_log, False
         if self.metrics and self._mark is not None:
-            now, tokens = time.perf_counter(), self._tokens_seen(args, state)
-            then, step, seen = self._mark
-            self._mark = (now, state.global_step, tokens)
-            added["peak_memory_mib"] = self._peak_memory_mib()
-            if state.global_step > step and now > then:
-                added["step_time_s"] = (now - then) / (state.global_step - step)
-                added["tokens_per_second"] = (tokens - seen) / (now - then)
-            if first:
-                added["accel_patch_swap"] = self._swap_line(model)
-                added["accel_patch_topology"] = _topology_line()
+            added.update(self._guarded(METRICS, self._metrics_values, args, state, model, first) or {})
         # what ran and whether the ranks agree: said whatever `metrics` asks
-        sync = self._rank_sync_value(model, state)  # a collective: every rank calls it at the same logs
+        # (the rank sync is a collective: every rank calls it at the same logs)
+        sync = self._guarded(RANK_SYNC, self._rank_sync_value, self._module(model, "rank-sync check"), state)
         if sync is not None:
             added["accel_patch_rank_sync"] = sync
-        fallbacks = self._fallbacks_value(args, model, first)
+        fallbacks = self._guarded(FALLBACKS, self._fallbacks_value, args, self._module(model, "fall-back count"),
+                                  first)
         if fallbacks is not None:
             added["accel_patch_fallbacks"] = fallbacks
-        self._write(logs, state, added)
+        self._guarded(WRITE, self._write, logs, state, added)
+
+    def _metrics_values(self, args, state, model, first: bool) -> dict:
+        added = {}
+        now, tokens = time.perf_counter(), self._tokens_seen(args, state)
+        then, step, seen = self._mark
+        self._mark = (now, state.global_step, tokens)
+        added["peak_memory_mib"] = self._peak_memory_mib()
+        if state.global_step > step and now > then:
+            added["step_time_s"] = (now - then) / (state.global_step - step)
+            added["tokens_per_second"] = (tokens - seen) / (now - then)
+        if first:
+            added["accel_patch_swap"] = self._swap_line(self._module(model, "swap report"))
+            added["accel_patch_topology"] = _topology_line()
+        return added
 
     def _swap_line(self, model) -> str:
         from ..swaps.apply import report_of
@@ -287,6 +358,19 @@ class AccelPatchCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and last.get("loss") == logs.get("loss"):
             last.update(added)  # Trainer appended its copy before calling us
+
+
+def _rank() -> int:
+    """This process's rank: the process group's, else the launcher's (0 without either)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    from ..core.topology_resolver import topology
+
+    try:
+        return topology().rank
+    except Exception:
+        return 0
 
 
 def _distributed() -> bool:

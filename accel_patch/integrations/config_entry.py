@@ -124,6 +124,8 @@ def _record(hook: Path, add: bool) -> None:
 
 
 def read(config_file: str | None = None) -> dict | None:
+    """The settings in the file (None when there is none). Raises ValueError naming the file when
+    it is not UTF-8 text."""
     path = config_path(config_file)
     return startup_gate.read_settings(str(path)) if path.is_file() else None
 
@@ -137,6 +139,10 @@ def describe(config_file: str | None = None) -> dict:
     except metadata.PackageNotFoundError:
         hook, hook_exists = None, False
     has_settings = path.is_file()
+    try:
+        settings, problem = read(config_file), None
+    except (OSError, ValueError) as exc:  # env and config --show describe a bad file, never crash on it
+        settings, problem = None, f"{exc}; accel-patch is not loaded at start-up (rewrite it: accel-patch config)"
     if has_settings and hook_exists:
         state, advice = "configured", None
     elif has_settings:
@@ -155,7 +161,9 @@ def describe(config_file: str | None = None) -> dict:
         "configured": has_settings and hook_exists,
         "state": state,
         "advice": advice,
-        "settings": read(config_file),
+        "settings": settings,
+        "settings_file_exists": has_settings,
+        "settings_problem": problem,
         "hook_file": str(hook) if hook else None,
         "hook_installed": hook_exists,
         "this_process": getattr(sys, "accel_patch_startup", "no start-up hook ran in this process"),

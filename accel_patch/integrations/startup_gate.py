@@ -3,7 +3,9 @@ interpreter start (plain python, each torchrun or accelerate-launch rank, the la
 
 The line runs `hook_source()`: stdlib only. Unless accel-patch's config file exists (a few stat
 calls) and says enabled, it imports nothing; it never raises (a half-uninstalled accel-patch must
-not break every Python start); it runs once per process (site may process a venv's .pth twice);
+not break every Python start, nor write into every process's output: `accel-patch env` says
+what failed); a bad settings file or value is one line on stderr naming the file, the key, the
+value, the valid values and what happens instead; it runs once per process (site may process a venv's .pth twice);
 ACCEL_PATCH_DISABLE=1 wins over the configuration. When configured it applies the settings as
 accel-patch's switches (a variable already set wins) and imports accel_patch. What happened is
 left in `sys.accel_patch_startup` for `accel-patch env`. The functions are defined once, in the
@@ -31,32 +33,69 @@ def config_file(environ, extra):
     return None
 
 
+TRUE = ("true", "yes", "1", "on")
+FALSE = ("false", "no", "0", "off")
+KEYS = ("enabled", "kernels", "callback")
+
+
 def read_settings(path):
-    """`key: value` lines of the config file (comments and blank lines skipped), values lower-cased."""
+    """`key: value` lines of the config file (comments and blank lines skipped), values lower-cased.
+    Raises ValueError naming the file when its bytes are not UTF-8 text."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError("%%s is not UTF-8 text (byte 0x%%02x at offset %%d)" %% (path, data[exc.start], exc.start)) from None
     settings = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if ":" in line:
-                key, value = line.split(":", 1)
-                settings[key.strip()] = value.strip().strip("'\\"").lower()
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if ":" in line:
+            key, value = line.split(":", 1)
+            settings[key.strip()] = value.strip().strip("'\\"").lower()
     return settings
 
 
+def say(line):
+    """One line on stderr: the hook never raises and never stays silent about a bad file."""
+    try:
+        sys.stderr.write("accel-patch: %%s\\n" %% line)
+    except Exception:
+        pass
+
+
 def start(environ, extra):
-    """Load accel_patch when configured and enabled; returns what happened, in one line."""
+    """Load accel_patch when configured and enabled; returns what happened, in one line. A bad
+    file or value is said on stderr (the file, the key, the value, the valid values, what happens)."""
     if environ.get("ACCEL_PATCH_DISABLE", "").strip().lower() in ("1", "true", "yes"):
         return "off: ACCEL_PATCH_DISABLE is set"
     path = config_file(environ, extra)
     if path is None:
         return "off: not configured"
-    settings = read_settings(path)
-    if settings.get("enabled", "true") not in ("true", "yes", "1", "on"):
-        return "off: %%s says enabled: %%s" %% (path, settings.get("enabled"))
+    try:
+        settings = read_settings(path)
+    except (OSError, ValueError) as exc:
+        say("%%s; accel-patch is not loaded at start-up (fix or rewrite it: accel-patch config)" %% exc)
+        return "off: %%s" %% exc
+    for key in settings:
+        if key not in KEYS:
+            say("%%s: unknown key %%r (valid keys: %%s): ignored" %% (path, key, ", ".join(KEYS)))
+    enabled = settings.get("enabled", "true")
+    if enabled in FALSE:
+        return "off: %%s says enabled: %%s" %% (path, enabled)
+    if enabled not in TRUE:
+        say("%%s: enabled: %%r is not valid (true or false): accel-patch is not loaded at start-up" %% (path, enabled))
+        return "off: %%s says enabled: %%s, which is not true or false" %% (path, enabled)
     if settings.get("kernels", "all") not in ("all", ""):
         environ.setdefault("ACCEL_PATCH_KERNELS", settings["kernels"])
-    if settings.get("callback", "true") in ("false", "no", "0", "off"):
+        if environ["ACCEL_PATCH_KERNELS"] == settings["kernels"]:  # named by the file in any complaint
+            sys.accel_patch_settings = {"ACCEL_PATCH_KERNELS": (settings["kernels"], "%%s (kernels: %%s)" %% (
+                path, settings["kernels"]))}
+    callback = settings.get("callback", "true")
+    if callback in FALSE:
         environ.setdefault("ACCEL_PATCH_CALLBACK", "0")
+    elif callback not in TRUE:
+        say("%%s: callback: %%r is not valid (true or false): the callback stays on (the default)" %% (path, callback))
     import accel_patch
     return "on: accel_patch loaded at start-up (%%s)" %% path
 ''' % CONFIG_NAME

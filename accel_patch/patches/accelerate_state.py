@@ -7,7 +7,9 @@ is right under every launcher:
 - single device: `_prepare_backend` gives `(None, NO)`, and LOCAL_RANK is hidden from `__init__`
   while it runs, since accelerate creates a process group whenever LOCAL_RANK is set, whatever
   `_prepare_backend` said;
-- CPU distributed: `_prepare_backend` runs with `cpu=True`, accelerate's own gloo/MPI path;
+- CPU distributed: `_prepare_backend` runs with `cpu=True`, accelerate's own gloo/MPI path; beside
+  a process group that exists already (the script's own, or a second Trainer's rebuilt state) it
+  runs with that group's backend, and accelerate's CPU path uses the group instead of creating one;
 - MPI or SLURM with accelerators: the launcher's variables are exported first;
 - FSDP requested by several processes without an accelerator: the CPU path as above, then the
   AcceleratorState built on it (MULTI_CPU, which accelerate turns into FSDP only for accelerators)
@@ -24,8 +26,8 @@ from _thread import _local
 
 from ..core import registry
 from ..core.accelerate_decision import (
-    CPU_DISTRIBUTED, CPU_FSDP, EXPORT_LAUNCHER_ENV, FSDP1_WITHOUT_ACCELERATOR, FSDP2, PATCH_NAME, SINGLE_DEVICE,
-    decide, fsdp_state,
+    CPU_BACKENDS, CPU_DISTRIBUTED, CPU_FSDP, EXPORT_LAUNCHER_ENV, FSDP1_WITHOUT_ACCELERATOR, FSDP2, PATCH_NAME,
+    SINGLE_DEVICE, decide, existing_group, fsdp_state,
 )
 from ..core.topology_resolver import Topology, TopologyError, scrub_blank_env, topology
 
@@ -58,6 +60,20 @@ def _export_launcher_env(topo: Topology) -> None:
     os.environ.setdefault("WORLD_SIZE", str(topo.world_size))
     os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
+
+
+def _export_group_env(topo: Topology) -> str | None:
+    """Beside an existing process group: its backend, with RANK and WORLD_SIZE (and the local ones)
+    exported from the topology where the launcher left them unset (a group made by hand), since
+    accelerate's CPU path reads them."""
+    group = existing_group()
+    if group is None:
+        return None
+    os.environ.setdefault("RANK", str(topo.rank))
+    os.environ.setdefault("WORLD_SIZE", str(topo.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
+    return next(b for b in CPU_BACKENDS if b in group[1])
 
 
 class AccelerateStatePatch(registry.Patch):
@@ -120,6 +136,8 @@ class AccelerateStatePatch(registry.Patch):
                           f"patched {AccelerateStatePatch.target}; last decision: {decision.action}: {decision.reason}")
             if decision.action == EXPORT_LAUNCHER_ENV:
                 _export_launcher_env(topo)
+            if decision.action == CPU_DISTRIBUTED:
+                _current.group_backend = _export_group_env(topo)
             if decision.action == FSDP1_WITHOUT_ACCELERATOR:
                 raise ValueError(decision.reason)
             hide = ("LOCAL_RANK",) if decision.action == SINGLE_DEVICE else ()
@@ -128,7 +146,7 @@ class AccelerateStatePatch(registry.Patch):
                 with _Hidden(hide):
                     return wrapped(*args, **kwargs)
             finally:
-                _current.decision = None
+                _current.decision = _current.group_backend = None
 
         def prepare_backend_wrapper(wrapped, instance, args, kwargs):
             decision = getattr(_current, "decision", None)
@@ -139,8 +157,12 @@ class AccelerateStatePatch(registry.Patch):
             if decision.action == SINGLE_DEVICE:
                 return None, distributed_type.NO
             if decision.action in (CPU_DISTRIBUTED, CPU_FSDP):
-                # accelerate's own CPU path picks MULTI_CPU and gloo (or MPI when asked and available)
+                # accelerate's own CPU path picks MULTI_CPU and gloo (or MPI when asked and available);
+                # beside an existing group, that group's backend
                 bound.arguments["cpu"] = True
+                backend = getattr(_current, "group_backend", None)
+                if backend is not None and bound.arguments.get("backend") is None:
+                    bound.arguments["backend"] = backend
                 return wrapped(*bound.args[1:], **bound.kwargs)
             return wrapped(*args, **kwargs)
 

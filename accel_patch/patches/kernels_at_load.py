@@ -4,7 +4,9 @@ Target `transformers.PreTrainedModel.from_pretrained` and `._from_config` (which
 `from_config` call), verified on transformers 5.17 and 5.24. The model the load returns gets
 `swap_kernels(model, ops)` before the caller sees it, with ops from ACCEL_PATCH_KERNELS (unset:
 all; `0`/`none`: off; `rms_norm,rope`: those). A model built by calling its class is swapped only
-by `swap_kernels` (or the Trainer callback). A swap that fails is recorded in `status()` and
+by `swap_kernels` (or the Trainer callback), and so are its parts: a model that `from_config`
+builds inside another model's constructor (a VLM's language and vision models) is a part of that
+model, swapped with it as one, so the load hook leaves it alone. A swap that fails is recorded in `status()` and
 logged once; the load itself always returns. Undo: the registry puts back both classmethods.
 """
 from __future__ import annotations
@@ -50,9 +52,28 @@ class KernelSwapPatch(registry.Patch):
         return apply.history_summary() if apply is not None else None
 
 
+def _inside_a_model_constructor(model) -> bool:
+    """Whether `model` is being built by another PreTrainedModel's `__init__` (a part of it)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if owner is not model and _is_pretrained_model(owner):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _is_pretrained_model(obj) -> bool:
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(obj, modeling.PreTrainedModel)
+
+
 def _swap_loaded(model) -> None:
     """Swap a freshly loaded model; never raises into the load."""
     try:
+        if _inside_a_model_constructor(model):
+            return  # a part: swapped with the model it belongs to
         ops = ops_from_env()
         if ops == ():
             return

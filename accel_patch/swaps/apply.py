@@ -8,7 +8,6 @@ model itself. Everything refused is recorded with its reason; nothing is swapped
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
@@ -126,7 +125,7 @@ class _Walk:
     def lora(self, where, module, ops) -> None:
         there = lora.op_of(module)
         if there == tiled_mlp.OP:
-            if lora.MLP_OP in ops:
+            if lora.MLP_OP in ops and lora.SITE_ATTR not in module.__dict__:  # a LoRA site beneath it serves
                 self.refuse(where, lora.MLP_OP, "the tiled MLP is installed already: ask for lora_mlp "
                                                 "in the same call as (or before) tiled_mlp")
             return
@@ -251,9 +250,8 @@ class _Walk:
         """Hold the module global of `plan` for this model (once), then the attention forward for it."""
         fn = plan.key
         if fn not in self.rope_held:
-            release = rope.interceptions.acquire(fn, plan.cast_back)
-            self.state.releases.append(release)
-            weakref.finalize(self.model, release)  # a swapped model dropped without restore lets go too
+            # the model's own hold: copied and pickled with its state, counted down when it is collected
+            self.state.releases.append(rope.Hold(fn, plan.cast_back).release)
             self.rope_held.add(fn)
         return rope.forward_for(fn)
 
@@ -287,9 +285,12 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
     todo_all = resolve_ops(ops)
     tiled_requested = ops is not None and tiled_mlp.OP in todo_all  # named, not the default (tiled_mlp.py)
     target = unwrap(model)
+    rope.interceptions.sweep()  # RoPE globals whose models were collected go back now
     state = target.__dict__.get(sites.STATE_ATTR)
     if state is None:
         state = sites.SwapState()
+    if _absorb_parts(target, state):
+        target.__dict__[sites.STATE_ATTR] = state
     todo = tuple(op for op in todo_all if op not in state.ops)
     if todo:
         walk = _Walk(target, state, todo, top_level, tiled_requested)
@@ -312,6 +313,21 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
         if report.swapped or report.refused:
             log.info("accel_patch: %s", report.summary())
     return report
+
+
+def _absorb_parts(target, state: sites.SwapState) -> bool:
+    """One swap state per top-level model, whoever swapped its parts first: a part swapped on its
+    own before (a VLM's language model, by `swap_kernels` or an older load hook) hands its state to
+    `target`'s, so `report(model)` holds every site and call and restore undoes them all."""
+    absorbed = False
+    for where, module in target.named_modules():
+        part = module.__dict__.get(sites.STATE_ATTR) if module is not target else None
+        if part is not None:
+            del module.__dict__[sites.STATE_ATTR]
+            state.absorb(part, where, list(module.modules()))
+            _history.forget(module)
+            absorbed = True
+    return absorbed
 
 
 def waiting_for_adapters(target) -> dict[str, int]:
@@ -366,6 +382,7 @@ def restore(model) -> bool:
     target = unwrap(model)
     swapped = sites.STATE_ATTR in target.__dict__
     kept = _restore(target)
+    rope.interceptions.sweep()
     _history.forget(target)
     if kept:
         log.warning("accel_patch: restore_kernels(%s): %s were wrapped again after the swap and were left "

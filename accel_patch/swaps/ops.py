@@ -47,4 +47,13 @@ def ops_from_env(environ=None):
     try:
         return resolve_ops(raw)
     except ValueError as exc:
-        raise ValueError(f"{SWITCH}={raw!r}: {exc}") from None
+        raise ValueError(f"{source(SWITCH, raw)}: {exc}") from None
+
+
+def source(name: str, raw: str) -> str:
+    """How a complaint names a setting: the settings file that set it (the start-up hook says
+    which, in `sys.accel_patch_settings`), else the environment variable, with its value."""
+    import sys
+
+    value, where = (getattr(sys, "accel_patch_settings", None) or {}).get(name, (None, None))
+    return f"settings file {where}" if value is not None and value == raw else f"{name}={raw!r}"

@@ -6,9 +6,19 @@ same class keep the stock forward. The function is a plain `types.MethodType`, s
 of a swapped model rebinds it to the copy. It carries the replaced forward's signature (Trainer
 and `generate` inspect it). Every attribute set is recorded in the model's `SwapState`, and
 `restore_kernels` puts back exactly what was there (or deletes what was not).
+
+Pickling (`torch.save(model)`, multiprocessing): Python pickles a bound method as
+`getattr(instance, name)`, which, read while the module is being loaded, gives the class's stock
+forward: a reloaded model would run stock under a report listing kernels. So the bound forwards
+of a swap are pickled as what they are: the function they were made from (a module-level
+function, or a factory and its arguments: `made_by`), the class and op of `signed`, and the
+module, bound again on load (`rebind`). This is one entry for `types.MethodType` in `copyreg`'s
+table and in multiprocessing's pickler; every other method pickles exactly as before.
 """
 from __future__ import annotations
 
+import copyreg
+import functools
 import inspect
 import types
 from _thread import RLock
@@ -24,6 +34,10 @@ INNER_ATTR = "_accel_patch_inner_forward"
 MARK = "__accel_patch_op__"
 #: The fused loss's op (loss.OP), under which its calls are counted in SwapState.calls.
 LOSS_OP = "fused_linear_cross_entropy"
+#: Set on every copy `signed` makes: (function, class, op) it was made from.
+SIGNED_ATTR = "__accel_patch_signed__"
+#: Set on every function a `made_by` factory makes: (factory, args, kwargs).
+MADE_ATTR = "__accel_patch_made__"
 
 
 class SwapState:
@@ -34,7 +48,9 @@ class SwapState:
         self.counts: dict[str, int] = {}
         self.refused: list = []
         self._undo: list[tuple[object, str, bool, object, object]] = []
-        self.releases: list = []  # callables that release shared interceptions (RoPE globals)
+        # callables that release shared interceptions (RoPE globals): bound methods of picklable
+        # holds, so a copy or a reloaded model holds its own (layers/rope.py)
+        self.releases: list = []
         self.head: str | None = None  # whose LM head a trainer's own head calls run (TRL's), when it installed one
         # ops decided per call (the fused loss, the fused LoRA sites): op -> outcome -> calls;
         # the outcomes' meaning is report.outcome_kind's
@@ -62,6 +78,26 @@ class SwapState:
         while self.releases:
             self.releases.pop()()
         return kept
+
+    def absorb(self, part: "SwapState", where: str, modules) -> None:
+        """Take over the state of a part swapped on its own before (`where`: its path in this
+        model; `modules`: its modules): one swap state per top-level model. Its undo log goes
+        beneath this one's (undone after it), its holds, counts, refusals and calls join these,
+        and the sites counting into its calls count into these."""
+        self._undo[:0] = part._undo
+        self.releases[:0] = part.releases
+        for op, n in part.counts.items():
+            self.counts[op] = self.counts.get(op, 0) + n
+        self.refused.extend(r._replace(where=f"{where}.{r.where}") for r in part.refused)
+        for op, outcomes in part.calls.items():
+            mine = self.calls.setdefault(op, {})
+            for outcome, n in outcomes.items():
+                mine[outcome] = mine.get(outcome, 0) + n
+        for module in modules:
+            for value in list(module.__dict__.values()):
+                if getattr(value, "calls", None) is part.calls:
+                    value.calls = self.calls
+        self.head = self.head or part.head
 
     @property
     def loss_calls(self) -> dict[str, int]:
@@ -137,8 +173,31 @@ def signed(func, cls: type, op: str):
             copy.__module__ = func.__module__
             copy.__wrapped__ = original
             setattr(copy, MARK, op)
+            setattr(copy, SIGNED_ATTR, (func, cls, op))
             _signed[key] = copy
         return _signed[key]
+
+
+def made_by(factory):
+    """Decorate a factory of swapped forwards (one function per arguments, cached by the factory):
+    every function it returns remembers the call that made it, so a pickled model makes it again."""
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        func = factory(*args, **kwargs)
+        if MADE_ATTR not in func.__dict__:
+            setattr(func, MADE_ATTR, (make, args, kwargs))
+        return func
+
+    return make
+
+
+def rebind(made, func, cls: type, op: str, obj):
+    """The bound forward a swap installed, made again (what a pickled swapped module loads):
+    `made`: (factory, args, kwargs) of `func`'s factory, or None when `func` is a module-level one."""
+    if made is not None:
+        factory, args, kwargs = made
+        func = factory(*args, **kwargs)
+    return types.MethodType(signed(func, cls, op), obj)
 
 
 def single_input(cls: type) -> str | None:
@@ -160,3 +219,29 @@ def the_input(args, kwargs):
         return args[0]
     (value,) = kwargs.values()
     return value
+
+
+def _method_reducer(other):
+    """A reducer for bound methods: a swap's forwards as `rebind` (see the module docstring),
+    every other method by `other` (the reducer it replaces), else as Python pickles them."""
+    def reduce(method):
+        signed_as = getattr(method.__func__, SIGNED_ATTR, None)
+        if signed_as is None:
+            return other(method) if other is not None else method.__reduce__()
+        func, cls, op = signed_as
+        made = getattr(func, MADE_ATTR, None)
+        return rebind, (made, None if made is not None else func, cls, op, method.__self__)
+
+    return reduce
+
+
+def _register_reducers() -> None:
+    copyreg.pickle(types.MethodType, _method_reducer(copyreg.dispatch_table.get(types.MethodType)))
+    # multiprocessing's pickler puts its own reducer for methods over copyreg's table
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.register(types.MethodType,
+                            _method_reducer(getattr(ForkingPickler, "_extra_reducers", {}).get(types.MethodType)))
+
+
+_register_reducers()

@@ -145,6 +145,7 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
 _forwards: dict[tuple, object] = {}
 
 
+@sites.made_by  # a pickled model makes its forward again
 def forward_for(plan: GluPlan, stock_without_triton: bool = True):
     """The swapped forward for one plan: the module's own projections around the GLU kernel.
     `stock_without_triton`: where the kernel cannot run, call the module's own forward instead

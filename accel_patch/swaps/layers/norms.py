@@ -105,6 +105,7 @@ def probe_verdict(module, act_dtype: torch.dtype, eps_attr: str):
 _forwards: dict[NormVariant, object] = {}
 
 
+@sites.made_by  # a pickled model makes its forward again
 def forward_for(variant: NormVariant):
     """The swapped forward for one variant: rms_norm of the input with the module's own weight and eps."""
     if variant not in _forwards:

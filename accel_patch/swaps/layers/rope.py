@@ -4,8 +4,18 @@ Attention forwards call `apply_rotary_pos_emb` through their modeling module's g
 kernel can only get in by intercepting that global. The interception is shared by every model of
 the family and transparent for those not swapped: the global becomes a dispatcher that runs the
 kernel only inside the forward of an attention module that was swapped, and the original function
-everywhere else, with the very same arguments. `interceptions` counts the swapped models holding
-each global and puts the original object back when the last one is restored.
+everywhere else, with the very same arguments.
+
+Every swapped model holds what its kernel needs: its SwapState owns one `Hold` per global it
+swapped, and `interceptions` counts the holds. A hold is copied with the model (`copy.deepcopy`)
+and pickled with it (`torch.save`, multiprocessing): the copy, or the model loaded in another
+process, acquires its own, so it runs the kernel whatever becomes of the original. When the last
+hold is released by `restore_kernels`, the original object goes back at once. A hold whose model
+was collected without a restore only counts down: the global goes back at the next swap or
+restore (`Interceptions.sweep`). A collection can happen at any allocation, also while dynamo
+compiles a frame of another model that called the dispatcher as a pass-through, and changing the
+global between that trace and its guards crashes the compile (the guards read the dispatcher's
+closure).
 
 How the dispatcher knows it is inside a swapped attention forward: a depth counter per global
 (`Gate`), raised by the swapped forward around the stock one. In eager mode the counter is
@@ -27,9 +37,11 @@ original function: the kernel's plain-torch twin computes the same thing more sl
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import sys
 import threading
+import weakref
 from _thread import RLock
 from collections import namedtuple
 
@@ -105,7 +117,7 @@ def rope_function(module) -> tuple[str, str] | None:
 
 
 class Interceptions:
-    """The module globals replaced by dispatchers, with how many swapped models hold each."""
+    """The module globals replaced by dispatchers, with how many holds (swapped models) each has."""
 
     def __init__(self) -> None:
         self._lock = RLock()
@@ -119,35 +131,44 @@ class Interceptions:
             module_name, name = key
             return sys.modules[module_name].__dict__[name]
 
-    def acquire(self, key: tuple[str, str], cast_back: bool = False):
-        """Put the dispatcher in place (first holder) and count one more holder; returns a release.
+    def acquire(self, key: tuple[str, str], cast_back: bool = False) -> None:
+        """Put the dispatcher in place (first holder) and count one more holder (see `Hold`).
         `cast_back`: the dispatcher returns q's and k's dtypes (the probe's finding for this function)."""
         with self._lock:
+            self._sweep(keep=key)
             module_name, name = key
-            owner = sys.modules[module_name]
+            owner = sys.modules.get(module_name) or importlib.import_module(module_name)  # a model loaded first
             if key not in self._held:
                 original = owner.__dict__[name]
                 dispatcher = _dispatcher(key, original, cast_back)
                 owner.__dict__[name] = dispatcher
                 self._held[key] = [original, dispatcher, 0]
             self._held[key][2] += 1
-            released = []
 
-            def release() -> None:
-                if not released:
-                    released.append(True)
-                    self._release(key)
-
-            return release
-
-    def _release(self, key) -> None:
+    def release(self, key: tuple[str, str]) -> None:
+        """One holder fewer (restore_kernels); the last one puts the original object back."""
         with self._lock:
             entry = self._held.get(key)
-            if entry is None:
-                return
-            entry[2] -= 1
-            if entry[2] > 0:
-                return
+            if entry is not None:
+                entry[2] -= 1
+            self._sweep()
+
+    def dropped(self, key: tuple[str, str]) -> None:
+        """One holder fewer because its model was collected: counted, the global left for the
+        next swap or restore (a collection may run while dynamo compiles; see the module docstring)."""
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is not None:
+                entry[2] -= 1
+
+    def sweep(self) -> None:
+        """Put back the original of every global no model holds any more (apply.py: at every swap
+        and restore, where no compile is running)."""
+        with self._lock:
+            self._sweep()
+
+    def _sweep(self, keep=None) -> None:
+        for key in [k for k, entry in self._held.items() if entry[2] <= 0 and k != keep]:
             original, dispatcher, _ = self._held.pop(key)
             owner = sys.modules[key[0]]
             # Someone else replaced the global after us: leave theirs (it may call our dispatcher,
@@ -156,11 +177,31 @@ class Interceptions:
                 owner.__dict__[key[1]] = original
 
     def held(self) -> dict[str, int]:
+        """"module.function" -> holders, for the globals some model holds."""
         with self._lock:
-            return {f"{m}.{n}": entry[2] for (m, n), entry in self._held.items()}
+            return {f"{m}.{n}": entry[2] for (m, n), entry in self._held.items() if entry[2] > 0}
 
 
 interceptions = Interceptions()
+
+
+class Hold:
+    """One swapped model's hold on the interception of one RoPE global, owned by its SwapState:
+    acquired when made, released by `release()` (restore_kernels) or counted down when the model
+    is collected. A copy of the model (deepcopy) and a pickled model loaded again make their own
+    (`__reduce__`), so each runs the kernel its report lists."""
+
+    def __init__(self, key: tuple[str, str], cast_back: bool = False) -> None:
+        self.key, self.cast_back = tuple(key), bool(cast_back)
+        interceptions.acquire(self.key, self.cast_back)
+        self._collected = weakref.finalize(self, interceptions.dropped, self.key)
+
+    def release(self) -> None:
+        if self._collected.detach() is not None:  # once: the first release, and no count-down after it
+            interceptions.release(self.key)
+
+    def __reduce__(self):
+        return Hold, (self.key, self.cast_back)
 
 
 def _dispatcher(key, original, cast_back: bool):
@@ -308,6 +349,7 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
 _forwards: dict[tuple, object] = {}
 
 
+@sites.made_by  # a pickled model makes its forward again
 def forward_for(key: tuple[str, str]):
     """The swapped attention forward: the module's own forward, with the kernel allowed for `key`
     (the gate's depth raised around it)."""
