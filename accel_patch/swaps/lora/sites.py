@@ -17,7 +17,8 @@ import functools
 import torch
 
 from .. import report, sites
-from .functions import fused_linears, fused_mlp
+from ..layers import mlp
+from .functions import GLU_KERNEL, GLU_TORCH, TORCH_ACTS, fused_linears, fused_mlp
 from .plans import MLP_OP, O_OP, QKV_OP, projection
 
 #: Instance attribute holding a site's call-time data (`Site`).
@@ -36,14 +37,48 @@ COMPILED = report.COMPILED
 
 class Site:
     """What a LoRA site's forward reads at call time: its ops, projection names, the GLU plan of an
-    MLP, and the call counts it adds to (the model's SwapState.calls)."""
+    MLP, and the call counts it adds to (the model's SwapState.calls). For an MLP, `torch_glu`
+    says whether the module's own activation is `functions.TORCH_ACTS[act]` bit for bit (checked
+    once, at swap time), so the fused function may compute act(gate) * up as the module does."""
 
-    def __init__(self, ops, names, glu_plan, calls) -> None:
+    def __init__(self, ops, names, glu_plan, calls, act_fn=None) -> None:
         self.ops, self.names, self.glu_plan, self.calls = set(ops), names, glu_plan, calls
+        self.torch_glu = glu_plan is not None and act_fn is not None and torch_act_matches(act_fn, glu_plan.act)
 
     def count(self, op: str, outcome: str) -> None:
         per_op = self.calls.setdefault(op, {})
         per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+def torch_act_matches(act_fn, act: str) -> bool:
+    """Whether `act_fn` computes TORCH_ACTS[act] bit for bit, in every floating dtype a model runs in."""
+    formula = TORCH_ACTS.get(act)
+    if formula is None:
+        return False
+    t = torch.linspace(-12.0, 12.0, 2001)
+    try:
+        with torch.no_grad():
+            return all(torch.equal(act_fn(t.to(d)), formula(t.to(d)))
+                       for d in (torch.float32, torch.bfloat16, torch.float16))
+    except Exception:
+        return False
+
+
+#: The outcome of a call whose adapters-off forward computes the activation in a way the fused
+#: function cannot reproduce bit for bit (PEFT's forward runs, so that both passes agree).
+OWN_ACTIVATION = "PEFT's forward: the module's activation is not F.silu/F.gelu bit for bit (as its adapters-off forward)"
+
+
+def _glu_path(module, site: Site, x: torch.Tensor) -> str | None:
+    """How the fused MLP computes act(gate) * up this call: as the forward beneath does with the
+    adapters off (the `glu` kernel where that swap is beneath and runs it, else the module's own
+    formula), or None when the module's own formula is not one the fused function has."""
+    from accel_kernels import _dispatch
+
+    inner = module.__dict__.get(INNER_ATTR)
+    if getattr(getattr(inner, "__func__", None), sites.MARK, None) == mlp.OP and _dispatch.use_triton(x):
+        return GLU_KERNEL
+    return GLU_TORCH if site.torch_glu else None
 
 
 @torch.compiler.assume_constant_result
@@ -106,9 +141,13 @@ def mlp_forward(self, *args, **kwargs):
     if isinstance(found, str):
         _count(site, MLP_OP, _outcome(found))
         return call_inner(self, *args, **kwargs)
+    path = _glu_path(self, site, x)
+    if path is None:
+        _count(site, MLP_OP, OWN_ACTIVATION)
+        return call_inner(self, *args, **kwargs)
     _count(site, MLP_OP, FUSED)
     projs, adapters = found
-    return fused_mlp(x, projs, adapters, act, order == "gate_up")
+    return fused_mlp(x, projs, adapters, act, order == "gate_up", path)
 
 
 class _Bound:
