@@ -4,6 +4,7 @@ is not one we know, said in the report; the reference model of DPO, KTO and GRPO
 policy, so they train as stock."""
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -142,6 +143,7 @@ def test_our_head_gives_what_trls_head_gives(case, kernel_rows):
         trl_utils.add_fused_lm_head(twin, temperature=temperature, outputs=outputs)  # TRL's head alone
     ids = torch.randint(4, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     labels = _labels_with_hits(model, ids)
+    kernel_rows.clear()  # (the swap's probe ran the kernel too)
 
     def run(m):
         m.train()  # dropout is 0 in this config
@@ -278,13 +280,20 @@ def test_dpo_swaps_the_reference_model_and_trains_as_stock(tmp_path):
         stock, _ = train()
     ours, ref = train()
     assert sites.is_swapped(ref.model.layers[0].mlp) and sites.is_swapped(ref.model.norm)  # as the policy
-    assert report_of(ours.model).head == "TRL's"  # DPO brings its own loss on TRL's head
+    # our head on both, DPO's own loss on their log-probs: every call counted as ours
+    assert report_of(ours.model).head == report_of(ref).head == trl_fused_head.OURS
+    assert accel_patch.report(ours.model).calls["fused_linear_cross_entropy"] == {trl_fused_head.FUSED_CALL: 3}
+    assert accel_patch.report(ref).calls["fused_linear_cross_entropy"] == {trl_fused_head.FUSED_NO_GRAD: 3}
     a, b = steps_of(stock), steps_of(ours)
+    # step 1 exactly as stock: the policy is the reference
+    assert b[0]["loss"] == a[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert b[0]["rewards/accuracies"] == a[0]["rewards/accuracies"] == 0.0
     assert b[0]["rewards/margins"] == a[0]["rewards/margins"] == 0.0
-    assert b[0]["accel_patch_swap"].endswith("LM head: TRL's")
+    assert b[0]["accel_patch_swap"].endswith("LM head: ours, in TRL's place")
     for x, y in zip(a, b):
         assert close(y["loss"], x["loss"]) and close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)
+        for key in ("logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy"):  # mean_logits, is_top1
+            assert close(y[key], x[key], rel=1e-4), (key, x, y)
 
 
 @pytest.mark.slow
@@ -307,8 +316,11 @@ def test_kto_trains_as_stock_with_the_reference_model_swapped(tmp_path):
         stock, _ = train()
     ours, ref = train()
     assert sites.is_swapped(ref.model.layers[0].mlp)
+    assert report_of(ours.model).head == report_of(ref).head == trl_fused_head.OURS
+    assert trl_fused_head.FUSED_CALL in accel_patch.report(ours.model).calls["fused_linear_cross_entropy"]
     for x, y in zip(steps_of(stock), steps_of(ours)):
         assert close(y["loss"], x["loss"]) and close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)
+        assert close(y["kl"], x["kl"], abs_=1e-6), (x, y)
 
 
 def _length_reward(completions, **kwargs):
@@ -338,7 +350,9 @@ def test_grpo_trains_as_stock_with_an_in_process_reward(tmp_path):
         stock = train()
     ours = train()
     assert sites.is_swapped(ours.ref_model.model.layers[0].mlp)
-    assert report_of(ours.model).head == "TRL's"  # GRPO trains on the entropy: TRL's head and loss
+    # our head's log-probs and entropy feed GRPO's own ratio, clipping and KL
+    assert report_of(ours.model).head == report_of(ours.ref_model).head == trl_fused_head.OURS
+    assert accel_patch.report(ours.model).calls["fused_linear_cross_entropy"][trl_fused_head.FUSED_CALL] == 3
     a, b = steps_of(stock), steps_of(ours)
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
