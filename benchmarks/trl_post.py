@@ -214,7 +214,7 @@ def make_trainer(trainer: str, tuning: str, shape: dict, device: str, out: str):
             return t, t.model
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-        args = ORPOConfig(**common, max_length=length, max_prompt_length=shape["prompt"] + 4)
+        args = ORPOConfig(**common, max_length=length)
         return ORPOTrainer(model=model, args=args, **kw), model
 
 

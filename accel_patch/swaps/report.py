@@ -19,9 +19,10 @@ SUCCESSES = ("fused", "tiled")
 #: pass; TRL's head in evaluation mode, which the model's own fused loss does not count either), or
 #: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss/site.py).
 #: The tiled MLP pays only for long sequences in training (swaps/layers/tiled_mlp.py): a short sequence, a
-#: call without grad or in eval mode runs the forward beneath by design.
+#: call without grad or in eval mode runs the forward beneath by design. A LoRA site at a decode
+#: step (a few tokens, no grad: generation) runs PEFT's forward, the faster path there (lora/sites.py).
 BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
-             "short sequence", "no grad", "eval mode")
+             "short sequence", "no grad", "eval mode", "decode shape")
 #: The fused loss's op name (sites.LOSS_OP; this module imports no torch).
 LOSS_OP = "fused_linear_cross_entropy"
 #: Prefix of an outcome counted while torch.compile traces a site (once per compiled graph, not per

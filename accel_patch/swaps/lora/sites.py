@@ -30,6 +30,15 @@ INNER_ATTR = "_accel_patch_lora_inner"
 
 FUSED = "fused"
 NO_ADAPTER = "no active LoRA adapter: the module's forward"
+#: Decode steps (generation: a few tokens, no grad): the fused function saves nothing there (no
+#: activations are kept without grad) and its host-side work (the plan, the spec, one custom op)
+#: costs more than it saves at a few rows: PEFT's forward runs, counted (by design, not a fall-back).
+DECODE_ROWS = 16
+DECODE = f"decode shape: PEFT's forward (at most {DECODE_ROWS} tokens, no grad)"
+
+
+def _decode_shape(x: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() and x.numel() <= DECODE_ROWS * x.shape[-1]
 
 #: Prefix of the outcomes counted while torch.compile traces a site (once per compiled graph).
 COMPILED = report.COMPILED
@@ -136,6 +145,9 @@ def mlp_forward(self, *args, **kwargs):
     if site is None or not _any_lora_layer(self, site.glu_plan[0]):
         return call_inner(self, *args, **kwargs)
     x = sites.the_input(args, kwargs)
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and _decode_shape(x):
+        _count(site, MLP_OP, DECODE)
+        return call_inner(self, *args, **kwargs)
     names, act, order = site.glu_plan
     found = _plan([getattr(self, n) for n in names], x) if isinstance(x, torch.Tensor) else "input is not a tensor"
     if isinstance(found, str):
@@ -177,6 +189,11 @@ class _Bound:
         x = args[0]
         if name in self.stash and self.stash_x is x:
             return self.stash.pop(name)
+        if x.dim() > 0 and _decode_shape(x):
+            if self.decided.get(group) != DECODE:  # count a group once per call
+                self.decided[group] = DECODE
+                _count(self.site, op, DECODE)
+            return original(x)
         found = _plan([getattr(self.module, n) for n in group], x)
         if isinstance(found, str):
             if self.decided.get(group) != found:  # count a group once per call
