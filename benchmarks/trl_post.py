@@ -259,7 +259,8 @@ def run(trainer, tuning, variant, device, dry_run: bool) -> dict:
         return _in_process(trainer, tuning, variant)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_DISABLE")}
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", trainer, tuning, variant, "--device", device]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", trainer, tuning, variant, "--device", device,
+           "--steps", str(SHAPES[device]["steps"])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -288,6 +289,38 @@ def _in_process(trainer, tuning, variant) -> dict:
         accel_patch.enable()
 
 
+def generate_overhead(device: str, rounds: int, shape: dict) -> dict:
+    """`generate` of a LoRA model (GRPO's generation: 4 sequences, the shape's prompt and completion
+    lengths), stock PEFT against the swapped twin, timed in alternating rounds in one process."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import accel_patch
+
+    torch.manual_seed(0)
+    stock = get_peft_model(build_model(shape, device), LoraConfig(**LORA))
+    ours = copy.deepcopy(stock)
+    accel_patch.swap_kernels(ours)
+    ids = torch.randint(4, WORDS, (shape["generations"], shape["prompt"]), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    kw = dict(max_new_tokens=shape["generated"], min_new_tokens=shape["generated"], do_sample=False, pad_token_id=0)
+    times = {"stock": [], "accel-patch": []}
+    outs = {}
+    for m in (stock, ours):
+        m.train()  # as GRPO generates: the policy in training mode, under no_grad
+    for _ in range(rounds):
+        for name, m in (("stock", stock), ("accel-patch", ours)):
+            t0 = time.perf_counter()
+            outs[name] = m.generate(input_ids=ids, **kw)
+            times[name].append(time.perf_counter() - t0)
+    calls = accel_patch.report(ours).calls
+    return dict(stock_s=statistics.median(times["stock"]), ours_s=statistics.median(times["accel-patch"]),
+                same_tokens=bool(torch.equal(outs["stock"], outs["accel-patch"])),
+                lora_calls={op: dict(c) for op, c in calls.items() if op.startswith("lora_")})
+
+
 def _line(r: dict, ref: dict | None) -> str:
     name = f"{r['trainer']} {r['tuning']}"
     if "error" in r:
@@ -308,8 +341,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma-separated, among {','.join(TRAINERS)}")
     p.add_argument("--tunings", default=",".join(TUNINGS), help="lora, full or both")
+    p.add_argument("--steps", type=int, help="training steps per variant (default: the shape's, 3; at least 2)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, one process: checks the code runs")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON, after each variant")
+    p.add_argument("--generate", type=int, metavar="ROUNDS", default=0,
+                   help="also time generate of a LoRA model, stock vs swapped, in ROUNDS alternating rounds")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     trainers = [s for s in args.trainers.split(",") if s]
@@ -317,6 +353,11 @@ def main(argv=None) -> int:
     bad = [s for s in trainers if s not in TRAINERS] + [s for s in tunings if s not in TUNINGS]
     if bad:
         p.error(f"unknown trainer/tuning {bad}: trainers among {TRAINERS}, tunings among {TUNINGS}")
+    if args.steps is not None:
+        if args.steps < 2:
+            p.error(f"--steps must be >= 2 (the first step is not timed), got {args.steps}")
+        for shape in SHAPES.values():
+            shape["steps"] = args.steps
     if args.child:
         print(json.dumps(child(*args.child, args.device)))
         return 0
@@ -353,6 +394,13 @@ def main(argv=None) -> int:
                 json.dump(dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine + load,
                                device=device, dry_run=args.dry_run, shape=shape, rows=rows), f, indent=1)
 
+    if args.generate:
+        g = generate_overhead(device, args.generate, shape)
+        rows.append(dict(generate=g))
+        save()
+        print(f"generate (LoRA, {shape['generations']} x {shape['prompt']} + {shape['generated']} new tokens): stock "
+              f"{g['stock_s']:.3f} s, accel-patch {g['ours_s']:.3f} s ({g['ours_s'] / g['stock_s']:.2f}x, target <= "
+              f"1.05x); same tokens: {g['same_tokens']}; LoRA calls {g['lora_calls']}")
     for trainer in trainers:
         for tuning in tunings:
             pair = {}
