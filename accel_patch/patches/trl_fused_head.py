@@ -10,18 +10,20 @@ forward, so the loss swapped into the model's head would never run. After TRL's 
    the Trainer callback never sees (DPO, KTO and GRPO keep it in `trainer.ref_model`). It gets the
    ops of the model TRL gave a head just before it (the policy), else ACCEL_PATCH_KERNELS'. Stock
    policy and reference then compute the same function again (DPO's step-1 rewards are 0).
-2. Where the head's shape is known, puts accel-patch's head in front of TRL's: known means the
-   `outputs` SFTTrainer asks for, ("log_probs", "entropy", "is_top1"), whose entropy and top-1
-   only feed metrics (SFT detaches them). A training call with `fused_lm_head=True` then runs the
-   backbone as TRL does and `swaps.loss.token_logprobs` on the labelled positions (fused kernel, no
-   full logits; entropy and top-1 in a chunked no-grad pass), returning TRL's `FusedCausalLMOutput`
-   (loss, log_probs, entropy, is_top1, label_mask). Everything else goes to TRL's head: evaluation
-   mode, a model without the swapped fused loss (or restored), a LoRA adapter on the head, FSDP2
-   (DTensor) or ZeRO-3 (partitioned) head weights, MoE router logits (TRL adds their aux loss),
-   a temperature together with soft-capping; each call counted in the swap state.
-3. Other `outputs` (DPO, KTO and GRPO ask for mean logits, the WPO term, or an entropy that GRPO
-   trains on) keep TRL's head: TRL brings its own loss there. The swap report then lists
-   fused_linear_cross_entropy as refused with that reason, and says which head runs ("LM head:
+2. Where TRL asks for fields our head gives (KNOWN_OUTPUTS: log_probs always; entropy,
+   log_sum_sq_probs, mean_logits, is_top1 as asked: SFT, DPO, KTO, GRPO, RLOO and the reference
+   models' log_probs only), puts accel-patch's head in front of TRL's. A call with
+   `fused_lm_head=True` then runs the backbone as TRL does and `swaps.loss.token_logprobs` on the
+   labelled positions (fused kernel, no full logits; the other fields in one chunked pass, the
+   entropy with a gradient that runs only when the loss uses it, as GRPO's entropy bonus),
+   returning TRL's `FusedCausalLMOutput`. TRL's temperature divides the logits as in TRL's head.
+   Under no_grad (reference passes) nothing is kept; evaluation mode runs ours too, so policy and
+   reference always run the same head. Everything else goes to TRL's head: a model without the
+   swapped fused loss (or restored), a LoRA adapter on the head, FSDP2 (DTensor) or ZeRO-3
+   (partitioned) head weights, MoE router logits (TRL adds their aux loss), a temperature together
+   with soft-capping; each call counted in the swap state.
+3. A field our head does not give keeps TRL's head: the swap report lists fused_linear_cross_entropy
+   as refused (located at the LM head) with that reason, and says which head runs ("LM head:
    TRL's"), so the report and the first training log never claim a loss that does not run.
 
 A TRL without `add_fused_lm_head` (or with another signature) leaves the patch skipped: its
