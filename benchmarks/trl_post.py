@@ -208,6 +208,7 @@ def make_trainer(trainer: str, tuning: str, shape: dict, device: str, out: str):
         if trainer == "grpo":
             saved = os.path.join(out, "policy")
             model.save_pretrained(saved)  # GRPO builds its reference (beta > 0) from the policy's path
+            common["per_device_train_batch_size"] = shape["generations"]  # one prompt's generations a step
             args = trl.GRPOConfig(**common, num_generations=shape["generations"],
                                   max_completion_length=shape["generated"], beta=0.04)
             t = trl.GRPOTrainer(model=saved, reward_funcs=_reward, args=args, **kw)
