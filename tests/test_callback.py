@@ -69,8 +69,9 @@ def test_a_stock_trainer_swaps_a_constructed_model_and_logs_throughput_and_memor
     assert recorder.swapped_at_train_begin is True
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in steps] == [2, 4]
-    for h in steps:
-        assert all(isinstance(h[k], float) and h[k] > 0 for k in METRICS), h
+    for h in steps:  # (the peak is the growth over the window's start: 0 is a possible value)
+        assert all(isinstance(h[k], float) and h[k] > 0 for k in METRICS if k != "peak_memory_mib"), h
+        assert isinstance(h["peak_memory_mib"], float) and h["peak_memory_mib"] >= 0, h
     for h in steps:  # 2 rows of 7 unmasked tokens a step
         assert h["tokens_per_second"] * h["step_time_s"] == pytest.approx(14, rel=1e-6)
     assert steps[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1"
@@ -79,6 +80,39 @@ def test_a_stock_trainer_swaps_a_constructed_model_and_logs_throughput_and_memor
     assert not any("accel_patch_fallbacks" in h or "accel_patch_rank_sync" in h for h in steps)  # all fused; 1 process
     seen = [l for l in recorder.logs if "loss" in l]
     assert all(all(k in l for k in METRICS) for l in seen)  # what report_to integrations receive
+
+
+def test_on_cpu_the_peak_memory_is_the_windows_growth_not_the_lifetime_peak():
+    import resource
+
+    callback = AccelPatchCallback()
+    big = torch.ones(160 << 18)  # 160 MiB once: the process's lifetime peak is at least that
+    del big
+    callback._reset_peak_memory()  # a log (or the start of training) opens the window
+    step = torch.ones(48 << 18)  # what one step allocates: 48 MiB
+    del step
+    peak = callback._peak_memory_mib()
+    assert 44 <= peak <= 80, peak
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 >= 160 + peak  # not the lifetime peak
+    assert callback._peak_memory_mib() < 16  # the next window: nothing allocated
+
+
+class WithReferencePass(Trainer):
+    """A trainer whose step also runs the model under no_grad (a reference pass, as DPO's with
+    adapters disabled): those tokens are not trained on."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with torch.no_grad():
+            model(**inputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.slow  # over 2 s: a Trainer run
+def test_tokens_per_second_counts_the_tokens_the_step_trains_on(tmp_path):
+    trainer = WithReferencePass(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows())
+    trainer.train()
+    for h in [h for h in trainer.state.log_history if "loss" in h]:  # 2 rows of 7 tokens a step, once
+        assert h["tokens_per_second"] * h["step_time_s"] == pytest.approx(14, rel=1e-6)
 
 
 def test_an_explicit_callback_is_never_registered_twice(tmp_path):

@@ -4,6 +4,7 @@ is not one we know, said in the report; the reference model of DPO, KTO and GRPO
 policy, so they train as stock."""
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -97,44 +98,100 @@ def _labels_with_hits(model, ids):
     return labels
 
 
+DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+GRPO_OUTPUTS = ("log_probs", "entropy")
+#: (trainer whose add_fused_lm_head call it is, outputs, temperature, the entropy bonus in the loss, autocast)
+HEAD_CASES = {
+    "sft-fp32": (SFT_OUTPUTS, 1.0, 0.0, False),
+    "sft-bf16": (SFT_OUTPUTS, 1.0, 0.0, True),
+    "dpo-wpo-fp32": (DPO_OUTPUTS + ("log_sum_sq_probs",), 1.0, 0.0, False),
+    "grpo-entropy-bonus-fp32": (GRPO_OUTPUTS, 0.7, 0.3, False),
+    "grpo-entropy-bonus-bf16": (GRPO_OUTPUTS, 0.7, 0.3, True),
+}
+
+
+@pytest.fixture
+def kernel_rows(monkeypatch):
+    """The rows each call of the fused log-prob kernel received."""
+    import accel_kernels
+
+    seen = []
+    kernel = accel_kernels.fused_linear_cross_entropy
+
+    def spy(hidden, *args, **kwargs):
+        seen.append(hidden.shape[0])
+        return kernel(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(accel_kernels, "fused_linear_cross_entropy", spy)
+    return seen
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_our_head_gives_what_trls_head_gives(autocast):
+@pytest.mark.parametrize("case", list(HEAD_CASES))
+def test_our_head_gives_what_trls_head_gives(case, kernel_rows):
+    """Each trainer's call of add_fused_lm_head: every field TRL's head gives, under its temperature,
+    with the entropy's gradient where the loss trains on it (GRPO's entropy bonus), on the labelled
+    rows only; and TRL's own head, on a twin of the model, as the reference."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    outputs, temperature, entropy_coef, autocast = HEAD_CASES[case]
+    model = tiny_llama()
+    accel_patch.swap_kernels(model)
+    trl_utils.add_fused_lm_head(model, temperature=temperature, outputs=outputs)  # ours in front of TRL's
+    assert report_of(model).head == trl_fused_head.OURS
+    with stock_accel_patch():
+        twin = tiny_llama()
+        trl_utils.add_fused_lm_head(twin, temperature=temperature, outputs=outputs)  # TRL's head alone
+    ids = torch.randint(4, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = _labels_with_hits(model, ids)
+    kernel_rows.clear()  # (the swap's probe ran the kernel too)
+
+    def run(m):
+        m.train()  # dropout is 0 in this config
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = m(input_ids=ids, labels=labels, fused_lm_head=True)
+        loss = out.loss - entropy_coef * (out.entropy * out.label_mask).sum() / out.label_mask.sum()
+        loss.backward()
+        grads = (m.lm_head.weight.grad.clone(), m.model.layers[1].mlp.down_proj.weight.grad.clone())
+        m.zero_grad(set_to_none=True)
+        return out, grads
+
+    ours, ours_grads = run(model)
+    assert kernel_rows == [int((labels[:, 1:] != -100).sum())]  # the prompt rows reach no kernel
+    assert accel_patch.report(model).calls["fused_linear_cross_entropy"] == {trl_fused_head.FUSED_CALL: 1}
+    trls, trls_grads = run(twin)
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours.label_mask, trls.label_mask)
+    for field in [o for o in outputs if o != "is_top1"] + ["loss"]:
+        torch.testing.assert_close(getattr(ours, field), getattr(trls, field), **tol, msg=field)
+        assert (getattr(ours, field)[~ours.label_mask] == 0).all() if field != "loss" else True
+    for field in ("log_sum_sq_probs", "mean_logits", "is_top1"):  # what the trainer did not ask for: None
+        if field not in outputs:
+            assert getattr(ours, field) is None
+    torch.testing.assert_close(ours_grads, trls_grads, **tol)
+    if "is_top1" in outputs:
+        hits = trls.is_top1[trls.label_mask]
+        assert hits.any() and not hits.all()
+        if autocast:  # bf16 logits tie more often; the argmax of two roundings may differ on a tie
+            assert (ours.is_top1 == trls.is_top1).float().mean() > 0.9
+        else:
+            assert torch.equal(ours.is_top1, trls.is_top1)
+
+
+@pytest.mark.slow
+def test_a_reference_pass_under_no_grad_keeps_nothing_and_is_counted_as_ours():
     trl_utils = pytest.importorskip("trl.trainer.utils")
     model = tiny_llama()
     accel_patch.swap_kernels(model)
-    trl_utils.add_fused_lm_head(model, outputs=SFT_OUTPUTS)  # SFTTrainer's call: ours in front of TRL's
-    assert report_of(model).head == trl_fused_head.OURS
-    ids = torch.randint(4, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    labels = _labels_with_hits(model, ids)
-
-    def run(training):
-        model.train(training)  # evaluation mode: TRL's head (dropout is 0 in this config)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(input_ids=ids, labels=labels, fused_lm_head=True)
-        out.loss.backward()
-        grad = model.lm_head.weight.grad.clone()
-        model.zero_grad(set_to_none=True)
-        return out, grad
-
-    calls = model.__dict__[sites.STATE_ATTR].loss_calls
-    ours, ours_grad = run(True)
-    assert calls.get("fused (in TRL's head)") == 1
-    trls, trls_grad = run(False)
-    assert calls.get("TRL's head: evaluation mode") == 1
-    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
-    assert torch.equal(ours.label_mask, trls.label_mask)
-    torch.testing.assert_close(ours.log_probs, trls.log_probs, **tol)
-    torch.testing.assert_close(ours.entropy, trls.entropy, **tol)
-    torch.testing.assert_close(ours.loss, trls.loss, **tol)
-    torch.testing.assert_close(ours_grad, trls_grad, **tol)
-    assert (ours.log_probs[~ours.label_mask] == 0).all() and (ours.entropy[~ours.label_mask] == 0).all()
-    hits = trls.is_top1[trls.label_mask]
-    assert hits.any() and not hits.all()
-    if autocast:  # bf16 logits tie more often; the argmax of two roundings may differ on a tie
-        assert (ours.is_top1 == trls.is_top1).float().mean() > 0.9
-    else:
-        assert torch.equal(ours.is_top1, trls.is_top1)
+    trl_utils.add_fused_lm_head(model)  # a reference model's call: log_probs only
+    ids = torch.randint(4, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert out.log_probs.grad_fn is None and out.entropy is None
+    model.eval()  # evaluation mode too: our head, nothing kept
+    with torch.no_grad():
+        again = model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert torch.equal(again.log_probs, out.log_probs)
+    assert accel_patch.report(model).calls["fused_linear_cross_entropy"] == {trl_fused_head.FUSED_NO_GRAD: 2}
 
 
 @pytest.mark.slow
@@ -144,7 +201,7 @@ def test_a_head_shape_we_do_not_know_keeps_trls_head_and_says_so(caplog):
     accel_patch.swap_kernels(model)
     trl_forward_before = model.__dict__.get("forward")
     with caplog.at_level("INFO", logger="accel_patch"):
-        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # GRPO's: entropy is trained on
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "surprisal_rank"))  # a field our head does not give
     assert model.__dict__["forward"] is not trl_forward_before  # TRL's own, as TRL installed it
     assert model.forward.__func__.__code__.co_filename.endswith("trl/trainer/utils.py")
     report = report_of(model)
@@ -223,13 +280,20 @@ def test_dpo_swaps_the_reference_model_and_trains_as_stock(tmp_path):
         stock, _ = train()
     ours, ref = train()
     assert sites.is_swapped(ref.model.layers[0].mlp) and sites.is_swapped(ref.model.norm)  # as the policy
-    assert report_of(ours.model).head == "TRL's"  # DPO brings its own loss on TRL's head
+    # our head on both, DPO's own loss on their log-probs: every call counted as ours
+    assert report_of(ours.model).head == report_of(ref).head == trl_fused_head.OURS
+    assert accel_patch.report(ours.model).calls["fused_linear_cross_entropy"] == {trl_fused_head.FUSED_CALL: 3}
+    assert accel_patch.report(ref).calls["fused_linear_cross_entropy"] == {trl_fused_head.FUSED_NO_GRAD: 3}
     a, b = steps_of(stock), steps_of(ours)
+    # step 1 exactly as stock: the policy is the reference
+    assert b[0]["loss"] == a[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert b[0]["rewards/accuracies"] == a[0]["rewards/accuracies"] == 0.0
     assert b[0]["rewards/margins"] == a[0]["rewards/margins"] == 0.0
-    assert b[0]["accel_patch_swap"].endswith("LM head: TRL's")
+    assert b[0]["accel_patch_swap"].endswith("LM head: ours, in TRL's place")
     for x, y in zip(a, b):
         assert close(y["loss"], x["loss"]) and close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)
+        for key in ("logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy"):  # mean_logits, is_top1
+            assert close(y[key], x[key], rel=1e-4), (key, x, y)
 
 
 @pytest.mark.slow
@@ -252,8 +316,11 @@ def test_kto_trains_as_stock_with_the_reference_model_swapped(tmp_path):
         stock, _ = train()
     ours, ref = train()
     assert sites.is_swapped(ref.model.layers[0].mlp)
+    assert report_of(ours.model).head == report_of(ref).head == trl_fused_head.OURS
+    assert trl_fused_head.FUSED_CALL in accel_patch.report(ours.model).calls["fused_linear_cross_entropy"]
     for x, y in zip(steps_of(stock), steps_of(ours)):
         assert close(y["loss"], x["loss"]) and close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)
+        assert close(y["kl"], x["kl"], abs_=1e-6), (x, y)
 
 
 def _length_reward(completions, **kwargs):
@@ -283,7 +350,9 @@ def test_grpo_trains_as_stock_with_an_in_process_reward(tmp_path):
         stock = train()
     ours = train()
     assert sites.is_swapped(ours.ref_model.model.layers[0].mlp)
-    assert report_of(ours.model).head == "TRL's"  # GRPO trains on the entropy: TRL's head and loss
+    # our head's log-probs and entropy feed GRPO's own ratio, clipping and KL
+    assert report_of(ours.model).head == report_of(ours.ref_model).head == trl_fused_head.OURS
+    assert accel_patch.report(ours.model).calls["fused_linear_cross_entropy"][trl_fused_head.FUSED_CALL] == 3
     a, b = steps_of(stock), steps_of(ours)
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):

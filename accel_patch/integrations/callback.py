@@ -6,10 +6,14 @@
   Trainer builds its model late, or the callback was added after construction) gets the swaps that
   are safe after wrapping: the modules' kernels, not the fused loss, which needs the model's own
   forward. Said in the log.
-- Every training log carries `tokens_per_second` (tokens of the batches' attention masks, or
-  Trainer's `num_input_tokens_seen` when it counts them; summed over all processes),
-  `step_time_s` and `peak_memory_mib` (accelerator memory allocated on GPU since the last log; the
-  process's peak RSS on CPU); the first one also `accel_patch_swap` and `accel_patch_topology`.
+- Every training log carries `tokens_per_second`: the tokens the steps train on (the attention
+  masks of the model's training forwards that build a graph, so not a reference model's pass, KTO's
+  KL pass, GRPO's generation or its old log-probs, which run under no_grad; or Trainer's
+  `num_input_tokens_seen` when it counts them; summed over all processes) per second since the last
+  log; `step_time_s`; and `peak_memory_mib`: on GPU the peak of accelerator memory allocated since
+  the last log; on CPU the peak resident memory since the last log over the resident level at its
+  start (the growth the steps caused, Linux's resettable peak RSS; elsewhere the process's lifetime
+  peak). The first one also carries `accel_patch_swap` and `accel_patch_topology`.
   Trainer copies `logs` into `state.log_history` before callbacks run, and report_to integrations
   are callbacks too, so the callback runs first (the registration patch puts it at the head of
   the list) and writes its keys into both.
@@ -170,8 +174,7 @@ class AccelPatchCallback(TrainerCallback):
         module = self._module(model, "token count")
         if module is not None and args.include_num_input_tokens_seen in ("no", False, None):
             self._hook = module.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        self._reset_peak_memory()
         self._mark = (time.perf_counter(), state.global_step, 0.0)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -184,7 +187,9 @@ class AccelPatchCallback(TrainerCallback):
 
     # --- metrics ----------------------------------------------------------------------------
     def _count_tokens(self, module, args, kwargs):
-        if not module.training:
+        # The tokens the step trains on: forwards that build a graph. A reference model's pass,
+        # KTO's KL pass, GRPO's generation and old log-probs run under no_grad (or in eval mode).
+        if not module.training or not torch.is_grad_enabled():
             return None
         mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -210,13 +215,25 @@ class AccelPatchCallback(TrainerCallback):
             dist.all_reduce(total)  # every rank logs at the same steps
         return float(total.item())
 
-    @staticmethod
-    def _peak_memory_mib() -> float:
+    def _reset_peak_memory(self) -> None:
+        """Start a new peak-memory window: the accelerator's peak counter, or on CPU the process's
+        peak RSS (Linux: `/proc/self/clear_refs`), with the resident level now as its base."""
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            return
+        self._rss_base = _reset_rss_peak()
+
+    def _peak_memory_mib(self) -> float:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             peak = torch.cuda.max_memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
             return peak
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        base = getattr(self, "_rss_base", None)
+        peak = _rss_kib("VmHWM") if base is not None else None
+        if peak is not None:  # the window's peak over the level it started at; then a new window
+            self._rss_base = _reset_rss_peak()
+            return max(0.0, peak - base) / 1024
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # no resettable peak: the lifetime peak
         return rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB on Linux
 
     # --- rank sync --------------------------------------------------------------------------
@@ -371,6 +388,29 @@ def _rank() -> int:
         return topology().rank
     except Exception:
         return 0
+
+
+def _rss_kib(field: str) -> float | None:
+    """A VmRSS/VmHWM figure of /proc/self/status in KiB, None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_rss_peak() -> float | None:
+    """Reset the process's peak RSS to its resident size now (Linux >= 4.0: "5" to clear_refs);
+    the resident size in KiB, or None where the peak cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _rss_kib("VmRSS")
 
 
 def _distributed() -> bool:

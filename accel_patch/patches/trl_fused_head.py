@@ -10,18 +10,20 @@ forward, so the loss swapped into the model's head would never run. After TRL's 
    the Trainer callback never sees (DPO, KTO and GRPO keep it in `trainer.ref_model`). It gets the
    ops of the model TRL gave a head just before it (the policy), else ACCEL_PATCH_KERNELS'. Stock
    policy and reference then compute the same function again (DPO's step-1 rewards are 0).
-2. Where the head's shape is known, puts accel-patch's head in front of TRL's: known means the
-   `outputs` SFTTrainer asks for, ("log_probs", "entropy", "is_top1"), whose entropy and top-1
-   only feed metrics (SFT detaches them). A training call with `fused_lm_head=True` then runs the
-   backbone as TRL does and `swaps.loss.token_logprobs` on the labelled positions (fused kernel, no
-   full logits; entropy and top-1 in a chunked no-grad pass), returning TRL's `FusedCausalLMOutput`
-   (loss, log_probs, entropy, is_top1, label_mask). Everything else goes to TRL's head: evaluation
-   mode, a model without the swapped fused loss (or restored), a LoRA adapter on the head, FSDP2
-   (DTensor) or ZeRO-3 (partitioned) head weights, MoE router logits (TRL adds their aux loss),
-   a temperature together with soft-capping; each call counted in the swap state.
-3. Other `outputs` (DPO, KTO and GRPO ask for mean logits, the WPO term, or an entropy that GRPO
-   trains on) keep TRL's head: TRL brings its own loss there. The swap report then lists
-   fused_linear_cross_entropy as refused with that reason, and says which head runs ("LM head:
+2. Where TRL asks for fields our head gives (KNOWN_OUTPUTS: log_probs always; entropy,
+   log_sum_sq_probs, mean_logits, is_top1 as asked: SFT, DPO, KTO, GRPO, RLOO and the reference
+   models' log_probs only), puts accel-patch's head in front of TRL's. A call with
+   `fused_lm_head=True` then runs the backbone as TRL does and `swaps.loss.token_logprobs` on the
+   labelled positions (fused kernel, no full logits; the other fields in one chunked pass, the
+   entropy with a gradient that runs only when the loss uses it, as GRPO's entropy bonus),
+   returning TRL's `FusedCausalLMOutput`. TRL's temperature divides the logits as in TRL's head.
+   Under no_grad (reference passes) nothing is kept; evaluation mode runs ours too, so policy and
+   reference always run the same head. Everything else goes to TRL's head: a model without the
+   swapped fused loss (or restored), a LoRA adapter on the head, FSDP2 (DTensor) or ZeRO-3
+   (partitioned) head weights, MoE router logits (TRL adds their aux loss), a temperature together
+   with soft-capping; each call counted in the swap state.
+3. A field our head does not give keeps TRL's head: the swap report lists fused_linear_cross_entropy
+   as refused (located at the LM head) with that reason, and says which head runs ("LM head:
    TRL's"), so the report and the first training log never claim a loss that does not run.
 
 A TRL without `add_fused_lm_head` (or with another signature) leaves the patch skipped: its
@@ -47,9 +49,15 @@ def _log():
 SWITCH = "ACCEL_PATCH_TRL"
 PARAMETERS = ("model", "temperature", "cast_lm_head_to_fp32", "outputs")
 FIELDS = ("loss", "log_probs", "entropy", "is_top1", "label_mask")
-#: The `outputs` whose head ours computes: SFTTrainer's (trl 1.16), entropy and top-1 for metrics only.
-KNOWN_OUTPUTS = frozenset({("log_probs", "entropy", "is_top1")})
+#: The per-token `outputs` our head computes (trl 1.16's names): log_probs always, the rest when asked
+#: (SFT: entropy, is_top1; DPO: + mean_logits, log_sum_sq_probs with WPO weighting; KTO: entropy,
+#: mean_logits; GRPO: entropy, with a gradient where its entropy bonus trains on it; references: log_probs).
+KNOWN_OUTPUTS = frozenset({"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"})
 OURS = "accel-patch's fused loss in TRL's place"
+#: The outcomes our head counts: a training call, and a call under no_grad (a reference model's, the
+#: old policy's log-probs of GRPO, evaluation), which keeps nothing for backward.
+FUSED_CALL = "fused (in TRL's head)"
+FUSED_NO_GRAD = "fused (in TRL's head, no grad)"
 TRLS = "TRL's"
 
 
@@ -156,10 +164,11 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
         state.head = TRLS
         return
     outputs = tuple(outputs)
-    if outputs not in KNOWN_OUTPUTS:
+    unknown = [o for o in outputs if o not in KNOWN_OUTPUTS]
+    if unknown:
         state.counts.pop(OP)
-        state.refused.append(_refusal(f"TRL's fused LM head runs (add_fused_lm_head outputs={outputs}: TRL's "
-                                      f"own loss; accel-patch's head knows {sorted(KNOWN_OUTPUTS)})"))
+        state.refused.append(_refusal(model, f"TRL's fused LM head runs (add_fused_lm_head outputs={outputs}: "
+                                             f"accel-patch's head gives {sorted(KNOWN_OUTPUTS)}, not {unknown})"))
         state.head = TRLS
         _log().info("accel_patch: %s: TRL's fused LM head runs (outputs %s), not accel-patch's fused loss",
                  type(model).__name__, outputs)
@@ -170,11 +179,20 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
     _log().info("accel_patch: %s: %s (TRL's add_fused_lm_head, outputs %s)", type(model).__name__, OURS, outputs)
 
 
-def _refusal(reason: str):
+def _refusal(model, reason: str):
     from ..swaps.loss.site import OP
     from ..swaps.report import Refusal
 
-    return Refusal("", OP, reason)
+    return Refusal(_head_name(model), OP, reason)
+
+
+def _head_name(model) -> str:
+    """The LM head's qualified name in `model` (the location of a row about it), "lm_head" if not found."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, module in model.named_modules():
+        if module is head and name:
+            return name
+    return "lm_head"
 
 
 def _our_head(patch, model, trl_forward, temperature, fp32, outputs):
@@ -231,8 +249,6 @@ def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temper
     state = model.__dict__.get(_state_attr())
     if state is None or OP not in state.ops or OP not in state.counts:
         return "no fused loss swapped into the model"
-    if not model.training:
-        return "evaluation mode"
     if (labels if shift_labels is None else shift_labels) is None:
         return "no labels"
     if kwargs.get("output_router_logits") or getattr(model.config.get_text_config(), "output_router_logits", False):
@@ -264,13 +280,13 @@ def _fused_call(patch, model, args, kwargs, labels, shift_labels, num_items_in_b
         labels = shift_labels
     leaf, _ = head_plan(model.get_output_embeddings())
     hidden, labels = hidden.to(leaf.weight.device), labels.to(leaf.weight.device)
-    log_probs, entropy, is_top1 = token_logprobs(hidden, leaf.weight, leaf.bias, labels, scale=scale, softcap=softcap,
-                                                 fp32=fp32, entropy="entropy" in outputs, top1="is_top1" in outputs)
+    fields = token_logprobs(hidden, leaf.weight, leaf.bias, labels, scale=scale, softcap=softcap, fp32=fp32,
+                            outputs=outputs)
     mask = labels != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    loss = -log_probs.sum() / torch.as_tensor(count, device=log_probs.device)
-    model.__dict__[_state_attr()].count_call("fused (in TRL's head)")
-    return patch.output_class(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
+    loss = -fields["log_probs"].sum() / torch.as_tensor(count, device=mask.device)
+    model.__dict__[_state_attr()].count_call(FUSED_CALL if torch.is_grad_enabled() else FUSED_NO_GRAD)
+    return patch.output_class(loss=loss, label_mask=mask, **fields)
 
 
 patch = TrlFusedHeadPatch()

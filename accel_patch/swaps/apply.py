@@ -85,6 +85,11 @@ class _Walk:
     def refuse(self, where: str, op: str, reason: str) -> None:
         self.state.refused.append(Refusal(where or type(self.model).__name__, op, reason))
 
+    def head_name(self) -> str:
+        """The LM head's qualified name (where a row about the loss is located), else the model's class."""
+        head = self.model.get_output_embeddings()
+        return next((n for n, m in self.model.named_modules() if m is head and n), type(self.model).__name__)
+
     def swapped(self, op: str, module, func) -> None:
         sites.install(self.state, module, sites.signed(func, type(module), op))
         self.state.counts[op] = self.state.counts.get(op, 0) + 1
@@ -147,7 +152,8 @@ class _Walk:
                 structure = (lora.structure(module, names), type(act_fn), getattr(act_fn, "approximate", None))
                 self.probe_and_install(where, (lora.MLP_OP,), module, structure,
                                        lambda: lora.probe_mlp(module, self.dtype, names, act),
-                                       lambda plan: (lora.mlp_forward, lora.Site((lora.MLP_OP,), names, plan, self.state.calls)))
+                                       lambda plan: (lora.mlp_forward, lora.Site((lora.MLP_OP,), names, plan, self.state.calls,
+                                                                            act_fn)))
                 return
         attention_ops = [op for op in ops if op in (lora.QKV_OP, lora.O_OP)]
         if attention_ops:
@@ -273,7 +279,7 @@ class _Walk:
                 verdict = _verdict(key, lambda: loss.probe_verdict(model))
                 reason = None if verdict is True else verdict
         if reason:
-            self.refuse("", loss.OP, reason)
+            self.refuse(self.head_name(), loss.OP, reason)
         else:
             self.swapped(loss.OP, model, loss.forward)
             compiled_loss.prepare(self.state, leaf)  # the head's forward while torch.compile traces

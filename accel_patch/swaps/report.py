@@ -20,9 +20,12 @@ SUCCESSES = ("fused", "tiled")
 #: stock is the faster choice (the fused loss's small logits on CPU without Triton: loss/site.py).
 #: The tiled MLP pays only for long sequences in training (swaps/layers/tiled_mlp.py): a short sequence, a
 #: call without grad or in eval mode runs the forward beneath by design, and so does a call that is
-#: not checkpointed ("not checkpointed") unless the op was asked for by name.
+#: not checkpointed ("not checkpointed") unless the op was asked for by name. A LoRA site at a decode
+#: step (a few tokens, no grad: generation) runs PEFT's forward, the faster path there (lora/sites.py).
 BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
-             "short sequence", "no grad", "eval mode", "not checkpointed")
+             "short sequence", "no grad", "eval mode", "not checkpointed", "decode shape")
+#: The fused loss's op name (sites.LOSS_OP; this module imports no torch).
+LOSS_OP = "fused_linear_cross_entropy"
 #: Prefix of an outcome counted while torch.compile traces a site (once per compiled graph, not per
 #: call: swaps/lora/sites.py); what follows it is classified like any outcome.
 COMPILED = "compiled: "
@@ -132,6 +135,12 @@ class SwapReport:
         """Sites per op and how many were refused, short enough for a logged value (<= 100 chars)."""
         ordered = sorted(self.swapped.items(), key=_op_order)
         head = {None: "", "TRL's": "; LM head: TRL's"}.get(self.head, "; LM head: ours, in TRL's place")
+        loss_calls = self.calls.get(LOSS_OP, {})
+        kinds = {outcome_kind(o) for o in loss_calls}
+        if "fall-back" in kinds and "success" not in kinds:
+            # swapped, but no call so far ran it and some ran another head: the line does not claim the loss
+            ordered = [(op, n) for op, n in ordered if op != LOSS_OP]
+            head += "; loss: not run (see fall-backs)"
         tail = (f"; {len(self.refused)} refused" if self.refused else "") + head
         line = ""
         for names in ({}, _SHORT_NAMES):  # the ops' own names, then shorter ones if the line is too long

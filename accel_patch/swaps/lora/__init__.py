@@ -8,9 +8,10 @@ Sites (found by structure, proved by a probe, per instance and reversible like e
 
 - `lora_mlp`: a gated MLP (mlp.candidate: split gate/up/down or fused gate_up, SiLU or GELU).
   Its forward becomes the `mlp` op: the base matmuls stay torch, each adapter's small
-  matmuls are `addmm_`-ed into the base result, the activation is accel_kernels' GLU (the Triton
-  kernel on GPU), and backward recomputes `act(gate) * up` for the down adapter instead of saving
-  it. A 4-bit base weight is dequantized by bitsandbytes' own `dequantize_4bit` in forward and
+  matmuls are `addmm_`-ed into the base result, the activation is computed as the forward beneath
+  computes it with the adapters off (accel_kernels' GLU where the `glu` kernel runs beneath, else the
+  module's own formula), so PEFT's reference pass equals a fresh adapter's bit for bit, and backward
+  recomputes `act(gate) * up` for the down adapter instead of saving it. A 4-bit base weight is dequantized by bitsandbytes' own `dequantize_4bit` in forward and
   again in backward; nothing dequantized is kept between them.
 - `lora_qkv`: the input projections of an attention block (q/k/v with any subset adapted and
   GQA widths, or one fused qkv). The attention's own forward still runs; for that call the
@@ -28,6 +29,8 @@ projection, extra arguments. Autocast (bf16/fp16, PEFT's float32 adapters) and L
 computed: the functions are custom ops (`accel_patch_lora::linears`, `::mlp`) that take the
 autocast dtype captured at the call and the dropout masks drawn as PEFT draws them (functions.py). A call with no active adapter
 runs what was there before (the `glu` kernel forward when that op was swapped too, else stock).
+A decode step (at most `sites.DECODE_ROWS` tokens without grad: generation) runs PEFT's forward,
+faster there, counted.
 
 Under torch.compile the sites are traced with the model (sites.py): no graph break, the fused ops
 in the graph, the plan's reads as guards; a call is counted once per trace, as "compiled: <outcome>"

@@ -218,9 +218,18 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
     return dx, dA, dB
 
 
-# The activation: accel_kernels' GLU forward (public entry) and its registered backward op, which
-# takes the Triton kernel or its plain-torch twin as the forward does.
-def glu_forward(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+# The activation. Its forward is the one the forward beneath the site runs with the adapters off
+# (PEFT's reference pass), so that both passes compute the same base: accel_kernels' GLU ("kernel")
+# where the `glu` swap beneath runs its kernel, else the module's own torch formula ("torch"),
+# which rounds differently in half precision. The backward is accel_kernels' registered op, which
+# takes the Triton kernel or its plain-torch twin as the public entry does.
+GLU_KERNEL, GLU_TORCH = "kernel", "torch"
+TORCH_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def glu_forward(act: str, gate: torch.Tensor, up: torch.Tensor, path: str = GLU_KERNEL) -> torch.Tensor:
+    if path == GLU_TORCH:
+        return TORCH_ACTS[act](gate) * up
     return mlp.glu(act, gate, up)
 
 
@@ -323,17 +332,17 @@ _linears_op.register_autograd(_linears_backward, setup_context=_linears_setup)
 def _mlp_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(down(act(gate(x)) * up(x)) as 2-D, gate, up) for the projections of `spec` (gate, up, down;
     or gate_up, down, where the second output is gate_up whole and the third an empty tensor)."""
-    metas, (act, gate_first) = parse(spec)
+    metas, (act, gate_first, path) = parse(spec)
     ts = _split(metas, tensors)
     x2, casts = _rows(x), {}
     if len(metas) == 3:
         gate = proj_forward(x2, metas[0], ts[0], casts)
         up = proj_forward(x2, metas[1], ts[1], casts)
-        h = glu_forward(act, gate, up)
+        h = glu_forward(act, gate, up, path)
     else:
         gate = proj_forward(x2, metas[0], ts[0])  # gate_up whole
         up = x.new_empty(0)
-        h = glu_forward(act, *_halves(gate, gate_first == "1"))
+        h = glu_forward(act, *_halves(gate, gate_first == "1"), path)
     out = proj_forward(h, metas[-1], ts[-1])
     return out, gate, up
 
@@ -356,14 +365,14 @@ def _(x, tensors, spec):
 def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                      tensors: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
-    metas, (act, gate_first) = parse(spec)
+    metas, (act, gate_first, path) = parse(spec)
     ts = _split(metas, tensors)
     fused = len(metas) == 2
     if fused:
         gate, up = _halves(gate, gate_first == "1")
     down = metas[-1]
     # the down adapter needs its input: recomputed, never saved (else only its dtype is read)
-    h = glu_forward(act, gate, up) if down.adapted else gate
+    h = glu_forward(act, gate, up, path) if down.adapted else gate
     dh, dAd, dBd = proj_backward(dout, h, down, ts[-1], None)
     del h
     dgate, dup = glu_backward(act, dh, gate, up)
@@ -451,8 +460,9 @@ def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
-def mlp_inputs(x, projs, adapters, act: str, gate_first: bool) -> tuple:
-    """The `mlp` op's arguments (x, tensors, spec); draws the dropout masks (gate, up, down)."""
+def mlp_inputs(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GLU_KERNEL) -> tuple:
+    """The `mlp` op's arguments (x, tensors, spec); draws the dropout masks (gate, up, down).
+    glu_path: GLU_KERNEL or GLU_TORCH, how act(gate) * up is computed (`glu_forward`)."""
     projs = tuple(projs)
     pairs = _adapter_pairs(projs, adapters)
     first = projs[0]
@@ -469,13 +479,13 @@ def mlp_inputs(x, projs, adapters, act: str, gate_first: bool) -> tuple:
         item, ts = _inputs(in_dtype, p, (A, B), mask)
         items.append(item)
         tensors += ts
-    return x, tensors, "|".join(items) + f";{act},{int(gate_first)}"
+    return x, tensors, "|".join(items) + f";{act},{int(gate_first)},{glu_path}"
 
 
-def fused_mlp(x, projs, adapters, act: str, gate_first: bool) -> torch.Tensor:
+def fused_mlp(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GLU_KERNEL) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
     saving x, gate, up and the dropout masks."""
-    out, _, _ = torch.ops.accel_patch_lora.mlp(*mlp_inputs(x, projs, adapters, act, gate_first))
+    out, _, _ = torch.ops.accel_patch_lora.mlp(*mlp_inputs(x, projs, adapters, act, gate_first, glu_path))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

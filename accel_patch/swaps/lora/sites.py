@@ -17,7 +17,8 @@ import functools
 import torch
 
 from .. import report, sites
-from .functions import fused_linears, fused_mlp
+from ..layers import mlp
+from .functions import GLU_KERNEL, GLU_TORCH, TORCH_ACTS, fused_linears, fused_mlp
 from .plans import MLP_OP, O_OP, QKV_OP, projection
 
 #: Instance attribute holding a site's call-time data (`Site`).
@@ -29,6 +30,15 @@ INNER_ATTR = "_accel_patch_lora_inner"
 
 FUSED = "fused"
 NO_ADAPTER = "no active LoRA adapter: the module's forward"
+#: Decode steps (generation: a few tokens, no grad): the fused function saves nothing there (no
+#: activations are kept without grad) and its host-side work (the plan, the spec, one custom op)
+#: costs more than it saves at a few rows: PEFT's forward runs, counted (by design, not a fall-back).
+DECODE_ROWS = 16
+DECODE = f"decode shape: PEFT's forward (at most {DECODE_ROWS} tokens, no grad)"
+
+
+def _decode_shape(x: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() and x.numel() <= DECODE_ROWS * x.shape[-1]
 
 #: Prefix of the outcomes counted while torch.compile traces a site (once per compiled graph).
 COMPILED = report.COMPILED
@@ -36,14 +46,48 @@ COMPILED = report.COMPILED
 
 class Site:
     """What a LoRA site's forward reads at call time: its ops, projection names, the GLU plan of an
-    MLP, and the call counts it adds to (the model's SwapState.calls)."""
+    MLP, and the call counts it adds to (the model's SwapState.calls). For an MLP, `torch_glu`
+    says whether the module's own activation is `functions.TORCH_ACTS[act]` bit for bit (checked
+    once, at swap time), so the fused function may compute act(gate) * up as the module does."""
 
-    def __init__(self, ops, names, glu_plan, calls) -> None:
+    def __init__(self, ops, names, glu_plan, calls, act_fn=None) -> None:
         self.ops, self.names, self.glu_plan, self.calls = set(ops), names, glu_plan, calls
+        self.torch_glu = glu_plan is not None and act_fn is not None and torch_act_matches(act_fn, glu_plan.act)
 
     def count(self, op: str, outcome: str) -> None:
         per_op = self.calls.setdefault(op, {})
         per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+def torch_act_matches(act_fn, act: str) -> bool:
+    """Whether `act_fn` computes TORCH_ACTS[act] bit for bit, in every floating dtype a model runs in."""
+    formula = TORCH_ACTS.get(act)
+    if formula is None:
+        return False
+    t = torch.linspace(-12.0, 12.0, 2001)
+    try:
+        with torch.no_grad():
+            return all(torch.equal(act_fn(t.to(d)), formula(t.to(d)))
+                       for d in (torch.float32, torch.bfloat16, torch.float16))
+    except Exception:
+        return False
+
+
+#: The outcome of a call whose adapters-off forward computes the activation in a way the fused
+#: function cannot reproduce bit for bit (PEFT's forward runs, so that both passes agree).
+OWN_ACTIVATION = "PEFT's forward: the module's activation is not F.silu/F.gelu bit for bit (as its adapters-off forward)"
+
+
+def _glu_path(module, site: Site, x: torch.Tensor) -> str | None:
+    """How the fused MLP computes act(gate) * up this call: as the forward beneath does with the
+    adapters off (the `glu` kernel where that swap is beneath and runs it, else the module's own
+    formula), or None when the module's own formula is not one the fused function has."""
+    from accel_kernels import _dispatch
+
+    inner = module.__dict__.get(INNER_ATTR)
+    if getattr(getattr(inner, "__func__", None), sites.MARK, None) == mlp.OP and _dispatch.use_triton(x):
+        return GLU_KERNEL
+    return GLU_TORCH if site.torch_glu else None
 
 
 @torch.compiler.assume_constant_result
@@ -101,14 +145,21 @@ def mlp_forward(self, *args, **kwargs):
     if site is None or not _any_lora_layer(self, site.glu_plan[0]):
         return call_inner(self, *args, **kwargs)
     x = sites.the_input(args, kwargs)
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and _decode_shape(x):
+        _count(site, MLP_OP, DECODE)
+        return call_inner(self, *args, **kwargs)
     names, act, order = site.glu_plan
     found = _plan([getattr(self, n) for n in names], x) if isinstance(x, torch.Tensor) else "input is not a tensor"
     if isinstance(found, str):
         _count(site, MLP_OP, _outcome(found))
         return call_inner(self, *args, **kwargs)
+    path = _glu_path(self, site, x)
+    if path is None:
+        _count(site, MLP_OP, OWN_ACTIVATION)
+        return call_inner(self, *args, **kwargs)
     _count(site, MLP_OP, FUSED)
     projs, adapters = found
-    return fused_mlp(x, projs, adapters, act, order == "gate_up")
+    return fused_mlp(x, projs, adapters, act, order == "gate_up", path)
 
 
 class _Bound:
@@ -138,6 +189,11 @@ class _Bound:
         x = args[0]
         if name in self.stash and self.stash_x is x:
             return self.stash.pop(name)
+        if x.dim() > 0 and _decode_shape(x):
+            if self.decided.get(group) != DECODE:  # count a group once per call
+                self.decided[group] = DECODE
+                _count(self.site, op, DECODE)
+            return original(x)
         found = _plan([getattr(self.module, n) for n in group], x)
         if isinstance(found, str):
             if self.decided.get(group) != found:  # count a group once per call

@@ -15,7 +15,9 @@ Decided at every call: the model must be in training mode, called with labels, w
 head; on CPU without Triton (the kernel's plain-torch twin) the logits must also be large
 (`CPU_MIN_LOGITS`), since below that stock is faster. A LoRA adapter on the head (PEFT may add one after the swap) makes the call stand aside and
 run stock, so the adapter trains; a `modules_to_save` copy of the head is fused with the copy's own
-weight. Evaluation, calls without labels, and `generate` run the stock forward. While torch.compile
+weight. Evaluation, calls without labels, and `generate` run the stock forward; a training call
+without labels that builds a graph is counted (NO_LABELS), since the caller's own loss then runs
+on the full logits. While torch.compile
 traces the call, the head returns compiled_loss.LogitsStandIn instead (same rules; dynamo traces
 it, it cannot trace the tensor subclass).
 
@@ -36,6 +38,10 @@ from .deferred import DeferredLogits, _Head
 from .head import capturing, head_leaf, head_plan
 
 OP = sites.LOSS_OP  # "fused_linear_cross_entropy"
+#: A training call with a graph but no labels: the full logits are returned and the caller's own
+#: loss runs on them (TRL's ORPO and CPO take log_softmax over them), so the fused loss did not run:
+#: a fall-back, logged, and the swap line does not claim the loss (report.SwapReport.short).
+NO_LABELS = "stock head: a training call without labels (the caller's own loss on the full logits)"
 
 
 def _without_deferred(output):
@@ -94,6 +100,9 @@ def forward(self, *args, **kwargs):
     labels = None
     if (state is None or OP not in state.ops or not self.training or kwargs.get("return_dict") is False
             or torch.jit.is_tracing() or (labels := _labels(self, args, kwargs)) is None):
+        if (labels is None and state is not None and OP in state.ops and self.training and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
+            state.count_call(NO_LABELS)  # the caller computes its loss from the full logits (ORPO, CPO)
         return sites.call_inner(self, *args, **kwargs)
     leaf, why = head_plan(self.get_output_embeddings())
     if leaf is not None and _small_on_cpu(leaf, labels):

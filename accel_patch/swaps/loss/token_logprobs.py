@@ -8,9 +8,13 @@
   to hidden, weight and bias. Only labelled rows reach the kernel (they are selected before the
   matmul, as the deferred loss does: `deferred.labelled_rows`), with `reduction="none"` so each
   token keeps its own gradient (the kernel's backward recomputes each chunk's logits).
-- `entropy` and `is_top1` (whether the label is the first most likely token, as `argmax`), only
-  when asked, without gradient: one no-grad pass over the same rows, one chunk of logits at a time
-  (`METRIC_CHUNK_BYTES` of float32 logits), so they cost one more matmul and no (N, V) buffer.
+- `entropy`, `log_sum_sq_probs` (log of the sum of squared probabilities), `mean_logits` and
+  `is_top1` (whether the label is the first most likely token, as `argmax`), only when asked: one
+  more pass over the same rows, one chunk of logits at a time (`METRIC_CHUNK_BYTES` of float32
+  logits), so they cost one more matmul and no (N, V) buffer. The entropy carries a gradient (a
+  trainer that adds it to its loss, as GRPO's entropy bonus, trains on it; its backward recomputes
+  each chunk, and never runs when the entropy is only logged); the others are metrics, without.
+  Under no_grad (a reference model's pass) nothing is kept.
 
 The logits are `scale * (hidden @ weight.T + bias)`, soft-capped as `softcap * tanh(z / softcap)`
 when `softcap` is set, in the dtype autocast gives the matmul (the kernel and the metric pass use
@@ -45,56 +49,117 @@ def _compute_inputs(hidden, weight, bias, fp32: bool):
     return hidden, weight, bias
 
 
-def _metrics(h, w, b, y, softcap, want_entropy: bool, want_top1: bool):
-    """(entropy, is_top1) of the rows of h (no gradient), chunk by chunk."""
-    n, vocab = h.shape[0], w.shape[0]
-    entropy = torch.empty(n, dtype=torch.float32, device=h.device) if want_entropy else None
-    top1 = torch.empty(n, dtype=torch.bool, device=h.device) if want_top1 else None
-    rows = max(1, METRIC_CHUNK_BYTES // (vocab * 4))
-    with torch.no_grad():
+def _chunk_logits(h, w, b, softcap):
+    """Float32 logits of the rows h (soft-capped when asked) and tanh's value for the backward."""
+    z = F.linear(h, w, b).float()
+    if softcap is None:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return t * softcap, t
+
+
+class _Metrics(torch.autograd.Function):
+    """entropy, log(sum p^2), mean logit and is_top1 of the rows of h, one chunk of logits at a
+    time; entropy is differentiable (a trainer that adds it to the loss, as GRPO's entropy bonus,
+    gets its gradient; one that detaches it never runs this backward), the others are not. Saves
+    h, w, b (the tensors the log-prob kernel saves too) and two floats per row."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, y, softcap, flags):
+        ctx.set_materialize_grads(False)
+        want_entropy, want_sq, want_mean, want_top1 = flags
+        n, vocab = h.shape[0], w.shape[0]
+        f32 = dict(dtype=torch.float32, device=h.device)
+        lse = torch.empty(n, **f32)
+        entropy = torch.empty(n, **f32) if want_entropy else None
+        sq = torch.empty(n, **f32) if want_sq else None
+        mean = torch.empty(n, **f32) if want_mean else None
+        top1 = torch.empty(n, dtype=torch.bool, device=h.device) if want_top1 else None
+        rows = max(1, METRIC_CHUNK_BYTES // (vocab * 4))
         for s in range(0, n, rows):
             e = min(n, s + rows)
-            z = F.linear(h[s:e], w, b).float()
-            if softcap is not None:
-                z = torch.tanh(z / softcap).mul_(softcap)
+            z, _ = _chunk_logits(h[s:e], w, b, softcap)
             if want_top1:
-                top1[s:e] = z.argmax(-1) == y[s:e]
+                top1[s:e] = z.argmax(-1) == y[s:e]  # the first maximum, as argmax
+            if want_mean:
+                mean[s:e] = z.sum(-1) / vocab
+            lse[s:e] = torch.logsumexp(z, -1)
+            if want_sq:
+                sq[s:e] = torch.logsumexp(2 * z, -1) - 2 * lse[s:e]
             if want_entropy:
-                lse = torch.logsumexp(z, -1)
                 p = torch.softmax(z, -1)
-                entropy[s:e] = lse - (p.mul_(z)).sum(-1)
-    return entropy, top1
+                entropy[s:e] = lse[s:e] - p.mul_(z).sum(-1)
+            del z
+        ctx.softcap, ctx.rows = softcap, rows
+        ctx.save_for_backward(h, w, b, lse, entropy)
+        ctx.mark_non_differentiable(*(t for t in (sq, mean, top1) if t is not None))
+        return entropy, sq, mean, top1
+
+    @staticmethod
+    def backward(ctx, grad_entropy, *_):
+        h, w, b, lse, entropy = ctx.saved_tensors
+        needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
+        if grad_entropy is None or entropy is None:
+            return None, None, None, None, None, None
+        grad_entropy = grad_entropy.float()
+        gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if needs_h else None
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs_w else None
+        gb = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if needs_b and b is not None else None
+        for s in range(0, h.shape[0], ctx.rows):
+            e = min(h.shape[0], s + ctx.rows)
+            z, t = _chunk_logits(h[s:e], w, b, ctx.softcap)
+            log_p = z.sub_(lse[s:e, None])
+            # d entropy / d z_j = -p_j (log p_j + entropy)
+            g = log_p.exp() * (log_p + entropy[s:e, None])
+            g.mul_(-grad_entropy[s:e, None])
+            if t is not None:
+                g.mul_(1 - t * t)
+            g = g.to(h.dtype)
+            if gh is not None:
+                gh[s:e] = (g @ w).float()
+            if gw is not None:
+                gw.add_((g.t() @ h[s:e]).float())
+            if gb is not None:
+                gb.add_(g.float().sum(0))
+        return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(w.dtype),
+                None if gb is None else gb.to(b.dtype), None, None, None)
+
+
+#: The per-token fields `token_logprobs` computes besides log_probs (TRL's names).
+METRICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def token_logprobs(hidden, weight, bias, labels, *, ignore_index: int = -100, scale: float = 1.0,
-                   softcap: float | None = None, fp32: bool = False, entropy: bool = False, top1: bool = False):
-    """(log_probs, entropy, is_top1), each shaped like `labels` (entropy and is_top1 None unless
-    asked), of the logits `scale * F.linear(hidden, weight, bias)` (soft-capped when `softcap`).
+                   softcap: float | None = None, fp32: bool = False, outputs=("log_probs",)):
+    """{"log_probs": ..., and each of `outputs` among METRICS}, each shaped like `labels`, of the
+    logits `scale * F.linear(hidden, weight, bias)` (soft-capped when `softcap`).
 
     hidden (..., H), weight (V, H), bias (V,) or None, labels (...) integer. Under autocast the
     matmul runs in autocast's dtype (`fp32=True`: in float32, as TRL's `cast_lm_head_to_fp32`).
-    Positions whose label is `ignore_index` get 0 in every output and reach no kernel.
+    Positions whose label is `ignore_index` get 0 in every output and reach no kernel. log_probs
+    and entropy carry gradients; log_sum_sq_probs, mean_logits and is_top1 do not.
     """
     from accel_kernels import fused_linear_cross_entropy
 
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    unknown = [o for o in outputs if o != "log_probs" and o not in METRICS]
+    if unknown:
+        raise ValueError(f"outputs {unknown} are not among log_probs, {', '.join(METRICS)}")
     mask = labels != ignore_index
     h, w, b = _compute_inputs(hidden, weight, bias, fp32)
     h, y, _ = labelled_rows(h.reshape(-1, h.shape[-1]), labels.reshape(-1), ignore_index)
     if scale != 1.0:
         h = h * scale
         b = b * scale if b is not None else None
+    flags = tuple(m in outputs for m in METRICS)
     with torch.autocast(h.device.type, enabled=False):
         nll = fused_linear_cross_entropy(h, w, y, bias=b, ignore_index=ignore_index, softcap=softcap,
                                          reduction="none")
-        ent, is_top1 = _metrics(h.detach(), w.detach(), None if b is None else b.detach(), y, softcap,
-                                entropy, top1) if (entropy or top1) else (None, None)
+        metrics = _Metrics.apply(h, w, b, y, softcap, flags) if any(flags) else (None,) * len(METRICS)
     # masked_scatter keeps the output connected to the graph even when no label is kept (as TRL).
-    log_probs = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, -nll)
-    if ent is not None:
-        ent = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, ent)
-    if is_top1 is not None:
-        is_top1 = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device).masked_scatter(mask, is_top1)
-    return log_probs, ent, is_top1
-
+    result = {"log_probs": torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, -nll)}
+    for name, value in zip(METRICS, metrics):
+        if value is not None:
+            result[name] = torch.zeros(mask.shape, dtype=value.dtype, device=mask.device).masked_scatter(mask, value)
+    return result

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import accel_kernels
 from accel_patch.swaps.loss import deferred
 from accel_patch.swaps.sites import SwapState
-from accel_patch.swaps.loss.token_logprobs import token_logprobs
+from accel_patch.swaps.loss.token_logprobs import METRICS, token_logprobs
 
 N, H, V = 12, 16, 40
 
@@ -64,22 +64,31 @@ def test_only_labelled_rows_reach_the_kernel_with_stock_loss_and_gradients(rows_
 
 def test_token_logprobs_score_only_labelled_rows_and_zero_the_rest(rows_seen):
     h, w, y = inputs()
-    log_probs, entropy, top1 = token_logprobs(h, w, None, y, entropy=True, top1=True)
+    out = token_logprobs(h, w, None, y, scale=0.7, outputs=("log_probs", *METRICS))
     assert rows_seen == [N // 2]
-    z = F.linear(h, w)
+    z = F.linear(h, w) * 0.7  # a temperature of 1/0.7 (TRL's head divides the logits by it)
     keep = y != -100
     ref = torch.zeros(N).masked_scatter(keep, -F.cross_entropy(z[keep], y[keep], reduction="none"))
-    torch.testing.assert_close(log_probs, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["log_probs"], ref, rtol=1e-5, atol=1e-6)
     p = z.softmax(-1)
     ref_entropy = torch.where(keep, -(p * z.log_softmax(-1)).sum(-1), 0.0)
-    torch.testing.assert_close(entropy, ref_entropy.detach(), rtol=1e-5, atol=1e-6)
-    assert torch.equal(top1, keep & (z.argmax(-1) == y))
-    assert not entropy.requires_grad and log_probs.requires_grad
+    torch.testing.assert_close(out["entropy"], ref_entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["mean_logits"], torch.where(keep, z.mean(-1), 0.0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["log_sum_sq_probs"], torch.where(keep, (p * p).sum(-1).log(), 0.0),
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(out["is_top1"], keep & (z.argmax(-1) == y))
+    assert out["log_probs"].requires_grad and out["entropy"].requires_grad
+    assert not out["mean_logits"].requires_grad and not out["log_sum_sq_probs"].requires_grad
+    # the entropy's gradient (GRPO's entropy bonus trains on it): to hidden and weight, as autograd's
+    dy = torch.randn(N)
+    ref_grads = torch.autograd.grad((ref_entropy * dy).sum(), (h, w))
+    torch.testing.assert_close(torch.autograd.grad((out["entropy"] * dy).sum(), (h, w)), ref_grads,
+                               rtol=1e-4, atol=1e-6)
 
 
 def test_a_batch_with_no_label_gives_zeros_and_a_graph(rows_seen):
     h, w, _ = inputs()
     y = torch.full((N,), -100)
-    log_probs, _, _ = token_logprobs(h, w, None, y)
+    log_probs = token_logprobs(h, w, None, y)["log_probs"]
     (-log_probs.sum()).backward()  # an all-ignored micro-batch still trains (a zero gradient), as TRL's head
     assert rows_seen == [0] and (log_probs == 0).all() and (w.grad == 0).all()

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import accel_patch
 from accel_patch import swap_kernels
 from accel_patch.swaps.loss import deferred as deferred_logits
 from accel_patch.swaps import sites
@@ -183,3 +184,26 @@ def test_cross_entropy_options_the_kernel_lacks_run_stock():
         got = F.cross_entropy(z, y, **kwargs)
         assert torch.equal(got, F.cross_entropy(F.linear(h, w), y, **kwargs))
         assert "fused" not in state.loss_calls
+
+
+def test_a_training_call_without_labels_is_a_fall_back_and_the_swap_line_stops_claiming_the_loss():
+    """TRL's ORPO and CPO call the model without labels and take log_softmax over the full logits:
+    the fused loss never runs there, so the calls are counted as a fall-back and the swap line does
+    not list the loss."""
+    from accel_patch.swaps.loss import site
+    from accel_patch.swaps.report import is_fallback
+
+    model = build("llama")
+    swap_kernels(model)
+    assert "fused_linear_cross_entropy 1" in accel_patch.report(model).short()
+    model.train()
+    ids = torch.randint(3, 100, (2, 12))
+    logits = model(input_ids=ids).logits  # the caller's own loss follows
+    assert logits is not None and logits.requires_grad
+    with torch.no_grad():
+        model(input_ids=ids)  # no graph (a reference or generation pass): nothing to count
+    report = accel_patch.report(model)
+    assert report.calls["fused_linear_cross_entropy"] == {site.NO_LABELS: 1} and is_fallback(site.NO_LABELS)
+    line = report.short()
+    assert "fused_linear_cross_entropy" not in line and "loss 1" not in line
+    assert line.endswith("; loss: not run (see fall-backs)") and len(line) <= 100
