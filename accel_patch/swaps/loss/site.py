@@ -16,8 +16,8 @@ head; on CPU without Triton (the kernel's plain-torch twin) the logits must also
 (`CPU_MIN_LOGITS`), since below that stock is faster. A LoRA adapter on the head (PEFT may add one after the swap) makes the call stand aside and
 run stock, so the adapter trains; a `modules_to_save` copy of the head is fused with the copy's own
 weight. Evaluation, calls without labels, and `generate` run the stock forward. While torch.compile
-traces the call, the head returns compiled_loss.LogitsStandIn instead (same rules; dynamo traces
-it, it cannot trace the tensor subclass).
+traces the call, the head returns compiled_loss.LogitsStandIn instead (the same rules and head
+call, read from deferred.py; dynamo traces it, it cannot trace the tensor subclass).
 
 Here: the swapped model forward, the candidate test and the probe. The deferred tensor and the
 fused loss on it live in deferred.py; which linear layer a call fuses, in head.py.
