@@ -102,10 +102,10 @@ class Deferred:
         # Anything else: the real logits, and the stock operation on them.
         for a in args:
             if isinstance(a, Deferred) and not a._head.computed:
-                if a._head.state is not None:
+                if a._head.state is not None:  # eager only: dynamo need not read a function's name
                     a._head.count(f"logits computed for {getattr(func, '__name__', func)}")
                 break
-        args, kwargs = materialized((args, kwargs), Deferred)
+        args, kwargs = materialized((args, kwargs))
         return func(*args, **kwargs)
 
 
@@ -134,15 +134,15 @@ class DeferredLogits(Deferred, torch.Tensor):
         raise RuntimeError(f"accel_patch: DeferredLogits reached {func} without being computed; please report this")
 
 
-def materialized(obj, kind: type = Deferred):
-    """`obj` with every deferred logits of type `kind` in it (nested in lists, tuples and dicts)
-    replaced by its real logits."""
-    if isinstance(obj, kind):
+def materialized(obj):
+    """`obj` with every deferred logits in it (nested in lists, tuples and dicts) replaced by its
+    real logits."""
+    if isinstance(obj, Deferred):
         return obj.materialize()
     if isinstance(obj, (list, tuple)):
-        return type(obj)(materialized(o, kind) for o in obj)
+        return type(obj)(materialized(o) for o in obj)
     if isinstance(obj, dict):
-        return {k: materialized(v, kind) for k, v in obj.items()}
+        return {k: materialized(v) for k, v in obj.items()}
     return obj
 
 
@@ -320,12 +320,12 @@ def _bound_cross_entropy(args, kwargs):
     return a
 
 
-def fusable_cross_entropy(a: dict, kind: type = Deferred):
+def fusable_cross_entropy(a: dict):
     """(logits, target, ignore_index, reduction) when `F.cross_entropy` with the bound arguments
-    `a` is one the fused kernel computes exactly (logits of type `kind`), else None: stock
-    cross-entropy then runs."""
+    `a` is one the fused kernel computes exactly (deferred logits, a real target), else None:
+    stock cross-entropy then runs."""
     me, target = a.get("input"), a.get("target")
-    if not isinstance(me, kind) or isinstance(target, kind) or not isinstance(target, torch.Tensor):
+    if not isinstance(me, Deferred) or isinstance(target, Deferred) or not isinstance(target, torch.Tensor):
         return None
     if a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None:
         return None
