@@ -111,6 +111,15 @@ def _autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _probing_input(module, bases, adapters, dtype, device):
+    """`probe.probing(module)` with the probe's input x (requiring grad) made inside it, and the
+    leaves whose gradients are compared: x, then every adapter's A and B."""
+    with probe.probing(module):
+        x = probe.randn((2, 3, _layer_shape(bases[0])[1]), dtype, device).requires_grad_()
+        yield x, [x] + [t for A, B, _ in adapters for t in (A, B)]
+
+
 def _what(dtype, autocast, p):
     return f"{dtype}" + (f" under {autocast} autocast" if autocast else "") + (f" with dropout {p}" if p else "")
 
@@ -127,9 +136,7 @@ def probe_mlp(module, act_dtype, names, act):
     gate_first = plan.order == "gate_up"
     for dtype, adapter_dtype, autocast, p in _probe_configs(act_dtype, bases, device):
         adapters = _probe_adapters(bases, adapter_dtype, device)
-        with probe.probing(module):
-            x = probe.randn((2, 3, _layer_shape(bases[0])[1]), dtype, device).requires_grad_()
-            leaves = [x] + [t for A, B, _ in adapters for t in (A, B)]
+        with _probing_input(module, bases, adapters, dtype, device) as (x, leaves):
             with _autocast(device, autocast):
                 probe.seeded()
                 ys = [_ref_projection(b, A, B, s, x, dtype, p) for b, (A, B, s) in zip(bases[:-1], adapters[:-1])]
@@ -161,9 +168,7 @@ def probe_linears(module, act_dtype, names):
     device = probe.module_device(module)
     for dtype, adapter_dtype, autocast, p in _probe_configs(act_dtype, bases, device):
         adapters = _probe_adapters(bases, adapter_dtype, device)
-        with probe.probing(module):
-            x = probe.randn((2, 3, _layer_shape(bases[0])[1]), dtype, device).requires_grad_()
-            leaves = [x] + [t for A, B, _ in adapters for t in (A, B)]
+        with _probing_input(module, bases, adapters, dtype, device) as (x, leaves):
             with _autocast(device, autocast):
                 probe.seeded()
                 refs = [_ref_projection(b, A, B, s, x, dtype, p) for b, (A, B, s) in zip(bases, adapters)]

@@ -31,10 +31,9 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 
 from .. import sites
-from .deferred import DeferredLogits, _Head
+from .deferred import DeferredLogits, deferred_head
 
 def _is_dtensor(t) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
@@ -142,12 +141,7 @@ class capturing:
         leaf, state = self.leaf, self.state
 
         def capture(module, *args, **kwargs):
-            hidden = sites.the_input(args, kwargs)
-            head = _Head(hidden, module.weight, module.bias, state)
-            if not head.autocast[1] and hidden.dtype != module.weight.dtype:
-                return F.linear(hidden, module.weight, module.bias)  # stock, and its dtype error
-            shape = torch.Size((*hidden.shape[:-1], module.weight.shape[0]))
-            return DeferredLogits(head, (), hidden, shape, head.out_dtype())
+            return deferred_head(DeferredLogits, module, state, args, kwargs)
 
         self.slot = sites.forward_slot(leaf)
         self.had = self.slot in leaf.__dict__

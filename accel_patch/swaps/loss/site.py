@@ -17,9 +17,9 @@ head; on CPU without Triton (the kernel's plain-torch twin) the logits must also
 run stock, so the adapter trains; a `modules_to_save` copy of the head is fused with the copy's own
 weight. Evaluation, calls without labels, and `generate` run the stock forward; a training call
 without labels that builds a graph is counted (NO_LABELS), since the caller's own loss then runs
-on the full logits. While torch.compile
-traces the call, the head returns compiled_loss.LogitsStandIn instead (same rules; dynamo traces
-it, it cannot trace the tensor subclass).
+on the full logits. While torch.compile traces the call, the head returns
+compiled_loss.LogitsStandIn instead (the same rules and head call, read from deferred.py; dynamo
+traces it, it cannot trace the tensor subclass).
 
 Here: the swapped model forward, the candidate test and the probe. The deferred tensor and the
 fused loss on it live in deferred.py; which linear layer a call fuses, in head.py.

@@ -216,8 +216,13 @@ def with_lora(model, **config):
     return get_peft_model(model, LoraConfig(**{**LORA, **config}))
 
 
-def test_a_lora_mlp_tiles_over_the_fused_lora_function(forced, no_triton):
+def test_a_lora_mlp_tiles_over_the_fused_lora_function(forced, no_triton, monkeypatch):
     """The tiled site sits on top of the fused LoRA MLP: adapter gradients accumulate over chunks."""
+    # The test's chunks (4 tokens, run without grad in the forward) look like decode steps to the
+    # LoRA sites' decode rule; real chunks are at least `hidden` tokens, far above DECODE_ROWS.
+    from accel_patch.swaps.lora import sites as lora_sites
+
+    monkeypatch.setattr(lora_sites, "DECODE_ROWS", 0)
     untiled, tiled, _ = twins(build("llama"), with_lora)
     assert_same_step(untiled, tiled)
     layers = untiled.config.num_hidden_layers
