@@ -3,7 +3,8 @@
 Each op module registers, in its "torch.library ops" section, a forward op and the backward op(s)
 its autograd formula calls (`torch.ops.accel_kernels.rms_norm`, `.rms_norm_backward`, `.rope`,
 `.rope_backward`, `.glu`, `.glu_backward`, `.cross_entropy`, `.cross_entropy_backward`,
-`.fused_linear_cross_entropy`, `.fused_linear_cross_entropy_backward`), each with a fake (meta)
+`.fused_linear_cross_entropy`, `.fused_linear_cross_entropy_backward`, `.moe_experts`,
+`.moe_experts_backward`), each with a fake (meta)
 implementation (`register_fake`: output shapes, dtypes and strides from the inputs' alone) and,
 for the forward ops, an autograd formula (`register_autograd`: setup_context saves what the
 backward op needs; backward calls it). Dynamo and AOTAutograd therefore see one node per op and

@@ -17,7 +17,7 @@ import accel_kernels
 import accel_kernels._dispatch as dispatch
 from _checks import FP32_BOUND
 
-OPS = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "rms_norm", "rope", "swiglu"]
+OPS = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "moe_experts", "rms_norm", "rope", "swiglu"]
 
 
 def run_python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
@@ -42,6 +42,17 @@ def eager_rope(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 labels = torch.tensor([3, -100, 0, 9])
+moe_index = torch.tensor([[0, 2], [2, 1], [1, 3], [3, 0]])
+
+def eager_moe(x, w, gu, d):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(2):
+            e = int(moe_index[t, k])
+            gate, up = F.linear(x[t], gu[e]).chunk(2, -1)
+            out[t] += w[t, k] * F.linear(F.silu(gate) * up, d[e])
+    return out
+
 CASES = {  # op: (ours, eager, inputs)
     "rms_norm": (lambda x, w: ak.rms_norm(x, w),
                  lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),
@@ -55,6 +66,8 @@ CASES = {  # op: (ours, eager, inputs)
     "fused_linear_cross_entropy": (
         lambda h, w: ak.fused_linear_cross_entropy(h, w, labels, chunk_size=3),
         lambda h, w: F.cross_entropy(h @ w.T, labels), [torch.randn(4, 6), torch.randn(10, 6)]),
+    "moe_experts": (lambda x, w, gu, d: ak.moe_experts(x, moe_index, w, gu, d), eager_moe,
+                    [torch.randn(4, 8), torch.rand(4, 2), torch.randn(4, 12, 8), torch.randn(4, 8, 6)]),
 }
 
 def forward_backward(fn, inputs):
@@ -164,6 +177,10 @@ def _valid_arguments(device="cpu") -> dict:
         "fused_linear_cross_entropy": (accel_kernels.fused_linear_cross_entropy,
                                        dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), labels=labels,
                                             bias=torch.zeros(5))),
+        "moe_experts": (accel_kernels.moe_experts,
+                        dict(hidden=torch.randn(3, 4), top_k_index=torch.tensor([[0], [1], [0]]),
+                             top_k_weights=torch.rand(3, 1), gate_up=torch.randn(2, 6, 4), down=torch.randn(2, 4, 3),
+                             gate_up_bias=torch.zeros(2, 6), down_bias=torch.zeros(2, 4))),
     }
     return {op: (fn, {n: t.to(device) for n, t in kwargs.items()}) for op, (fn, kwargs) in cases.items()}
 

@@ -1,0 +1,367 @@
+"""moe_experts against transformers' experts math in float64: every layout (F.linear and
+transposed, halves and interleaved, biases), every activation (gpt-oss's clamped GLU included),
+imbalanced routing (all tokens to one expert, empty experts, top-k 1 and 8, "no expert" ids,
+token counts off the block, T = 1), split LoRA on strided PEFT-like views, autocast's dtype,
+the saved bytes, and the Triton path really running (its launches counted).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import accel_kernels._launch as launch
+import accel_kernels.ops.moe_experts as moe_module
+from _checks import assert_close, rel_err
+from accel_kernels import moe_experts
+
+
+# --------------------------------------------------------------------------------------------
+# The reference: transformers' eager experts loop (integrations/moe.py, GptOssExperts)
+# --------------------------------------------------------------------------------------------
+
+
+def act_eager(gate, up, activation, alpha=1.702, limit=7.0):
+    if activation == "gpt_oss":
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if activation == "gelu":
+        return F.gelu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
+
+def experts_eager(hidden, index, weights, gate_up, down, gate_up_bias=None, down_bias=None, *, transposed=False,
+                  interleaved=False, activation="silu", lora=None, alpha=1.702, limit=7.0):
+    """The per-expert loop of transformers' eager experts; LoRA merged into the weight (PEFT's
+    ParamWrapper: W + scaling * B @ A)."""
+    E = gate_up.shape[0]
+    gu_w, d_w = gate_up, down
+    if lora is not None:
+        s = lora["scaling"]
+        if lora.get("gate_up") is not None:
+            a, b = lora["gate_up"]
+            delta = s * (b @ a)  # [E, out, in]
+            gu_w = gu_w + (delta.transpose(1, 2) if transposed else delta)
+        if lora.get("down") is not None:
+            a, b = lora["down"]
+            delta = s * (b @ a)
+            d_w = d_w + (delta.transpose(1, 2) if transposed else delta)
+    out = torch.zeros_like(hidden)
+    mask = F.one_hot(index.clamp(min=0, max=E).masked_fill(index < 0, E), num_classes=E + 1).permute(2, 1, 0)
+    for e in range(E):
+        top_k_pos, token_idx = torch.where(mask[e])
+        if token_idx.numel() == 0:
+            continue
+        x = hidden[token_idx]
+        gu = x @ gu_w[e] if transposed else F.linear(x, gu_w[e])
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e]
+        gate, up = (gu[..., ::2], gu[..., 1::2]) if interleaved else gu.chunk(2, dim=-1)
+        h = act_eager(gate, up, activation, alpha, limit)
+        y = h @ d_w[e] if transposed else F.linear(h, d_w[e])
+        if down_bias is not None:
+            y = y + down_bias[e]
+        y = y * weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+def make(T=13, H=32, I=16, E=4, K=2, *, dtype=torch.float32, transposed=False, bias=False, device="cpu",
+         routing="random", scale=1.0):
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(device=device, dtype=dtype)
+
+    hidden = rnd(T, H)
+    logits = torch.randn(T, E, generator=g)
+    if routing == "one":  # every token to expert 1 (and K - 1 others)
+        logits[:, 1] += 100.0
+    if routing == "empty":  # expert 0 and the last never chosen
+        logits[:, 0] -= 100.0
+        logits[:, E - 1] -= 100.0
+    top = torch.topk(logits.softmax(-1), K, dim=-1)
+    index = top.indices.to(device)
+    weights = (top.values / top.values.sum(-1, keepdim=True)).to(device=device, dtype=dtype)
+    gu_shape, d_shape = ((E, H, 2 * I), (E, I, H)) if transposed else ((E, 2 * I, H), (E, H, I))
+    gate_up = rnd(*gu_shape, s=scale / H ** 0.5)
+    down = rnd(*d_shape, s=1.0 / I ** 0.5)
+    biases = (rnd(E, 2 * I, s=0.3), rnd(E, H, s=0.3)) if bias else (None, None)
+    return hidden, index, weights, gate_up, down, *biases
+
+
+def peft_lora(E, H, I, r=4, *, dtype=torch.float32, device="cpu", scaling=2.0, which=("gate_up", "down")):
+    """A and B as PEFT's ParamWrapper holds them (lora_A.weight [r*E, in], lora_B.weight [out, r*E]),
+    viewed as the op takes them: A [E, r, in] contiguous, B [E, out, r] a permuted, strided view."""
+    g = torch.Generator().manual_seed(2)
+    leaves, lora = [], {"scaling": scaling}
+    for name, fan_in, fan_out in (("gate_up", H, 2 * I), ("down", I, H)):
+        if name not in which:
+            lora[name] = None
+            continue
+        a_w = (torch.randn(r * E, fan_in, generator=g) / fan_in ** 0.5).to(device=device, dtype=dtype)
+        b_w = (torch.randn(fan_out, r * E, generator=g) * 0.3).to(device=device, dtype=dtype)
+        leaves += [a_w, b_w]
+        lora[name] = (a_w, b_w)
+    return leaves, lora
+
+
+def lora_views(lora, E):
+    out = {"scaling": lora["scaling"]}
+    for name in ("gate_up", "down"):
+        if lora.get(name) is None:
+            out[name] = None
+            continue
+        a_w, b_w = lora[name]
+        a = a_w.view(E, -1, a_w.shape[1])
+        b = b_w.view(b_w.shape[0], -1, E).permute(2, 0, 1)  # [E, out, r], not contiguous
+        out[name] = (a, b)
+    return out
+
+
+def run(fn, hidden, index, weights, gate_up, down, gub=None, db=None, *, dout, lora_leaves=None, lora=None,
+        train=("hidden", "weights", "gate_up", "down", "gub", "db"), **options):
+    """fn's output and the grads of (out * dout).sum() wrt every trained input (and LoRA leaves)."""
+    named = {"hidden": hidden, "weights": weights, "gate_up": gate_up, "down": down, "gub": gub, "db": db}
+    leaves = {k: (v.detach().clone().requires_grad_(k in train) if v is not None else None)
+              for k, v in named.items()}
+    extra = {}
+    if lora is not None:
+        ll = [t.detach().clone().requires_grad_() for t in lora_leaves]
+        it = iter(ll)
+        raw = {"scaling": lora["scaling"]}
+        for name in ("gate_up", "down"):
+            raw[name] = (next(it), next(it)) if lora.get(name) is not None else None
+        extra["lora"] = lora_views(raw, gate_up.shape[0])
+    else:
+        ll = []
+    out = fn(leaves["hidden"], index, leaves["weights"], leaves["gate_up"], leaves["down"], leaves["gub"],
+             leaves["db"], **options, **extra)
+    out.backward(dout)
+    grads = {k: v.grad for k, v in leaves.items() if v is not None and v.requires_grad}
+    grads.update({f"lora{i}": t.grad for i, t in enumerate(ll)})
+    return out.detach(), grads
+
+
+def check(hidden, index, weights, gate_up, down, gub=None, db=None, *, lora_leaves=None, lora=None,
+          train=("hidden", "weights", "gate_up", "down", "gub", "db"), expect_triton=None, **options):
+    """moe_experts against experts_eager in float64, output and every gradient, with the dtype's bound."""
+    dtype = hidden.dtype
+    dout = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3)).to(hidden.device, dtype)
+    to64 = (lambda t: t.double() if t is not None else None)
+    with launch.recording() as launched:
+        got, got_g = run(moe_experts, hidden, index, weights, gate_up, down, gub, db, dout=dout,
+                         lora_leaves=lora_leaves, lora=lora, train=train, **options)
+    ref, ref_g = run(experts_eager, *map(to64, (hidden,)), index, *map(to64, (weights, gate_up, down, gub, db)),
+                     dout=dout.double(), lora_leaves=[t.double() for t in lora_leaves] if lora_leaves else None,
+                     lora=lora, train=train, **options)
+    stock, stock_g = (None, {}) if dtype == torch.float32 else run(
+        experts_eager, hidden, index, weights, gate_up, down, gub, db, dout=dout, lora_leaves=lora_leaves,
+        lora=lora, train=train, **options)
+    assert got.dtype == dtype and got.shape == hidden.shape
+    assert_close(got, ref, dtype, stock=stock, what="output")
+    assert set(got_g) == set(ref_g), (set(got_g), set(ref_g))
+    for name, g in got_g.items():
+        r = ref_g[name]
+        assert g is not None, f"no gradient for {name}"
+        assert g.shape == r.shape, name
+        assert_close(g, r, dtype, stock=stock_g.get(name), what=f"grad of {name}")
+    triton = moe_module._dispatch.use_triton(hidden) and moe_module._TRITON_READY if expect_triton is None \
+        else expect_triton
+    if triton:
+        assert any(name.startswith("_moe_") for name in launched), launched
+    else:
+        assert launched == [], launched
+    return got, got_g
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts, activations, dtypes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_mixtral_layout_matches_float64(device, activation):
+    check(*make(device=device), activation=activation)
+
+
+def test_gpt_oss_layout_matches_float64(device):
+    # transposed, interleaved, biased, and inputs large enough that the clamps clamp
+    inputs = make(T=11, H=32, I=16, E=4, K=2, transposed=True, bias=True, device=device, scale=30.0)
+    gate_up_out = inputs[0] @ inputs[3][0]
+    assert (gate_up_out[:, ::2] > 7.0).any() and (gate_up_out[:, 1::2].abs() > 7.0).any()
+    check(*inputs, transposed=True, interleaved=True, activation="gpt_oss", alpha=1.702, limit=7.0)
+
+
+@pytest.mark.parametrize("transposed,interleaved", [(True, False), (False, True)])
+def test_other_layouts(device, transposed, interleaved):
+    check(*make(transposed=transposed, bias=True, device=device), transposed=transposed, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_within_stock_error(device, dtype):
+    check(*make(T=17, dtype=dtype, bias=True, device=device))
+
+
+def test_float64_runs_the_twin(device):
+    inputs = [t.double() if t is not None and t.is_floating_point() else t for t in make(device=device)]
+    check(*inputs, expect_triton=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Routing
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routing", ["one", "empty"])
+def test_imbalanced_routing(device, routing):
+    hidden, index, *rest = make(T=21, E=4, K=2, routing=routing, device=device)
+    counts = torch.bincount(index.flatten(), minlength=4)
+    if routing == "one":
+        assert counts[1] == 21
+    else:
+        assert counts[0] == 0 and counts[3] == 0
+    check(hidden, index, *rest)
+
+
+@pytest.mark.parametrize("k,E", [(1, 4), (8, 8)])
+def test_top_k_1_and_8(device, k, E):
+    check(*make(T=9, E=E, K=k, device=device))
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_decode_and_off_block_token_counts(device, T):
+    check(*make(T=T, E=4, K=2, device=device))
+
+
+def test_no_expert_ids_are_skipped(device):
+    # transformers' masks use E (expert parallelism: experts of another rank); < 0 too
+    hidden, index, weights, gate_up, down, _, _ = make(T=10, E=4, K=2, device=device)
+    index = index.clone()
+    index[0, 1] = 4
+    index[3, 0] = -1
+    index[5] = 4  # a token with no expert at all
+    got, grads = check(hidden, index, weights, gate_up, down)
+    assert (got[5] == 0).all()
+    assert grads["weights"][0, 1] == 0 and grads["weights"][3, 0] == 0 and (grads["weights"][5] == 0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_split_lora_on_peft_views_matches_merged_weights(device, transposed):
+    T, H, I, E = 12, 32, 16, 4
+    inputs = make(T=T, H=H, I=I, E=E, transposed=transposed, bias=transposed, device=device)
+    leaves, lora = peft_lora(E, H, I, device=device)
+    b_view = lora_views(lora, E)["gate_up"][1]
+    assert not b_view.is_contiguous()
+    _, grads = check(*inputs, lora_leaves=leaves, lora=lora, train=("hidden", "weights"), transposed=transposed,
+                     interleaved=transposed, activation="gpt_oss" if transposed else "silu")
+    assert set(grads) == {"hidden", "weights", "lora0", "lora1", "lora2", "lora3"}  # base weights frozen
+
+
+def test_lora_on_one_projection(device):
+    T, H, I, E = 9, 32, 16, 4
+    leaves, lora = peft_lora(E, H, I, device=device, which=("down",))
+    check(*make(T=T, H=H, I=I, E=E, device=device), lora_leaves=leaves, lora=lora, train=("hidden",))
+
+
+def test_autocast_dtype_with_float32_adapters(device):
+    # bf16 compute from float32 parameters and PEFT's float32 adapters: what autocast gives stock
+    T, H, I, E = 10, 32, 16, 4
+    hidden, index, weights, gate_up, down, _, _ = make(T=T, H=H, I=I, E=E, device=device)
+    leaves, lora = peft_lora(E, H, I, device=device)
+    views = lora_views(lora, E)
+    out = moe_experts(hidden, index, weights, gate_up, down, lora=views, autocast_dtype=torch.bfloat16)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        stock = experts_eager(hidden, index, weights, gate_up, down, lora=views)
+    ref = experts_eager(*(t.double() for t in (hidden,)), index, weights.double(), gate_up.double(), down.double(),
+                        lora={"scaling": 2.0, **{k: tuple(t.double() for t in v) for k, v in views.items()
+                                                 if k != "scaling"}})
+    assert out.dtype == torch.float32
+    assert_close(out, ref, torch.bfloat16, stock=stock, what="output under autocast")
+    assert rel_err(out, ref) > 1e-5  # it did compute in bf16
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: x, the routing weights and the sort
+# --------------------------------------------------------------------------------------------
+
+
+def saved_activation_bytes(fn, params, *args, **kwargs) -> int:
+    """Bytes of distinct storages autograd keeps while building fn(...), parameters left out."""
+    storages = {}
+    skip = {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    out.sum().backward()
+    return sum(storages.values())
+
+
+@pytest.mark.usefixtures("unguarded_outputs")
+def test_saves_only_x_routing_and_the_sort(device):
+    T, H, I, E, K = 16, 64, 48, 8, 4
+    hidden, index, weights, gate_up, down, gub, db = make(T=T, H=H, I=I, E=E, K=K, bias=True, device=device)
+    hidden.requires_grad_()
+    weights.requires_grad_()
+    params = [p.requires_grad_() for p in (gate_up, down, gub, db)]
+    ours = saved_activation_bytes(moe_experts, params, hidden, index, weights, gate_up, down, gub, db)
+    assert ours == hidden.nbytes + weights.nbytes + T * K * 4 + (E + 1) * 4
+    stock = saved_activation_bytes(experts_eager, params, hidden, index, weights, gate_up, down, gub, db)
+    assert stock > 3 * ours
+
+
+# --------------------------------------------------------------------------------------------
+# Paths and checks
+# --------------------------------------------------------------------------------------------
+
+
+def test_twin_uses_grouped_mm_where_it_can(device, monkeypatch):
+    if device.type != "cpu" or not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm on CPU tensors")
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
+    check(*make(device=device), expect_triton=False)
+    assert calls
+
+
+def test_bad_inputs_name_the_argument(device):
+    hidden, index, weights, gate_up, down, _, _ = make(device=device)
+    with pytest.raises(ValueError, match=r"gate_up has shape \(4, 31, 32\).*transposed=False"):
+        moe_experts(hidden, index, weights, gate_up[:, :31], down)
+    with pytest.raises(ValueError, match=r"down has shape \(4, 16, 32\).*needs \(4, 32, 16\)"):
+        moe_experts(hidden, index, weights, gate_up, down.transpose(1, 2))
+    with pytest.raises(ValueError, match="top_k_index must be an integer tensor"):
+        moe_experts(hidden, index.float(), weights, gate_up, down)
+    with pytest.raises(ValueError, match="top_k_weights has shape"):
+        moe_experts(hidden, index, weights[:, :1], gate_up, down)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        moe_experts(hidden, index, weights, gate_up, down, activation="relu")
+    with pytest.raises(ValueError, match="down has dtype torch.float16"):
+        moe_experts(hidden, index, weights, gate_up, down.half())
+    with pytest.raises(ValueError, match=r"lora\['down'\] B has shape"):
+        a = torch.randn(4, 2, 16)
+        moe_experts(hidden, index, weights, gate_up, down, lora={"gate_up": None, "down": (a, torch.randn(4, 2, 32)),
+                                                               "scaling": 1.0})
+    with pytest.raises(ValueError, match="lora must be None or a dict"):
+        moe_experts(hidden, index, weights, gate_up, down, lora={"scaling": 1.0, "up": None})
