@@ -24,7 +24,8 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
         "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_shared_experts": 1}),
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_shared_experts": 1,
+        "num_key_value_heads": 4}),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,

@@ -68,6 +68,7 @@ def test_the_probe_and_the_step_hold_for_every_experts_implementation(family, im
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 def test_a_bfloat16_autocast_step_is_within_three_times_stocks_own_error(family):
     reference, _ = pair(family, torch.float64)
+    reference.set_experts_implementation("eager")  # torch._grouped_mm takes no float64
     stock, twin = pair(family)
     swap_kernels(twin)
     batch = padded_batch()
@@ -110,7 +111,8 @@ def peft_pair(family, order="peft-then-swap", **config):
                  marks=pytest.mark.slow),
     pytest.param("llama4", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []},
                  marks=pytest.mark.slow),
-    pytest.param("qwen2_moe", "peft-then-swap", {"target_modules": "all-linear"}, marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []},
+                 marks=pytest.mark.slow),
 ])
 def test_lora_on_the_experts_is_fused_and_gives_peft_s_adapter_gradients(family, order, config):
     stock, twin = peft_pair(family, order, **config)
