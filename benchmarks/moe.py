@@ -7,6 +7,7 @@ experts site (accel-patch's moe_experts op, `swap_kernels(ops="experts")`).
     python benchmarks/moe.py --dry-run         # the same code at tiny shapes on CPU, in seconds
     python benchmarks/moe.py --json moe.json   # the figures as JSON, rewritten after each variant
     python benchmarks/moe.py --modes lora      # only LoRA on the experts (or: full)
+    python benchmarks/moe.py --variants grouped_mm,ours   # some of eager, grouped_mm, batched_mm, ours
 
 Each variant runs in a fresh process (random weights from a config, nothing downloaded, without
 TRITON_INTERPRET): peak memory growth of its first step (GPU: max_memory_allocated minus what was
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, in seconds")
     p.add_argument("--modes", default="full,lora", help="full, lora or both (default)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after the measured one (default: 2 on CPU, 10 on GPU)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--batched-limit", type=float, default=8.0, help="GiB of batched_mm's weight gather above which it is not run")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON after each variant")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -193,8 +195,10 @@ def main(argv=None) -> int:
     shape_name = args.shape or ("dry" if args.dry_run else device)
     steps = args.steps if args.steps is not None else (10 if device == "cuda" else 1 if args.dry_run else 2)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if steps < 1 or not modes or any(m not in MODES for m in modes):
-        p.error(f"--steps must be >= 1 and --modes among {', '.join(MODES)}, got {steps} and {args.modes!r}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if steps < 1 or not modes or any(m not in MODES for m in modes) or not variants or any(v not in VARIANTS for v in variants):
+        p.error(f"--steps must be >= 1, --modes among {', '.join(MODES)} and --variants among {', '.join(VARIANTS)}, "
+                f"got {steps}, {args.modes!r} and {args.variants!r}")
     if args.child:
         print(json.dumps(child(args.child, args.mode, shape_name, device, steps)))
         return 0
@@ -221,7 +225,7 @@ def main(argv=None) -> int:
 
     gather = batched_gather_gib(shape_name)
     for mode in modes:
-        for variant in VARIANTS:
+        for variant in variants:
             if variant == "batched_mm" and gather > args.batched_limit:
                 rows.append(dict(variant=variant, mode=mode, skipped=f"its weight gather would take {gather:.0f} GiB "
                                                                       f"(> --batched-limit {args.batched_limit:g})"))
