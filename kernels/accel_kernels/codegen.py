@@ -82,7 +82,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # count that no power of two divides changes what the compiler may assume about the ints
 TOKENS = {"bf16": (4096, 8191), "fp16": (4096,), "fp32": (4096,)}
 
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeModel:
+    """The experts of a MoE layer (moe_experts), from the model's config.json."""
+    hidden: int
+    intermediate: int  # of one expert (moe_intermediate_size)
+    experts: int
+    top_k: int
+    activation: str = "silu"
+    transposed: bool = False  # gate_up [E, H, 2I] used as x @ w (gpt-oss)
+    interleaved: bool = False  # gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    bias: bool = False
+
+
+MOE_MODELS = {
+    "Qwen3-30B-A3B": MoeModel(2048, 768, 128, 8),
+    "gpt-oss-20b": MoeModel(2880, 2880, 32, 4, "gpt_oss", transposed=True, interleaved=True, bias=True),
+    "Mixtral-8x7B": MoeModel(4096, 14336, 8, 2),
+    "DeepSeek-V2-Lite": MoeModel(2048, 1408, 64, 6),  # DeepSeek-V3's experts at a lite size
+}
+# a training step and one decoded token (a tile list mostly of experts without rows)
+MOE_TOKENS = (4096, 1)
+MOE_DTYPES = ("bf16", "fp32")
+MOE_LORA_RANK = 16
+
 QUICK_MODELS = ("Llama-3-8B", "Gemma-2-9B")
+QUICK_MOE_MODELS = ("Qwen3-30B-A3B",)  # at QUICK_TOKENS, without LoRA
 QUICK_DTYPES = ("bf16",)
 QUICK_TOKENS = (4096,)
 
@@ -167,6 +194,30 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int):
     for mode in ({"loss": loss, "lse": lse}, {"saved_lse": lse}):  # "mean"/"sum"; "none"'s backward
         fused_linear_cross_entropy._chunked_pass(h, w, None, labels, -100, model.softcap, True, rows, scale=scale,
                                                  need_h=True, need_w=True, need_b=False, **mode)
+
+
+def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = True):
+    """moe_experts' host functions at the model's shapes (meta tensors): full fine-tuning (every
+    weight's gradient) and, with lora, split LoRA of rank MOE_LORA_RANK on PEFT's strided views
+    with float32 adapters under autocast to `dtype` (the base frozen), forward and backward."""
+    from .ops import moe_experts
+
+    E, H, I, K = model.experts, model.hidden, model.intermediate, model.top_k
+    gate_up = _meta((E, H, 2 * I) if model.transposed else (E, 2 * I, H), dtype)
+    down = _meta((E, I, H) if model.transposed else (E, H, I), dtype)
+    biases = (_meta((E, 2 * I), dtype), _meta((E, H), dtype)) if model.bias else (None, None)
+    order, offsets = moe_experts._route(_meta((tokens, K), torch.int64), E)
+    hidden, weights, grad = _meta((tokens, H), dtype), _meta((tokens, K), dtype), _meta((tokens, H), dtype)
+    act = moe_experts.ACTIVATIONS[model.activation]
+    r = MOE_LORA_RANK
+    adapters = _meta((r * E, H), torch.float32).view(E, r, H), _meta((2 * I, r, E), torch.float32).permute(2, 0, 1), \
+        _meta((r * E, I), torch.float32).view(E, r, I), _meta((H, r, E), torch.float32).permute(2, 0, 1)
+    variants = [(None, (True,) * 6 + (False,) * 4)] + [(adapters, (True, True) + (False,) * 4 + (True,) * 4)] * lora
+    for adapter, needs in variants:
+        params = moe_experts._Params(gate_up, down, *biases, *(adapter or (None,) * 4), 2.0, model.transposed,
+                                     model.interleaved, act, 1.702, 7.0, dtype)
+        moe_experts._forward_triton(hidden, weights, order, offsets, params)
+        moe_experts._backward_triton(grad, hidden, weights, order, offsets, params, needs)
 
 
 def _shape_of(launch: _launch.Launch) -> str:
@@ -378,24 +429,35 @@ def _configurations(quick: bool) -> dict:
                 for tokens in QUICK_TOKENS if quick else TOKENS[dtype_name]:
                     with _sized_for(target), _launch.capturing() as launches:
                         _drive(MODELS[model_name], DTYPES[dtype_name], tokens)
-                    for launch in launches:
-                        kernel = _jit_function(launch.kernel)
-                        signature, constexprs, attrs, options = _specialize(kernel, launch.args, launch.meta, backend)
-                        options = {k: v for k, v in options.__dict__.items() if k in ("num_warps", "num_stages", "num_ctas")}
-                        key = (launch.name, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
-                               repr(sorted(attrs.items())), repr(sorted(options.items())), target.name)
-                        record = found.setdefault(key, {
-                            "kernel": launch.name, "target": target.name, "dtype": dtype_name,
-                            "num_warps": options["num_warps"], "num_stages": options.get("num_stages"),
-                            "constants": {kernel.arg_names[p[0]]: v for p, v in constexprs.items()},
-                            "shape": _shape_of(launch), "models": [],
-                            "job": (kernel.fn.__module__, launch.name, signature, constexprs, attrs, options,
-                                    target.capability),
-                        })
-                        where = f"{model_name}/{dtype_name}/{tokens}"
-                        if where not in record["models"]:
-                            record["models"].append(where)
+                    _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
+        for model_name in QUICK_MOE_MODELS if quick else tuple(MOE_MODELS):
+            for dtype_name in QUICK_DTYPES if quick else MOE_DTYPES:
+                for tokens in QUICK_TOKENS if quick else MOE_TOKENS:
+                    with _launch.capturing() as launches:
+                        _drive_moe(MOE_MODELS[model_name], DTYPES[dtype_name], tokens, lora=not quick)
+                    _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
     return found
+
+
+def _add_launches(found: dict, launches, backend, target: Target, where: str) -> None:
+    """Add each captured launch to `found` under its configuration key, noting `where` it ran."""
+    dtype_name = where.split("/")[1]
+    for launch in launches:
+        kernel = _jit_function(launch.kernel)
+        signature, constexprs, attrs, options = _specialize(kernel, launch.args, launch.meta, backend)
+        options = {k: v for k, v in options.__dict__.items() if k in ("num_warps", "num_stages", "num_ctas")}
+        key = (launch.name, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
+               repr(sorted(attrs.items())), repr(sorted(options.items())), target.name)
+        record = found.setdefault(key, {
+            "kernel": launch.name, "target": target.name, "dtype": dtype_name,
+            "num_warps": options["num_warps"], "num_stages": options.get("num_stages"),
+            "constants": {kernel.arg_names[p[0]]: v for p, v in constexprs.items()},
+            "shape": _shape_of(launch), "models": [],
+            "job": (kernel.fn.__module__, launch.name, signature, constexprs, attrs, options,
+                    target.capability),
+        })
+        if where not in record["models"]:
+            record["models"].append(where)
 
 
 def _run_here(quick: bool, workers: int | None = None) -> list[dict]:

@@ -103,19 +103,16 @@ def moe_experts_cases(dtype, path):
     T, H, I, E, K = 5, 16, 16, 4, 2
     index = torch.tensor([[0, 2], [2, 4], [1, 2], [2, 0], [-1, 2]])  # 4 and -1: no expert; expert 3 empty
     x, w = _t(T, H, dtype=dtype), _t(T, K, dtype=dtype)
-    for transposed, interleaved, activation, bias in ((False, False, "silu", False), (True, True, "gpt_oss", True)):
-        gu = _t(*((E, H, 2 * I) if transposed else (E, 2 * I, H)), dtype=dtype)
-        dn = _t(*((E, I, H) if transposed else (E, H, I)), dtype=dtype)
-        gub, db = (_t(E, 2 * I, dtype=dtype), _t(E, H, dtype=dtype)) if bias else (None, None)
-        options = (transposed, interleaved, activation, 1.702, 7.0, None, path)
-        yield ops.moe_experts, (x, index, w, gu, dn, gub, db, None, None, None, None, 0.0, *options)
-        out, order, offsets = ops.moe_experts(x.detach(), index, w.detach(), gu.detach(), dn.detach(), gub, db,
-                                              None, None, None, None, 0.0, *options)
-        frozen = [t.detach() if t is not None else None for t in (x, w, gu, dn, gub, db)]
-        needs = [True] * 6 + [False] * 4
-        yield ops.moe_experts_backward, (torch.randn(T, H).to(dtype), frozen[0], frozen[1], order, offsets,
-                                         *frozen[2:], None, None, None, None, 0.0, transposed, interleaved,
-                                         activation, 1.702, 7.0, None, needs, path)
+    # gpt-oss's layout and activation with biases: forward, and the backward op with every gradient
+    gu, dn = _t(E, H, 2 * I, dtype=dtype), _t(E, I, H, dtype=dtype)
+    gub, db = _t(E, 2 * I, dtype=dtype), _t(E, H, dtype=dtype)
+    options = (True, True, "gpt_oss", 1.702, 7.0, None, path)
+    yield ops.moe_experts, (x, index, w, gu, dn, gub, db, None, None, None, None, 0.0, *options)
+    out, order, offsets = ops.moe_experts(x.detach(), index, w.detach(), gu.detach(), dn.detach(), gub.detach(),
+                                          db.detach(), None, None, None, None, 0.0, *options)
+    frozen = [t.detach() for t in (x, w, gu, dn, gub, db)]
+    yield ops.moe_experts_backward, (torch.randn(T, H).to(dtype), frozen[0], frozen[1], order, offsets, *frozen[2:],
+                                     None, None, None, None, 0.0, *options[:-1], [True] * 6 + [False] * 4, path)
     # split LoRA on strided views (PEFT's lora_B read as [E, out, r]), base frozen
     gu, dn = _t(E, 2 * I, H, dtype=dtype, grad=False), _t(E, H, I, dtype=dtype, grad=False)
     a1, a2 = _t(E, 2, H, dtype=dtype), _t(E, 2, I, dtype=dtype)
@@ -214,7 +211,7 @@ def public_calls():
     labels = torch.tensor([[1, -100, 7], [49, 0, 3]])
     cos, sin = torch.randn(1, 3, 6), torch.randn(1, 3, 6)
     moe_index = torch.tensor([[0, 2], [2, 4], [1, 2], [2, 0], [-1, 2]])
-    moe_gu, moe_d = torch.randn(4, 32, 16), torch.randn(4, 16, 16)
+    moe_gu = torch.randn(4, 32, 16)
     return {
         "rms_norm": (lambda x, w: accel_kernels.rms_norm(x, w, offset=1.0, casting="gemma"),
                      [_t(2, 3, 40), _t(40)]),
@@ -225,13 +222,11 @@ def public_calls():
         "fused_linear_cross_entropy": (
             lambda h, w: accel_kernels.fused_linear_cross_entropy(h, w, labels, reduction="sum", chunk_size=4),
             [_t(2, 3, 8), _t(50, 8)]),
-        "moe_experts": (lambda x, w, gu, d: accel_kernels.moe_experts(x, moe_index, w, gu, d),
-                        [_t(5, 16), _t(5, 2), _t(4, 32, 16), _t(4, 16, 16)]),
-        "moe_experts/lora": (
-            lambda x, w, a, b: accel_kernels.moe_experts(
-                x, moe_index, w, moe_gu, moe_d, lora={"gate_up": (a, b.view(32, 2, 4).permute(2, 0, 1)),
-                                                      "down": None, "scaling": 2.0}),
-            [_t(5, 16), _t(5, 2), _t(4, 2, 16), _t(32, 8)]),
+        "moe_experts": (  # split LoRA on gate_up (B a strided view), down trained: every kind of kernel
+            lambda x, w, d, a, b: accel_kernels.moe_experts(
+                x, moe_index, w, moe_gu, d, lora={"gate_up": (a, b.view(32, 2, 4).permute(2, 0, 1)),
+                                                  "down": None, "scaling": 2.0}),
+            [_t(5, 16), _t(5, 2), _t(4, 16, 16), _t(4, 2, 16), _t(32, 8)]),
         "fused_linear_cross_entropy/none": (  # its backward recomputes the logits: a backward op
             lambda h, w: accel_kernels.fused_linear_cross_entropy(h, w, labels, reduction="none", chunk_size=4),
             [_t(2, 3, 8), _t(50, 8)]),

@@ -71,6 +71,8 @@ def run_every_path(device, monkeypatch):
     # "mean": gradients written by the forward kernel; "none": the backward kernel on recomputed chunks
     accel_kernels.fused_linear_cross_entropy(h, weight, labels, chunk_size=2).backward()
     accel_kernels.fused_linear_cross_entropy(h, weight, labels, reduction="none", chunk_size=2).sum().backward()
+    index = torch.tensor([[0, 1], [1, 2], [2, 0]], device=device)
+    accel_kernels.moe_experts(leaf(3, 16), index, leaf(3, 2), leaf(3, 32, 16), leaf(3, 16, 16)).sum().backward()
 
 
 def test_every_kernel_is_launched_and_only_through_launch(device, monkeypatch):

@@ -169,5 +169,37 @@ FLCE = Op(
     bytes_moved=None,  # matmul-bound
 )
 
+
+
+# --- moe_experts: transformers' default experts path (grouped_mm), Qwen3-MoE's layout ---
+def _make_moe(device, dtype, tokens, hidden, intermediate, experts, top_k):
+    index = torch.topk(torch.randn(tokens, experts, device=device), top_k, dim=-1).indices
+    return [_randn(tokens, hidden, device=device, dtype=dtype), index,
+            torch.rand(tokens, top_k, device=device).to(dtype).requires_grad_(),
+            (torch.randn(experts, 2 * intermediate, hidden, device=device) / math.sqrt(hidden)).to(dtype).requires_grad_(),
+            (torch.randn(experts, hidden, intermediate, device=device) / math.sqrt(intermediate)).to(dtype).requires_grad_()]
+
+
+def _eager_moe(x, index, w, gate_up, down):
+    """transformers' grouped_mm_experts_forward (integrations/moe.py) in plain torch."""
+    top_k, experts = index.shape[1], gate_up.shape[0]
+    ids, perm = torch.sort(index.reshape(-1))
+    offs = torch.cumsum(torch.bincount(ids, minlength=experts), 0).to(torch.int32)
+    gate, up = torch._grouped_mm(x[perm // top_k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs) * w.reshape(-1)[perm, None]
+    return torch.zeros_like(x).index_add_(0, perm // top_k, y.to(x.dtype))
+
+
+MOE_EXPERTS = Op(
+    shapes={"gpu": dict(tokens=4096, hidden=2048, intermediate=768, experts=128, top_k=8),  # Qwen3-30B-A3B
+            "cpu": dict(tokens=512, hidden=256, intermediate=128, experts=16, top_k=4),
+            "check": dict(tokens=16, hidden=32, intermediate=16, experts=4, top_k=2)},
+    make=_make_moe,
+    eager=_eager_moe,
+    ours=accel_kernels.moe_experts,
+    liger=None,  # LigerExperts is a module, not an op on these tensors
+    bytes_moved=None,  # matmul-bound
+)
+
 OPS = {"rms_norm": RMS_NORM, "swiglu": SWIGLU, "geglu": GEGLU, "rope": ROPE,
-       "cross_entropy": CROSS_ENTROPY, "fused_linear_cross_entropy": FLCE}
+       "cross_entropy": CROSS_ENTROPY, "fused_linear_cross_entropy": FLCE, "moe_experts": MOE_EXPERTS}

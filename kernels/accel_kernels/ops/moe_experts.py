@@ -20,9 +20,17 @@ launch for all experts over those sorted rows:
 
 - gate/up: x rows gathered by token, times each expert's gate_up, bias added and the GLU applied
   in the GEMM's epilogue: only act(gate) * up [T*K, I] is written, never the [T*K, 2I] gate/up;
-- down: that times each expert's down, bias added and the routing weight applied in the epilogue,
-  each row written to its (token, slot) place; a combine sums a token's K slots in fp32 and
-  writes hidden's dtype once (transformers: `out * w` then `index_add_`, in hidden's dtype).
+- down: that times each expert's down, bias added and the routing weight applied in fp32 in the
+  epilogue, one rounding to the compute dtype; a combine kernel sums each token's K slots (read at
+  their sorted positions) in fp32 and writes hidden's dtype once (transformers: `out * w`, then
+  `index_add_` in hidden's dtype).
+
+The tile list (expert and first sorted row of each BLOCK_M-row tile) is built on the device from
+`offsets`, and the grid is the bound cdiv(T*K, BLOCK_M) + E: no host synchronisation, and a
+program past the last tile returns at once. Forward: 3 launches (4 with LoRA on down, +1 on
+gate_up); its temporaries are act(gate) * up [T*K, I] and the down output [T*K, H] in the compute
+dtype, as stock's. Backward: 6 launches without LoRA (dh, gate/up recomputed with the GLU
+backward, dx and its combine, one weight gradient each for gate_up and down with the bias sums).
 
 Backward recomputes gate/up from x (one more grouped GEMM, as the fused LoRA MLP recomputes), so
 what is saved is x, the routing weights and the sort. Then, per sorted row r of expert e, token t
@@ -55,13 +63,15 @@ hidden's dtype. Without autocast_dtype, gate_up, down and the biases must have h
 stock's matmuls demand); LoRA A and B may be of any floating dtype. Gradients come back in each
 input's own dtype (a weight's from an fp32 accumulation).
 
-Saved for backward, per layer (T tokens, K slots, H hidden, E experts): hidden [T, H], the
-routing weights [T, K], `order` [T*K] int32 and `offsets` [E+1] int32 (the parameters are saved
-by reference, no bytes). At Qwen3-30B-A3B (T 4096, H 2048, K 8, E 128, bf16): 16 MiB + 64 KiB +
-128 KiB + 516 B = 16.19 MiB, against a minimum of 16.06 MiB (hidden and the router's index and
-weights, int64 index: what any backward needs to redo the layer) and, for transformers' grouped_mm
-path, the gathered x [T*K, H], gate/up [T*K, 2I], act(gate) * up [T*K, I], and y [T*K, H] (about
-13 activation-sized tensors over 400 MiB). `tests/kernels/test_moe_experts.py` measures it.
+Saved for backward, per layer (T tokens, K slots, H hidden, I intermediate, E experts, S = T*K):
+hidden [T, H], the routing weights [T, K], `order` [S] int32 and `offsets` [E+1] int32; the
+parameters are saved by reference (no bytes). That is the minimum a backward that recomputes the
+layer needs: its input and the routing, with one int32 per (token, slot) for the sort. At
+Qwen3-30B-A3B in bf16 with 4096 tokens (H 2048, I 768, E 128, K 8): 16 MiB + 64 KiB + 128 KiB +
+516 B = 16.19 MiB. transformers' grouped_mm path keeps S * (4H + 8I + 26) + 64 bytes (the gathered
+x, gate/up, silu(gate), act * up, the down output, the sort), 448.8 MiB there (27.7x); its eager
+loop keeps more. Measured with saved-tensor hooks at small shapes, where both formulas are exact
+(`tests/kernels/test_moe_experts.py` asserts ours).
 
 Paths. Triton on GPU tensors and under the interpreter; the plain-torch twin elsewhere, with the
 same saved tensors and the same hand-written backward (so the memory holds on CPU too), computing
@@ -75,7 +85,8 @@ from typing import Optional
 import torch
 
 from .. import _dispatch, _launch, _library
-from .._triton import cast_rounded, jit, tl
+from .._triton import SOFTWARE_BF16_ROUNDING, cast_rounded, jit, tl
+from ._glu import _act_and_grad
 
 SILU, GELU_ERF, GELU_TANH, GPT_OSS = 0, 1, 2, 3
 ACTIVATIONS = {"silu": SILU, "gelu": GELU_ERF, "gelu_tanh": GELU_TANH, "gpt_oss": GPT_OSS}
@@ -84,6 +95,267 @@ ACTIVATIONS = {"silu": SILU, "gelu": GELU_ERF, "gelu_tanh": GELU_TANH, "gpt_oss"
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
+
+# Rows are the (token, slot) pairs sorted by expert; a "tile" is BLOCK_M consecutive sorted rows of
+# one expert. The host lists the tiles (`_tiles`: expert and first row of each, E where a program
+# has no tile), so one launch covers every expert whatever the routing: an expert with no rows has
+# no tile, an expert with every row has many. Compute dtype CT: 0 float32, 1 bfloat16, 2 float16.
+
+
+@jit
+def _to(x, CT: tl.constexpr):
+    """x as a GEMM operand of compute dtype CT (rounded to nearest even, also under the interpreter)."""
+    # one return: the compiler types every return statement, also those of branches it drops
+    if CT == 1:
+        if x.dtype == tl.bfloat16:
+            y = x
+        else:
+            y = cast_rounded(x.to(tl.float32), tl.bfloat16)
+    elif CT == 2:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b, fp32 accumulation. Triton 3.9's interpreter multiplies bf16 operands wrongly
+    (garbage of order 1e10); there they are multiplied as the fp32 they convert to exactly."""
+    if SOFTWARE_BF16_ROUNDING and a.dtype == tl.bfloat16:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
+@jit
+def _glu(g, u, alpha, limit, ACT: tl.constexpr):
+    """(act(g, u), d/dg, d/du) for fp32 gate and up; the forward uses only the first."""
+    if ACT == 3:  # gpt-oss: clamp, then (up + 1) * glu(gate); the clamps' gradient is 0 where they clamp
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = tl.sigmoid(alpha * gc)
+        glu = gc * s
+        h = (uc + 1.0) * glu
+        dg = tl.where(g <= limit, (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), glu, 0.0)
+    else:
+        a, da = _act_and_grad(g, ACT)
+        h = a * u
+        dg = u * da
+        du = a
+    return h, dg, du
+
+
+@jit
+def _moe_gemm_kernel(
+    a_ptr, a_rows_ptr, w_ptr, bias_ptr, scale_ptr, la_ptr, lb_ptr, out_ptr,
+    tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    N, K, E, rank,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+    stride_lam, stride_lar, stride_lbe, stride_lbr, stride_lbn, stride_om, stride_on,
+    lora_scale,
+    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, LORA: tl.constexpr,
+    R: tl.constexpr, CT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[r] = (a[row(r)] @ w[e] (+ lora_scale * la[r] @ lb[e]) (+ bias[e])) (* scale[r]) for the
+    sorted rows r of each expert e: w [E, K, N] and lb [E, R, N] by strides, row(r) = a_rows[r]
+    when GATHER (the token of a sorted row) else r."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e >= E:
+        return
+    row0 = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    if GATHER:
+        a_rows = tl.load(a_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    e64 = e.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + e64 * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _dot(_to(a, CT), _to(w, CT), acc, PRECISION)
+    if LORA:
+        rr = tl.arange(0, R)
+        r_mask = rr < rank
+        la = tl.load(la_ptr + rows[:, None].to(tl.int64) * stride_lam + rr[None, :] * stride_lar,
+                     mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        lb = tl.load(lb_ptr + e64 * stride_lbe + rr[:, None] * stride_lbr + cols[None, :] * stride_lbn,
+                     mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+        acc += lora_scale * _dot(_to(la, CT), _to(lb, CT), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e64 * stride_be + cols * stride_bn, mask=col_mask, other=0.0)
+        acc += _to(bias, CT).to(tl.float32)[None, :]
+    if HAS_SCALE:  # the routing weight, in fp32, before the one rounding
+        acc *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on,
+             cast_rounded(acc, out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@jit
+def _moe_gate_up_kernel(
+    x_ptr, tok_ptr, w_ptr, bias_ptr, la_ptr, lb_ptr, h_ptr, dh_ptr, scale_ptr, dgu_ptr, dw_ptr,
+    tile_expert_ptr, tile_row_ptr, offsets_ptr,
+    I, H, E, rank, col_mult, up_offset,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+    stride_lam, stride_lar, stride_lbe, stride_lbr, stride_lbn, stride_hm, stride_dhm, stride_dgm, stride_dwn,
+    lora_scale, alpha, limit,
+    ACT: tl.constexpr, FORWARD: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
+    CT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """gate and up of BLOCK_N intermediate columns for a tile of sorted rows: x[token] @ w[e]
+    (w [E, H, 2I] by strides; gate column j is output col_mult * j, up col_mult * j + up_offset)
+    plus LoRA and bias, in fp32; then the GLU in the epilogue.
+
+    FORWARD: h = act(gate, up) -> h_ptr [rows, I]. Else (backward, gate/up recomputed): with dh_u
+    [rows, I] and the routing weight w of each row, h -> h_ptr, the partial sum of dh_u * h over
+    these columns -> dw_ptr[pid_n, row] (fp32), and the GLU backward of w * dh_u -> dgu_ptr
+    [rows, 2I] in the weight's column order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e >= E:
+        return
+    row0 = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    tokens = tl.load(tok_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    gate_cols = cols * col_mult
+    up_cols = gate_cols + up_offset
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * stride_we
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < H
+        x = _to(tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :] * stride_xk,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0), CT)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        wg = tl.load(w_base + ks[:, None] * stride_wk + gate_cols[None, :] * stride_wn, mask=w_mask, other=0.0)
+        wu = tl.load(w_base + ks[:, None] * stride_wk + up_cols[None, :] * stride_wn, mask=w_mask, other=0.0)
+        acc_g = _dot(x, _to(wg, CT), acc_g, PRECISION)
+        acc_u = _dot(x, _to(wu, CT), acc_u, PRECISION)
+    if LORA:
+        rr = tl.arange(0, R)
+        r_mask = rr < rank
+        la = _to(tl.load(la_ptr + rows[:, None].to(tl.int64) * stride_lam + rr[None, :] * stride_lar,
+                         mask=row_mask[:, None] & r_mask[None, :], other=0.0), CT)
+        lb_base = lb_ptr + e64 * stride_lbe + rr[:, None] * stride_lbr
+        lb_mask = r_mask[:, None] & col_mask[None, :]
+        lbg = tl.load(lb_base + gate_cols[None, :] * stride_lbn, mask=lb_mask, other=0.0)
+        lbu = tl.load(lb_base + up_cols[None, :] * stride_lbn, mask=lb_mask, other=0.0)
+        acc_g += lora_scale * _dot(la, _to(lbg, CT), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+        acc_u += lora_scale * _dot(la, _to(lbu, CT), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+    if HAS_BIAS:
+        b_base = bias_ptr + e64 * stride_be
+        acc_g += _to(tl.load(b_base + gate_cols * stride_bn, mask=col_mask, other=0.0), CT).to(tl.float32)[None, :]
+        acc_u += _to(tl.load(b_base + up_cols * stride_bn, mask=col_mask, other=0.0), CT).to(tl.float32)[None, :]
+    h, dg, du = _glu(acc_g, acc_u, alpha, limit, ACT)
+    h = _to(h, CT)  # what the down GEMM reads
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    tl.store(h_ptr + rows64[:, None] * stride_hm + cols[None, :], h, mask=mask)
+    if not FORWARD:
+        dh = tl.load(dh_ptr + rows64[:, None] * stride_dhm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # d out / d w of the row = <g, y> = <dh_u, h> + <g, down_bias>: this block's share of the first
+        tl.store(dw_ptr + pid_n * stride_dwn + rows, tl.sum(dh * h.to(tl.float32), axis=1), mask=row_mask)
+        dh *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        dgu_row = dgu_ptr + rows64[:, None] * stride_dgm
+        out_ty = dgu_ptr.dtype.element_ty
+        tl.store(dgu_row + gate_cols[None, :], cast_rounded(dh * dg, out_ty), mask=mask)
+        tl.store(dgu_row + up_cols[None, :], cast_rounded(dh * du, out_ty), mask=mask)
+
+
+@jit
+def _moe_weight_grad_kernel(
+    a_ptr, a_rows_ptr, b_ptr, b_rows_ptr, scale_ptr, out_ptr, bias_out_ptr, offsets_ptr,
+    N, K,
+    stride_am, stride_an, stride_bm, stride_bk, stride_oe, stride_on, stride_ok, stride_de, stride_dn,
+    out_scale,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    CT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[e] = out_scale * sum over expert e's sorted rows r of (scale[r] a[row_a(r)])^T b[row_b(r)],
+    a block of [BLOCK_N, BLOCK_K] per program, written by strides (any layout of the weight);
+    zeros for an expert without rows. BIAS_GRAD: also the column sums of scale * a -> bias_out[e]."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    pid_n = pid // k_blocks
+    pid_k = pid % k_blocks
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = ns < N
+    k_mask = ks < K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    col_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        if GATHER_A:
+            a_rows = tl.load(a_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        if GATHER_B:
+            b_rows = tl.load(b_rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            b_rows = rows.to(tl.int64)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ns[None, :] * stride_an,
+                    mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+        if HAS_SCALE:
+            a = a.to(tl.float32) * tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        a = _to(a, CT)
+        if BIAS_GRAD:
+            col_sum += tl.sum(a.to(tl.float32), axis=0)
+        b = _to(tl.load(b_ptr + b_rows[:, None] * stride_bm + ks[None, :] * stride_bk,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0), CT)
+        acc = _dot(tl.trans(a), b, acc, PRECISION)
+    e64 = e.to(tl.int64)
+    tl.store(out_ptr + e64 * stride_oe + ns[:, None] * stride_on + ks[None, :] * stride_ok,
+             cast_rounded(acc * out_scale, out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+    if BIAS_GRAD:
+        if pid_k == 0:
+            tl.store(bias_out_ptr + e64 * stride_de + ns * stride_dn,
+                     cast_rounded(col_sum, bias_out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@jit
+def _moe_combine_kernel(y_ptr, position_ptr, offsets_ptr, out_ptr, H, E, top_k, stride_ym, stride_om,
+                        BLOCK_H: tl.constexpr):
+    """out[t] = sum over the token's top_k slots of y[sorted position of the slot], in fp32; a slot
+    whose position is past the last expert's rows (no expert) adds nothing."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    n_valid = tl.load(offsets_ptr + E)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(0, top_k):
+        position = tl.load(position_ptr + t.to(tl.int64) * top_k + k)
+        valid = (tl.zeros((BLOCK_H,), dtype=tl.int32) + position) < n_valid
+        acc += tl.load(y_ptr + position.to(tl.int64) * stride_ym + cols, mask=col_mask & valid,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, cast_rounded(acc, out_ptr.dtype.element_ty), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,12 +377,236 @@ def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return order, offsets
 
 
+# Launch configuration. GEMM tiles of BLOCK_M sorted rows: 64 (a power of two between 16 and 64
+# near the mean rows per expert, so decode and tiny test shapes do not pad 64-row tiles);
+# BLOCK_N = BLOCK_K = 64 (32 for the gate/up kernel's K: two fp32 accumulators); 4 warps, 3
+# stages: at most 3 * (64 * 64 + 64 * 64) * 4 B = 96 KiB of shared memory for fp32 operands
+# (sm_80 allows 163 KiB). Checked by `python -m accel_kernels.codegen` at the MoE shapes.
+NUM_WARPS = 4
+NUM_STAGES = 3
+BLOCK_N = 64
+BLOCK_K = 64
+GATE_UP_BLOCK_K = 32
+WEIGHT_GRAD_BLOCK_M = 32
+COMBINE_BLOCK_H = 1024
+_CT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _block_m(rows: int, experts: int) -> int:
+    return max(16, min(64, _launch.next_power_of_2(max(1, rows // max(1, experts)))))
+
+
+def _block(n: int, most: int) -> int:
+    return max(16, min(most, _launch.next_power_of_2(n)))
+
+
+def _meta(ct: torch.dtype) -> dict:
+    return dict(CT=_CT[ct], PRECISION="ieee" if ct == torch.float32 else "tf32", num_warps=NUM_WARPS,
+                num_stages=NUM_STAGES)
+
+
+def _rank_block(rank: int) -> int:
+    return max(16, _launch.next_power_of_2(rank))
+
+
+class _Routing:
+    """What every launch of one call shares: the sorted rows' tokens, positions and weights, and
+    the tile list (`tile_expert`, `tile_row`: expert and first sorted row of each program's tile;
+    E for a program without one). No host synchronisation: the grid is the bound
+    cdiv(rows, BLOCK_M) + E on the number of tiles."""
+
+    def __init__(self, order, offsets, top_k_weights, experts):
+        T, K = top_k_weights.shape
+        self.rows, self.top_k, self.experts = T * K, K, experts
+        self.order, self.offsets = order, offsets
+        self.tokens = torch.div(order, K, rounding_mode="floor").to(torch.int32)
+        self.weights = top_k_weights.reshape(-1)[order.long()]
+        # position[slot]: the sorted row of each (token, slot) pair
+        self.position = torch.empty_like(order).scatter_(
+            0, order.long(), torch.arange(self.rows, dtype=torch.int32, device=order.device))
+        self.block_m = _block_m(self.rows, experts)
+        counts = offsets.diff()
+        tiles = torch.div(counts + (self.block_m - 1), self.block_m, rounding_mode="floor")
+        ends = torch.cumsum(tiles, 0)
+        self.grid_m = _launch.cdiv(self.rows, self.block_m) + experts
+        pid = torch.arange(self.grid_m, device=order.device, dtype=ends.dtype)
+        expert = torch.searchsorted(ends, pid, right=True)
+        clamped = expert.clamp(max=experts - 1)
+        self.tile_row = (offsets[:-1].long()[clamped] + (pid - (ends - tiles)[clamped]) * self.block_m).to(torch.int32)
+        self.tile_expert = expert.to(torch.int32)
+
+
+def _gemm(a, r: _Routing, w, out_cols: int, ct, *, gather=False, bias=None, scale=None, lora=None,
+          lora_scale=0.0) -> torch.Tensor:
+    """[rows, out_cols] in ct: each sorted row of a (a[token] when gather) times its expert's w
+    ([E, in, out] view), + lora_scale * la[row] @ lb[e] (lora = (la [rows, rank], lb [E, rank, out]
+    view)), + bias[e] ([E, out]), * scale[row]."""
+    out = _dispatch.empty((r.rows, out_cols), dtype=ct, device=a.device)
+    la, lb = lora if lora is not None else (a, w)
+    rank = la.shape[1] if lora is not None else 1
+    block_n = _block(out_cols, BLOCK_N)
+    grid = (r.grid_m, _launch.cdiv(out_cols, block_n))
+    _launch.launch(
+        _moe_gemm_kernel, grid, a, r.tokens, w, bias if bias is not None else w,
+        scale if scale is not None else r.weights, la, lb, out, r.tile_expert, r.tile_row, r.offsets,
+        out_cols, a.shape[1], r.experts, rank,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        *(bias.stride() if bias is not None else (0, 0)), la.stride(0), la.stride(1),
+        *(lb.stride() if lora is not None else (0, 0, 0)), out.stride(0), out.stride(1), float(lora_scale),
+        GATHER=gather, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, LORA=lora is not None,
+        R=_rank_block(rank), BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(a.shape[1], BLOCK_K), **_meta(ct))
+    return out
+
+
+def _gate_up(hidden, r: _Routing, p: "_Params", xa, *, dh=None) -> tuple:
+    """The gate/up GEMM with the GLU in its epilogue: h [rows, I] (ct); with dh (backward) also
+    dgu [rows, 2I] (ct) and the partial routing-weight gradients [column blocks, rows] fp32."""
+    I, H = p.intermediate, hidden.shape[1]
+    w = p.in_out(p.gate_up)
+    h = _dispatch.empty((r.rows, I), dtype=p.ct, device=hidden.device)
+    block_n = _block(I, BLOCK_N)
+    n_blocks = _launch.cdiv(I, block_n)
+    forward = dh is None
+    dgu = h if forward else _dispatch.empty((r.rows, 2 * I), dtype=p.ct, device=hidden.device)
+    dw = h if forward else _dispatch.empty((n_blocks, r.rows), dtype=torch.float32, device=hidden.device)
+    bias = p.gate_up_bias
+    lb = p.gu_b.transpose(1, 2) if xa is not None else None  # [E, r, 2I]
+    rank = xa.shape[1] if xa is not None else 1
+    col_mult, up_offset = (2, 1) if p.interleaved else (1, I)
+    _launch.launch(
+        _moe_gate_up_kernel, (r.grid_m, n_blocks), hidden, r.tokens, w, bias if bias is not None else w,
+        xa if xa is not None else h, lb if lb is not None else w, h, dh if dh is not None else h, r.weights, dgu, dw,
+        r.tile_expert, r.tile_row, r.offsets, I, H, r.experts, rank, col_mult, up_offset,
+        hidden.stride(0), hidden.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        *(bias.stride() if bias is not None else (0, 0)),
+        *(xa.stride() if xa is not None else (0, 0)), *(lb.stride() if lb is not None else (0, 0, 0)),
+        h.stride(0), dh.stride(0) if dh is not None else 0, dgu.stride(0), dw.stride(0) if not forward else 0,
+        float(p.scaling), float(p.alpha), float(p.limit),
+        ACT=p.act, FORWARD=forward, HAS_BIAS=bias is not None, LORA=xa is not None, R=_rank_block(rank),
+        BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(H, GATE_UP_BLOCK_K), **_meta(p.ct))
+    return (h,) if forward else (h, dgu, dw)
+
+
+def _weight_grad(a, b, r: _Routing, like: torch.Tensor, layout: tuple[int, int], ct, *, gather_a=False,
+                 gather_b=False, scale=None, out_scale=1.0, bias_like=None):
+    """Per expert e: out_scale * (scale * a_e)^T b_e, [E, n, k] for a [rows, n], b [rows, k] (a or b
+    read by token when gathered), written into a tensor shaped and typed like `like` whose dims
+    `layout` = (dim of n, dim of k); and with bias_like the column sums of scale * a per expert."""
+    out = _dispatch.empty(like.shape, dtype=like.dtype, device=a.device)
+    N, K = a.shape[1], b.shape[1]
+    bias = _dispatch.empty(bias_like.shape, dtype=bias_like.dtype, device=a.device) if bias_like is not None else None
+    block_n, block_k = _block(N, BLOCK_N), _block(K, BLOCK_K)
+    grid = (_launch.cdiv(N, block_n) * _launch.cdiv(K, block_k), r.experts)
+    _launch.launch(
+        _moe_weight_grad_kernel, grid, a, r.tokens, b, r.tokens, scale if scale is not None else r.weights, out,
+        bias if bias is not None else out, r.offsets, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(layout[0]), out.stride(layout[1]), *(bias.stride() if bias is not None else (0, 0)),
+        float(out_scale), GATHER_A=gather_a, GATHER_B=gather_b, HAS_SCALE=scale is not None,
+        BIAS_GRAD=bias is not None, BLOCK_M=WEIGHT_GRAD_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **_meta(ct))
+    return out, bias
+
+
+def _combine(y, r: _Routing, T: int, dtype) -> torch.Tensor:
+    """[T, H] in dtype: each token's slots of y (sorted rows) summed in fp32."""
+    H = y.shape[1]
+    out = _dispatch.empty((T, H), dtype=dtype, device=y.device)
+    block_h = min(COMBINE_BLOCK_H, _launch.next_power_of_2(H))
+    _launch.launch(_moe_combine_kernel, (T, _launch.cdiv(H, block_h)), y, r.position, r.offsets, out, H, r.experts,
+                   r.top_k, y.stride(0), out.stride(0), BLOCK_H=block_h, num_warps=NUM_WARPS)
+    return out
+
+
 def _forward_triton(hidden, top_k_weights, order, offsets, p):
-    return _forward_torch(hidden, top_k_weights, order, offsets, p)  # until the kernels land
+    T, H = hidden.shape
+    if T == 0:
+        return _dispatch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
+    r = _Routing(order, offsets, top_k_weights, p.num_experts)
+    ct = p.ct
+    xa = _gemm(hidden, r, p.gu_a.transpose(1, 2), p.gu_a.shape[1], ct, gather=True) if p.gu_a is not None else None
+    (h,) = _gate_up(hidden, r, p, xa)
+    del xa
+    lora = None
+    if p.d_a is not None:
+        lora = (_gemm(h, r, p.d_a.transpose(1, 2), p.d_a.shape[1], ct), p.d_b.transpose(1, 2))
+    y = _gemm(h, r, p.in_out(p.down), H, ct, bias=p.down_bias, scale=r.weights, lora=lora, lora_scale=p.scaling)
+    del h, lora
+    return _combine(y, r, T, hidden.dtype)
 
 
 def _backward_triton(grad_out, hidden, top_k_weights, order, offsets, p, needs):
-    return _backward_torch(grad_out, hidden, top_k_weights, order, offsets, p, needs)  # until the kernels land
+    (need_x, need_w, need_gu, need_d, need_gub, need_db, need_gua, need_gub_l, need_da, need_db_l) = needs
+    T, H = hidden.shape
+    K = top_k_weights.shape[1]
+    grads = dict.fromkeys(_GRADS)
+    if T == 0:
+        return _backward_torch(grad_out, hidden, top_k_weights, order, offsets, p, needs)
+    r = _Routing(order, offsets, top_k_weights, p.num_experts)
+    ct = p.ct
+    # dh_u = g @ down_e^T (+ s (g B) A): the upstream gradient at act(gate, up), before the weight
+    down_t = p.in_out(p.down).transpose(1, 2)  # [E, H, I]
+    lora = gb_d = None
+    if p.d_a is not None:
+        gb_d = _gemm(grad_out, r, p.d_b, p.d_b.shape[2], ct, gather=True)  # g B_e [rows, r]
+        lora = (gb_d, p.d_a)
+    dh = _gemm(grad_out, r, down_t, p.intermediate, ct, gather=True, lora=lora, lora_scale=p.scaling)
+    xa = _gemm(hidden, r, p.gu_a.transpose(1, 2), p.gu_a.shape[1], ct, gather=True) if p.gu_a is not None else None
+    h, dgu, dw_part = _gate_up(hidden, r, p, xa, dh=dh)
+    del dh
+    valid = torch.arange(r.rows, device=hidden.device) < offsets[-1]
+    if need_w:
+        dw = dw_part.sum(0)
+        if p.down_bias is not None:  # + <g, down_bias_e>
+            gb = grad_out.to(ct).float() @ p.down_bias.to(ct).float().t()  # [T, E]
+            experts = torch.searchsorted(offsets[1:], torch.arange(r.rows, device=hidden.device, dtype=offsets.dtype),
+                                         right=True).clamp(max=p.num_experts - 1)
+            dw += gb[r.tokens.long(), experts]
+        dw = torch.where(valid, dw, 0.0)
+        flat = torch.empty(r.rows, dtype=torch.float32, device=hidden.device).scatter_(0, order.long(), dw)
+        grads["top_k_weights"] = flat.view(T, K).to(top_k_weights.dtype)
+    del dw_part
+    if need_x or need_gua:
+        dgu_b = _gemm(dgu, r, p.gu_b, p.gu_b.shape[2], ct) if p.gu_a is not None else None  # dgu B_e
+    if need_x:
+        lora = (dgu_b, p.gu_a) if p.gu_a is not None else None
+        dx = _gemm(dgu, r, p.in_out(p.gate_up).transpose(1, 2), H, ct, lora=lora, lora_scale=p.scaling)
+        grads["hidden"] = _combine(dx, r, T, hidden.dtype)
+        del dx
+    layout = (2, 1) if p.transposed else (1, 2)  # where (out, in) of gate_up / down sit in their layout
+    if need_gu or need_gub:
+        if need_gu:
+            grads["gate_up"], grads["gate_up_bias"] = _weight_grad(
+                dgu, hidden, r, p.gate_up, layout, ct, gather_b=True, bias_like=p.gate_up_bias if need_gub else None)
+        else:
+            grads["gate_up_bias"] = _expert_sums_sorted(dgu, r, p).to(p.gate_up_bias.dtype)
+    if need_d or need_db:
+        if need_d:
+            grads["down"], grads["down_bias"] = _weight_grad(
+                grad_out, h, r, p.down, layout, ct, gather_a=True, scale=r.weights,
+                bias_like=p.down_bias if need_db else None)
+        else:
+            gw = grad_out[r.tokens.long()].float() * r.weights.float()[:, None]
+            grads["down_bias"] = _expert_sums_sorted(gw, r, p).to(p.down_bias.dtype)
+    if need_gua:  # dA = s (dgu B)^T x
+        grads["gate_up_lora_a"], _ = _weight_grad(dgu_b, hidden, r, p.gu_a, (1, 2), ct, gather_b=True,
+                                                  out_scale=p.scaling)
+    if need_gub_l:  # dB = s dgu^T (x A^T)
+        grads["gate_up_lora_b"], _ = _weight_grad(dgu, xa, r, p.gu_b, (1, 2), ct,
+                                                  out_scale=p.scaling)
+    if need_da:  # dA = s (w g B)^T h
+        grads["down_lora_a"], _ = _weight_grad(gb_d, h, r, p.d_a, (1, 2), ct, scale=r.weights, out_scale=p.scaling)
+    if need_db_l:  # dB = s (w g)^T (h A^T)
+        ha = _gemm(h, r, p.d_a.transpose(1, 2), p.d_a.shape[1], ct)
+        grads["down_lora_b"], _ = _weight_grad(grad_out, ha, r, p.d_b, (1, 2), ct, gather_a=True,
+                                               scale=r.weights, out_scale=p.scaling)
+    return tuple(grads[name] for name in _GRADS)
+
+
+def _expert_sums_sorted(rows: torch.Tensor, r: _Routing, p) -> torch.Tensor:
+    """Per expert, the sum of its sorted rows (fp32) — a bias gradient without its weight's."""
+    experts = torch.searchsorted(r.offsets[1:], torch.arange(r.rows, device=rows.device, dtype=r.offsets.dtype),
+                                 right=True)
+    out = torch.zeros((p.num_experts + 1, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    return out.index_add_(0, experts, rows.float())[:-1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -554,10 +1050,6 @@ def _lora_parts(lora, experts: int, size: int, inter: int, device) -> tuple:
 # Entry
 # --------------------------------------------------------------------------------------------
 
-# Whether the Triton path exists yet (the kernels follow the same API)
-_TRITON_READY = False
-
-
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
@@ -583,7 +1075,7 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                   interleaved, activation, alpha, limit, lora, autocast_dtype)
     inter = down.shape[1] if transposed else down.shape[2]
     gu_a, gu_b, d_a, d_b, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
-    triton_path = _TRITON_READY and _dispatch.use_triton(hidden) and hidden.dtype != torch.float64
+    triton_path = _dispatch.use_triton(hidden) and hidden.dtype != torch.float64
     return torch.ops.accel_kernels.moe_experts(
         hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gu_a, gu_b, d_a, d_b, scaling,
         transposed, interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path)[0]
