@@ -19,7 +19,7 @@ from accel_patch.swaps.layers import tiled_mlp
 from _models import padded_batch, rel, training_step
 from _moe_models import FAMILIES, build, experts_modules, pair
 
-QUICK = {"qwen3_moe", "gpt_oss"}
+QUICK = {"qwen3_moe"}  # the kernels run interpreted: every other case is slow
 
 
 def experts_calls(model):
@@ -45,8 +45,13 @@ def test_every_experts_module_is_swapped_and_a_float32_step_equals_stock(family)
     assert modules and report.swapped.get(experts.OP) == len(modules), report
     assert all(sites.is_swapped(m) for m in modules.values())
     assert not [r for r in report.refused if r.op == experts.OP or "xperts" in r.where], report
-    assert_step_equals(stock, twin)
+    from accel_kernels import _launch
+
+    with _launch.recording() as launched:
+        assert_step_equals(stock, twin)
     assert experts_calls(twin) == {"fused": len(modules)}
+    # the Triton kernels ran (interpreted): gate/up with the GLU fused, and the weight gradients
+    assert {"_moe_gate_up_kernel", "_moe_weight_grad_kernel"} <= set(launched), sorted(set(launched))
 
 
 @pytest.mark.slow
@@ -104,15 +109,13 @@ def peft_pair(family, order="peft-then-swap", **config):
     return stock, twin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, order, config", [
     ("gpt_oss", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
-    pytest.param("qwen3_moe", "swap-then-peft", {"target_modules": "all-linear"}, marks=pytest.mark.slow),
-    pytest.param("mixtral", "peft-then-swap", {"target_parameters": ["down_proj"], "target_modules": []},
-                 marks=pytest.mark.slow),
-    pytest.param("llama4", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []},
-                 marks=pytest.mark.slow),
-    pytest.param("qwen2_moe", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []},
-                 marks=pytest.mark.slow),
+    ("qwen3_moe", "swap-then-peft", {"target_modules": "all-linear"}),
+    ("mixtral", "peft-then-swap", {"target_parameters": ["down_proj"], "target_modules": []}),
+    ("llama4", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
+    ("qwen2_moe", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
 ])
 def test_lora_on_the_experts_is_fused_and_gives_peft_s_adapter_gradients(family, order, config):
     stock, twin = peft_pair(family, order, **config)
@@ -122,6 +125,7 @@ def test_lora_on_the_experts_is_fused_and_gives_peft_s_adapter_gradients(family,
     assert experts_calls(twin) == {"fused (LoRA)": len(experts_modules(twin))}
 
 
+@pytest.mark.slow
 def test_lora_on_the_experts_never_reads_the_merged_weight():
     """PEFT's ParamWrapper folds W + s B A when it registers its parametrization (torch checks the
     parametrization's output once there) and again when the experts forward reads the parameter:
@@ -172,6 +176,7 @@ def test_several_active_adapters_run_peft_s_forward_counted_and_disabled_adapter
 
 # --- composition ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_router_and_its_aux_loss_stay_stock_and_restore_puts_the_forward_back():
     stock, twin = pair("qwen3_moe", router_aux_loss_coef=0.1)
     before = {n: m.__dict__.get("forward") for n, m in twin.named_modules()}
