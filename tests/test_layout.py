@@ -11,6 +11,8 @@ Inside swaps/, the walk and the shared machinery sit at the top and each kind of
     swaps.apply (the walk)                    every module of swaps
     swaps.lora                                the shared machinery and swaps.layers (its MLP
                                               builds on the gated-MLP kernel)
+    swaps.experts                             the shared machinery and swaps.layers (the activation
+                                              an MLP declares, the tiled MLP's rule)
     every other room (layers, loss, ...)      the shared machinery only
     the shared machinery (probe, sites, ...)  no room
 
@@ -46,7 +48,7 @@ SWAPS = PACKAGE / "swaps"
 SWAPS_TOP = {"apply", "families", "ops", "probe", "report", "sites"}
 SWAPS_MAX_TOP_MODULES = 8  # __init__ included: a new kind of site gets a room, not a top module
 #: swaps room -> the swaps rooms it may import besides the shared machinery
-SWAPS_ALLOWED = {"lora": {"layers"}}
+SWAPS_ALLOWED = {"lora": {"layers"}, "experts": {"layers"}}
 
 
 def module_sources(top: Path, name: str) -> dict[str, str]:

@@ -9,7 +9,8 @@ Layout: the walk and the shared machinery at the top: apply.py (the walk over a 
 report.py, families.py (what the swap knows, as data), ops.py (which ops a call or
 ACCEL_PATCH_KERNELS asks for). Below it, one room per kind of site, each saying in its
 `__init__` what lives there: layers/ (norms, the gated MLP, RoPE, the tiled MLP), loss/ (the LM
-head and its loss, the deferred logits, TRL's token log-probs), lora/ (fused PEFT LoRA).
+head and its loss, the deferred logits, TRL's token log-probs), lora/ (fused PEFT LoRA), experts/
+(MoE experts).
 
 Importing this package imports neither torch nor transformers; a swap does. swaps/ imports
 accel_kernels and at most the core of accel_patch, never patches/, integrations/ or cli/.
@@ -28,9 +29,10 @@ def swap_kernels(model, ops=None) -> SwapReport:
     `model`: a transformers `PreTrainedModel`, a PEFT `PeftModel` (before or after
     `get_peft_model`), a bitsandbytes 4/8-bit model, or any of them wrapped in DDP.
     `ops`: None for all, or names among "rms_norm", "rope", "glu", "fused_linear_cross_entropy",
-    "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp" (a list or a comma-separated string;
+    "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp", "experts" (a list or a comma-separated string;
     "swiglu"/"geglu" mean "glu", "lora" the three LoRA sites, which fuse PEFT LoRA layers decided
-    per call: lora/; "tiled_mlp" runs a long call of a gated MLP chunk by chunk: layers/tiled_mlp.py).
+    per call: lora/; "tiled_mlp" runs a long call of a gated MLP chunk by chunk: layers/tiled_mlp.py;
+    "experts" runs MoE experts as one grouped-GEMM op, PEFT's LoRA on them included: experts/).
 
     Each candidate site (found by structure) is swapped only after a numeric probe shows the kernel
     reproduces the module's own output; everything else stays stock and is listed in the report's

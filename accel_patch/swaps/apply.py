@@ -1,6 +1,7 @@
 """Swap kernels into one model instance and restore it: the walk over the model, site by site.
 
-For each module: is it a candidate (by structure: layers/norms.py, layers/mlp.py, layers/rope.py), does the probe
+For each module: is it a candidate (by structure: layers/norms.py, layers/mlp.py, layers/rope.py,
+experts/site.py), does the probe
 accept it (cached per class, dtype and device), then bind the kernel forward on that instance and
 record the change in the model's SwapState. The LM head and loss (loss/site.py) are one site, the
 model itself. Everything refused is recorded with its reason; nothing is swapped on a guess.
@@ -11,7 +12,7 @@ import logging
 
 import torch
 
-from . import lora, probe, sites
+from . import experts, lora, probe, sites
 from .layers import mlp, norms, rope, tiled_mlp
 from .loss import compiled_loss
 from .loss import site as loss
@@ -105,6 +106,12 @@ class _Walk:
         verdict = _verdict((op, type(module), self.dtype, device.type, structure), run)
         if isinstance(verdict, str):
             self.refuse(where, op, verdict)
+        elif op == experts.OP:  # a site with call-time data (its plan, the model's call counts)
+            plan, arg_names = forward(verdict)
+            experts.install(self.state, module, sites.signed(experts.forward, type(module), op),
+                            experts.Site(plan, arg_names, self.state.calls))
+            self.state.counts[op] = self.state.counts.get(op, 0) + 1
+            self.new += 1
         else:
             self.swapped(op, module, forward(verdict))
 
@@ -114,6 +121,8 @@ class _Walk:
             if module is self.model:
                 continue
             if not sites.is_swapped(module):
+                if experts.OP in self.todo:
+                    self.experts(where, module)
                 if "rms_norm" in self.todo:
                     self.norm(where, module)
                 if "glu" in self.todo:
@@ -222,6 +231,21 @@ class _Walk:
                                                              tiled_mlp.checkpoint_holders(self.model, where)))
         self.state.counts[tiled_mlp.OP] = self.state.counts.get(tiled_mlp.OP, 0) + 1
         self.new += 1
+
+    def experts(self, where, module) -> None:
+        found = experts.candidate(module)
+        if isinstance(found, str):
+            self.refuse(where, experts.OP, found)
+        if found is None or isinstance(found, str):
+            return
+        config = getattr(module, "config", None)
+        act_fn = mlp.activation(module)
+        structure = (found[0], found[1], found[2], type(act_fn), getattr(act_fn, "approximate", None),
+                     getattr(module, "alpha", None), getattr(module, "limit", None),
+                     getattr(config, "_experts_implementation", None))
+        self.probe_and_swap(where, experts.OP, module, structure,
+                            lambda: experts.probe_verdict(module, self.dtype, found),
+                            lambda plan: (plan, found[3]))
 
     def norm(self, where, module) -> None:
         eps_attr = norms.candidate(module)
@@ -374,6 +398,9 @@ def _restore(target) -> list[str]:
                 elif op == tiled_mlp.OP:
                     module.__dict__.pop(tiled_mlp.SITE_ATTR, None)
                     inner = module.__dict__.pop(tiled_mlp.INNER_ATTR, None)
+                elif op == experts.OP:
+                    module.__dict__.pop(experts.SITE_ATTR, None)
+                    inner = module.__dict__.pop(sites.INNER_ATTR, None)
                 else:
                     inner = module.__dict__.pop(sites.INNER_ATTR, None)
                 if inner is not None:

@@ -9,11 +9,12 @@ else is refused by the probe, with the reason.
 from __future__ import annotations
 
 #: Op names accepted by `swap_kernels(ops=...)` and ACCEL_PATCH_KERNELS, in report order.
-OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy", "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp")
+OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy", "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp",
+       "experts")
 #: Other spellings users write for the same op.
 OP_ALIASES = {"swiglu": "glu", "geglu": "glu", "flce": "fused_linear_cross_entropy",
               "cross_entropy": "fused_linear_cross_entropy", "rmsnorm": "rms_norm",
-              "tiled": "tiled_mlp"}
+              "tiled": "tiled_mlp", "moe": "experts", "moe_experts": "experts"}
 #: Names that stand for several ops.
 OP_GROUPS = {"lora": ("lora_mlp", "lora_qkv", "lora_o")}
 
@@ -52,6 +53,16 @@ ACTIVATION_NAMES = {
 LORA_ATTENTION_INPUTS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",), ("query_key_value",))
 #: Its output projection.
 LORA_ATTENTION_OUTPUTS = ("o_proj", "dense", "out_proj")
+
+# --- MoE experts (experts/) ----------------------------------------------------------------
+#: (gate_up, down) 3-D parameter names of an experts module (transformers' `use_experts_implementation`
+#: classes, Llama4's); the probe finds the layout ([E, 2I, H] or [E, H, 2I]) and the gate/up order.
+EXPERTS_NAMES = (("gate_up_proj", "down_proj"),)
+#: Separate 3-D gate/up/down parameters: experts of that shape exist outside transformers; the op
+#: takes one gate_up, so they are refused with the reason rather than concatenated at every call.
+EXPERTS_SPLIT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+#: Optional biases of the two projections (gpt-oss).
+EXPERTS_BIAS_SUFFIX = "_bias"
 
 # --- RoPE ----------------------------------------------------------------------------------
 #: Module-level functions that attention forwards call by name to apply rotate-half RoPE.

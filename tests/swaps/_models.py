@@ -28,7 +28,7 @@ FAMILIES = {
     "olmo2": (ALL, set(), {}),  # full-width q/k norms, fp32 affine
     "granite": (ALL, set(), {"residual_multiplier": 0.5, "embedding_multiplier": 2.0}),  # logits / scaling
     "cohere": ({"glu", "fused_linear_cross_entropy", "tiled_mlp"} | LORA, {"rms_norm", "rope"}, {}),  # LayerNorm, interleaved RoPE
-    "mixtral": ({"rms_norm", "rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o"}, {"glu", "lora_mlp", "tiled_mlp"},  # 3-D experts, aux loss
+    "mixtral": ({"rms_norm", "rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o", "experts"}, set(),  # 3-D experts, aux loss
                 {"router_aux_loss_coef": 0.1}),
     "gpt_neox": ({"rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o"}, {"rms_norm"}, {}),  # LayerNorm, partial rotary
 }

@@ -20,7 +20,8 @@ from _models import FAMILIES, LORA, pair, padded_batch, rel, training_step
 
 VOCAB = 151  # unlike every other width of the tiny models, so a (tokens, vocab) node is the logits
 KERNEL_NODES = {"rms_norm": "accel_kernels.rms_norm", "rope": "accel_kernels.rope", "glu": "accel_kernels.glu",
-                "fused_linear_cross_entropy": "accel_kernels.fused_linear_cross_entropy"}
+                "fused_linear_cross_entropy": "accel_kernels.fused_linear_cross_entropy",
+                "experts": "accel_kernels.moe_experts"}
 
 
 @pytest.fixture(autouse=True)

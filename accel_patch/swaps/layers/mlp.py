@@ -5,7 +5,8 @@ activation attribute. The activation must say what it is (families.ACTIVATION_NA
 probe checks that it computes that, in float32; then the whole module runs against the swapped
 forward in the activation dtype (for a fused projection, both halves' orders are tried). The
 projections are still called as modules, so LoRA and 4-bit layers keep working inside.
-MoE experts stored as 3-D parameters are refused.
+MoE experts stored as 3-D parameters are not gated MLPs here: the experts site takes them
+(swaps/experts/).
 
 Where the kernel cannot run (CPU tensors without Triton's interpreter), the swapped forward calls
 the module's own forward: the twin is slower than the stock MLP there (benchmarks/overhead.py).
@@ -64,7 +65,7 @@ def candidate(module) -> tuple[tuple[str, ...], str] | str | None:
     """((projection names), kernel activation) for a candidate; a refusal reason for a module
     that has the shape but cannot be swapped; None for anything else."""
     if _expert_parameters(module):
-        return "MoE experts stored as 3-D parameters: no kernel"
+        return None  # MoE experts: the experts site's (swaps/experts/)
     names = _names(module)
     if names is None:
         return None

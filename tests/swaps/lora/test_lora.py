@@ -53,7 +53,7 @@ def assert_step_equals_stock(stock, twin, batch=None):
     assert rel(grads1[worst], grads0[worst]) <= 1e-4, (worst, rel(grads1[worst], grads0[worst]))
 
 
-# (family, layers with a gated MLP): mixtral's experts are 3-D (refused), gpt_neox's MLP is not gated.
+# (family, layers with a gated MLP): mixtral's experts are 3-D (the experts site's), gpt_neox's MLP is not gated.
 GATED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2", "granite", "cohere"}
 QUICK = {("llama", "swap-then-peft"), ("phi3", "peft-then-swap")}
 

@@ -1,0 +1,332 @@
+"""The experts site: a module holding every expert of a MoE layer as 3-D parameters, run as one
+`accel_kernels.moe_experts` call (grouped GEMMs over the tokens sorted by expert, the GLU and the
+routing weight fused, a backward that recomputes instead of saving).
+
+Candidate, by structure (`candidate`): 3-D `gate_up_proj` and `down_proj` parameters
+(families.EXPERTS_NAMES), optional 2-D biases, and a forward called either as transformers'
+`use_experts_implementation` classes are, `(hidden [T, H], top_k_index [T, K], top_k_weights
+[T, K])`, or as Llama4's experts are, `(hidden [E * T, H])` with every expert applied to its own
+block of rows (the router's scores already multiplied in). Separate 3-D gate/up parameters, an
+experts class without a gate, one with a norm after each expert are refused with the reason.
+
+Proved by numbers (`probe_verdict`): the module's own forward, whatever
+`config._experts_implementation` it runs (grouped_mm, eager, batched_mm), against the op on
+random tokens routed so that one expert gets none, for every reading the shapes allow: the
+layout (`[E, 2I, H]` with F.linear, or `[E, H, 2I]` with `x @ W`), gate/up as halves or
+interleaved (gpt-oss), the activation the module names (SiLU, GELU, tanh-GELU) or gpt-oss's
+clamped GLU with the module's `alpha` and `limit`. The reading within the dtype's bound is the
+plan; none within it is a refusal that says how far the closest one was.
+
+Decided at every call and counted in `calls["experts"]` (`forward`): "fused", "fused (LoRA)"
+(PEFT's LoRA on the experts' parameters as split LoRA, adapters.py), with ", tiled" when the call
+ran over chunks of tokens by the tiled MLP's rule; else which forward ran and why. Under
+torch.compile a call is counted once per trace, as "compiled: <outcome>" (the LoRA sites' rule).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from collections import namedtuple
+
+import torch
+
+from .. import families, probe, report, sites
+from ..layers import mlp, tiled_mlp
+from . import adapters
+
+OP = "experts"
+#: Instance attribute holding the site's call-time data (`Site`).
+SITE_ATTR = "_accel_patch_experts_site"
+
+FUSED = "fused"
+ROUTED, DENSE = "routed", "dense"  # the call styles: (hidden, top_k_index, top_k_weights) / (hidden) per expert
+
+
+class ExpertsPlan(namedtuple("ExpertsPlan", "style names biases transposed interleaved activation alpha limit")):
+    """style: ROUTED or DENSE; names: (gate_up, down); biases: (gate_up bias, down bias) names or
+    None; transposed: weights used as `x @ W` ([E, H, 2I]); interleaved: gate = [..., ::2];
+    activation: "silu" | "gelu" | "gelu_tanh" | "gpt_oss" (with alpha and limit)."""
+
+    __slots__ = ()
+
+
+class Site:
+    """What the experts forward reads at call time: its plan, the forward's argument names, the
+    model's call counts."""
+
+    def __init__(self, plan: ExpertsPlan, arg_names: tuple[str, ...], calls) -> None:
+        self.plan, self.arg_names, self.calls = plan, arg_names, calls
+
+    def count(self, outcome: str) -> None:
+        per_op = self.calls.setdefault(OP, {})
+        per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+# --- candidate ---------------------------------------------------------------------------------
+
+def _own_3d(module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in module._parameters.items() if p is not None and p.dim() == 3}
+
+
+def _arg_names(cls) -> tuple[str, ...] | None:
+    """The names of the forward's tensor arguments, (hidden, index, weights) or (hidden,)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != len(params) or len(positional) not in (1, 3):
+        return None
+    return tuple(p.name for p in positional)
+
+
+def candidate(module):
+    """(names, biases, style, arg names) for a candidate; a refusal reason for a module with 3-D
+    expert parameters that cannot be swapped; None for anything else."""
+    own = _own_3d(module)
+    if not own:
+        return None
+    names = next((n for n in families.EXPERTS_NAMES if all(k in own for k in n)), None)
+    if names is None:
+        split = next((n for n in families.EXPERTS_SPLIT_NAMES if all(k in own for k in n)), None)
+        if split is not None:
+            return "MoE experts with separate 3-D gate and up parameters: the op takes one gate_up"
+        if any(n in own for group in families.EXPERTS_NAMES for n in group):
+            return "MoE experts with 3-D parameters but no gate (up and down only): the op computes a GLU"
+        return None
+    if getattr(module, "has_gate", True) is False:
+        return "MoE experts without a gate (has_gate=False): the op computes a GLU"
+    if getattr(module, "has_post_expert_norm", False):
+        return "MoE experts with a norm after each expert (has_post_expert_norm): not in the op"
+    biases = tuple(n + families.EXPERTS_BIAS_SUFFIX for n in names)
+    present = [isinstance(module._parameters.get(b), torch.Tensor) for b in biases]
+    if any(present) and not all(present):
+        return "MoE experts with a bias on one projection only: not in the op"
+    arg_names = _arg_names(type(module))
+    if arg_names is None:
+        return "MoE experts whose forward takes neither (hidden, top_k_index, top_k_weights) nor (hidden)"
+    return names, biases if all(present) else None, ROUTED if len(arg_names) == 3 else DENSE, arg_names
+
+
+# --- probe -------------------------------------------------------------------------------------
+
+def _layouts(gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[bool, int, int]]:
+    """(transposed, hidden, intermediate) readings the two shapes allow."""
+    found = []
+    _, a, b = gate_up.shape
+    _, c, d = down.shape
+    if a % 2 == 0 and a == 2 * d and b == c:  # [E, 2I, H], [E, H, I]
+        found.append((False, b, d))
+    if b % 2 == 0 and b == 2 * c and a == d:  # [E, H, 2I], [E, I, H]
+        found.append((True, a, c))
+    return found
+
+
+def _activations(module) -> tuple[list[tuple[str, float, float]], str | None]:
+    """(activation, alpha, limit) readings to try, and the declared activation's own name."""
+    tried, own_name = [], None
+    act = mlp.activation(module)
+    if act is not None:
+        own_name, kernel_act = mlp.declared_activation(act)
+        if kernel_act is not None:
+            tried.append((kernel_act, 1.702, 7.0))
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and math.isfinite(limit):
+        tried.append(("gpt_oss", float(alpha), float(limit)))
+    return tried, own_name
+
+
+def routes(tokens: int, top_k: int, experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random routing of `tokens` over experts 1..E-1 (expert 0 gets no token when E > top_k + 1),
+    distinct experts per token, and positive weights."""
+    g = torch.Generator().manual_seed(7)
+    low = 1 if experts > top_k + 1 else 0
+    scores = torch.rand(tokens, experts - low, generator=g)
+    index = scores.topk(top_k, dim=-1).indices + low
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    return index.to(device), weights.to(device)
+
+
+def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_dtype=None):
+    """The op on one call of `module` (its stored tensors, never a parametrized value)."""
+    from accel_kernels import moe_experts
+
+    gate_up, down = (adapters.base(module, n) for n in plan.names)
+    gu_bias, d_bias = (adapters.base(module, n) for n in plan.biases) if plan.biases else (None, None)
+    return moe_experts(hidden, index, weights, gate_up, down, gu_bias, d_bias, transposed=plan.transposed,
+                       interleaved=plan.interleaved, activation=plan.activation, alpha=plan.alpha, limit=plan.limit,
+                       lora=lora, autocast_dtype=autocast_dtype)
+
+
+def dense_routes(hidden: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama4's call as a routed one: row block e of `hidden` [E * T, H] goes to expert e, weight 1."""
+    rows = hidden.shape[0] // experts
+    index = torch.arange(experts, device=hidden.device).repeat_interleave(rows).unsqueeze(1)
+    return index, torch.ones(index.shape, device=hidden.device, dtype=hidden.dtype)
+
+
+def probe_verdict(module, act_dtype: torch.dtype, found):
+    """The ExpertsPlan that reproduces this module's forward, or a refusal reason."""
+    names, biases, style, _ = found
+    gate_up, down = (module._parameters[n] for n in names)
+    layouts = _layouts(gate_up, down)
+    if not layouts:
+        return (f"MoE experts' shapes {tuple(gate_up.shape)} / {tuple(down.shape)} are neither [E, 2I, H] / "
+                f"[E, H, I] nor [E, H, 2I] / [E, I, H]")
+    acts, own_name = _activations(module)
+    if not acts:
+        return f"MoE experts' activation {own_name} has no kernel (SiLU, GELU, tanh-GELU, gpt-oss's clamped GLU)"
+    device = probe.module_device(module)
+    experts = gate_up.shape[0]
+    hints_t, hints_i = getattr(module, "is_transposed", None), getattr(module, "is_concatenated", None)
+    errors = {}
+    with probe.probing(module):
+        for transposed, hidden_size, _ in layouts:
+            if style == ROUTED:
+                top_k = min(2, experts)
+                hidden = probe.randn((7, hidden_size), act_dtype, device).requires_grad_()
+                index, weights = routes(7, top_k, experts, device)
+                weights = weights.to(act_dtype)
+                args = (hidden, index, weights)
+            else:
+                hidden = probe.randn((experts * 3, hidden_size), act_dtype, device).requires_grad_()
+                index, weights = dense_routes(hidden, experts)
+                args = (hidden,)
+            try:
+                ref = sites.call_inner(module, *args)
+            except Exception as exc:
+                return f"module's own forward failed on a {act_dtype} probe: {type(exc).__name__}: {exc}"
+            if not isinstance(ref, torch.Tensor):
+                return f"module returns {type(ref).__name__}, not a tensor"
+            # the layout and order the class declares first: a tie (a symmetric probe) keeps them
+            orders = sorted((False, True), key=lambda i: i == bool(hints_i) if hints_i is not None else i)
+            for interleaved in orders:
+                for act, alpha, limit in acts:
+                    plan = ExpertsPlan(style, names, biases, transposed, interleaved, act, alpha, limit)
+                    out = run(module, plan, hidden, index, weights)
+                    if out.dtype != ref.dtype:
+                        errors[plan] = float("inf")
+                        continue
+                    errors[plan] = probe.rel_err(out, ref)
+    best = min(errors, key=lambda p: (errors[p], p.transposed != bool(hints_t)))
+    limit = probe.bound(act_dtype)
+    if errors[best] > limit:
+        return (f"output differs from every reading of the MoE experts (layout, gate/up order, "
+                f"{'/'.join(a for a, _, _ in acts)}) in {act_dtype}: closest relative error {errors[best]:.2e} > {limit:.1e}")
+    return best
+
+
+# --- the swapped forward -----------------------------------------------------------------------
+
+@torch.compiler.assume_constant_result
+def _count_traced(site: Site, outcome: str) -> bool:
+    """Count a call while dynamo traces it: once per compiled graph (the LoRA sites' rule)."""
+    site.count(report.COMPILED + outcome)
+    return True
+
+
+def _count(site: Site, outcome: str) -> None:
+    if sites.compiling():
+        _count_traced(site, outcome)
+    else:
+        site.count(outcome)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _inputs(site: Site, args, kwargs):
+    names = site.arg_names
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    values = list(args) + [kwargs.get(n) for n in names[len(args):]]
+    return values if all(isinstance(v, torch.Tensor) for v in values) else None
+
+
+def _autocast_dtype(t: torch.Tensor):
+    device_type = t.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def decide_lora(module, plan: ExpertsPlan):
+    """The op's `lora` argument for this call (None without an active adapter), or a reason why
+    PEFT's forward runs instead."""
+    if not adapters.parametrized(module):
+        return None
+    parts = {}
+    for key, name in zip(("gate_up", "down"), plan.names):
+        found = adapters.factors(module, name, plan.transposed)
+        if isinstance(found, str):
+            return found
+        parts[key] = found
+    if plan.biases and any(adapters.factors(module, b, False) is not None for b in plan.biases):
+        return "LoRA on an expert bias"
+    others = set(module._modules[adapters.PARAMETRIZATIONS]._modules) - set(plan.names)
+    if others:
+        return f"parametrized {', '.join(sorted(others))}"
+    scalings = {f[2] for f in parts.values() if f is not None}
+    if len(scalings) > 1:
+        return "different LoRA scalings on gate_up and down"
+    if not scalings:
+        return None
+    return {"gate_up": parts["gate_up"] and parts["gate_up"][:2], "down": parts["down"] and parts["down"][:2],
+            "scaling": scalings.pop()}
+
+
+def _tiling(module, plan: ExpertsPlan, hidden: torch.Tensor, top_k: int) -> int | None:
+    """Tokens per chunk when this call is long enough to tile (the tiled MLP's rule, on the K
+    expert rows a token has), else None."""
+    gate_up = adapters.base(module, plan.names[0])
+    inter = (gate_up.shape[2] if plan.transposed else gate_up.shape[1]) // 2
+    rule = tiled_mlp.Site(hidden.shape[-1], inter * top_k, {})
+    if tiled_mlp.decide(rule, module, hidden) is not None:
+        return None
+    return tiled_mlp.chunk_tokens(rule.hidden, rule.intermediate)
+
+
+def forward(self, *args, **kwargs):
+    """The swapped experts module: one moe_experts call (LoRA fused when PEFT's is active)."""
+    site = self.__dict__.get(SITE_ATTR)
+    if site is None:
+        return sites.call_inner(self, *args, **kwargs)
+    values = _inputs(site, args, kwargs)
+    if values is None:
+        _count(site, "the module's forward: arguments other than its tensors")
+        return sites.call_inner(self, *args, **kwargs)
+    plan = site.plan
+    hidden = values[0]
+    if hidden.dim() != 2:
+        _count(site, f"the module's forward: hidden of {hidden.dim()} dimensions")
+        return sites.call_inner(self, *args, **kwargs)
+    if _is_dtensor(hidden) or any(_is_dtensor(adapters.base(self, n)) for n in plan.names):
+        _count(site, "stood aside: DTensor experts (FSDP2, tensor or expert parallel): the module's forward")
+        return sites.call_inner(self, *args, **kwargs)
+    if getattr(self, "_is_expert_parallel", False):
+        _count(site, "stood aside: expert parallel: the module's forward")
+        return sites.call_inner(self, *args, **kwargs)
+    lora = decide_lora(self, plan)
+    if isinstance(lora, str):
+        _count(site, f"PEFT's forward: {lora}")
+        return sites.call_inner(self, *args, **kwargs)
+    experts = adapters.base(self, plan.names[0]).shape[0]
+    if plan.style == ROUTED:
+        index, weights = values[1], values[2]
+    else:
+        index, weights = dense_routes(hidden, experts)
+    autocast_dtype = _autocast_dtype(hidden)
+    chunk = None if sites.compiling() else _tiling(self, plan, hidden, index.shape[-1])
+    notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None)) if on]
+    _count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
+    if chunk is None or chunk >= hidden.shape[0]:
+        return run(self, plan, hidden, index, weights, lora, autocast_dtype)
+    outs = [run(self, plan, hidden[i:i + chunk], index[i:i + chunk], weights[i:i + chunk], lora, autocast_dtype)
+            for i in range(0, hidden.shape[0], chunk)]
+    return torch.cat(outs)
+
+
+def install(state, module, func, site: Site) -> None:
+    state.set(module, SITE_ATTR, site)
+    sites.install(state, module, func)

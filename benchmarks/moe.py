@@ -1,0 +1,268 @@
+"""One training step of a Qwen3-MoE-like model, full fine-tune and PEFT LoRA r=16 on the experts
+(all-linear): transformers' experts implementations (eager, grouped_mm, batched_mm) against the
+experts site (accel-patch's moe_experts op, `swap_kernels(ops="experts")`).
+
+    python benchmarks/moe.py                   # CPU: hidden 512, moe intermediate 384, 32 experts, top-8, 2 layers, 4096 tokens, fp32
+    python benchmarks/moe.py --device cuda     # GPU: Qwen3-30B-A3B layers (hidden 2048, moe inter 768, 128 experts, top-8), 4 layers, bf16, 8192 tokens
+    python benchmarks/moe.py --dry-run         # the same code at tiny shapes on CPU, in seconds
+    python benchmarks/moe.py --json moe.json   # the figures as JSON, rewritten after each variant
+    python benchmarks/moe.py --modes lora      # only LoRA on the experts (or: full)
+    python benchmarks/moe.py --variants grouped_mm,ours   # some of eager, grouped_mm, batched_mm, ours
+
+Each variant runs in a fresh process (random weights from a config, nothing downloaded, without
+TRITON_INTERPRET): peak memory growth of its first step (GPU: max_memory_allocated minus what was
+allocated before; CPU: the rise of the process's peak RSS), then the median time of --steps more.
+"ours" swaps only the experts site, on the grouped_mm model, so the ratios are the experts' alone.
+
+- saved/layer: bytes autograd keeps for backward during the forward of layer 0's experts module
+  (saved_tensors_hooks; parameters excluded, one storage once), beside the minimum any backward
+  of the layer needs (hidden [T, H] and the router's top-k index and weights).
+- batched_mm gathers each routed row's expert weights ([T*K, 2I, H]): a variant whose estimated
+  gather passes --batched-limit GiB is not run, and says so.
+- Targets: CPU, LoRA on experts: ours / PEFT on grouped_mm (transformers' default) peak growth <=
+  0.6x, time <= 1.1x; full fine-tune: ours / grouped_mm peak growth <= 0.8x, time <= 1.1x. GPU
+  (both modes): tokens/s >= 1.5x of grouped_mm's, peak growth <= 0.65x. Times on a loaded machine
+  are noise; memory is not.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = {
+    "cpu": dict(config=dict(vocab_size=8000, hidden_size=512, moe_intermediate_size=384, intermediate_size=1024,
+                            num_experts=32, num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=64, max_position_embeddings=4096),
+                batch=1, seq=4096, dtype="float32"),
+    # Qwen3-30B-A3B's layers: hidden 2048, moe intermediate 768, 128 experts, top-8, 32 q / 4 kv heads of 128
+    "cuda": dict(config=dict(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                             num_experts=128, num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, max_position_embeddings=8192),
+                 batch=2, seq=4096, dtype="bfloat16"),
+    "dry": dict(config=dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, intermediate_size=128,
+                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=128),
+                batch=1, seq=64, dtype="float32"),
+}
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+VARIANTS = IMPLEMENTATIONS + ("ours",)
+MODES = ("full", "lora")
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+TARGETS = {"cpu": {"full": dict(memory=0.8, time=1.1), "lora": dict(memory=0.6, time=1.1)},
+           "cuda": {"full": dict(memory=0.65, time=1 / 1.5), "lora": dict(memory=0.65, time=1 / 1.5)}}
+TARGETS["dry"] = TARGETS["cpu"]
+
+
+def prepared(variant: str, mode: str, shape_name: str, device: str):
+    """(model, batch, swap report or None) of one variant."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import accel_patch
+
+    shape = SHAPES[shape_name]
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**shape["config"], attn_implementation="sdpa")
+    config._experts_implementation = "grouped_mm" if variant == "ours" else variant
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(config).to(getattr(torch, shape["dtype"]))
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(**LORA))
+    report = accel_patch.swap_kernels(model, "experts") if variant == "ours" else None
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["config"]["vocab_size"], (shape["batch"], shape["seq"]), generator=gen).to(device)
+    return model, {"input_ids": ids, "labels": ids}, report
+
+
+def step(model, batch) -> None:
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def saved_bytes(model, batch) -> int:
+    import torch
+
+    experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, seen = [], {}
+
+    def pack(t):
+        if inside:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(module, args):
+        inside.append(1)
+
+    def leave(module, args, out):
+        inside.pop()
+
+    hooks = [experts.register_forward_pre_hook(enter), experts.register_forward_hook(leave)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(model, batch)
+    for h in hooks:
+        h.remove()
+    return sum(seen.values())
+
+
+def batched_gather_gib(shape_name: str) -> float:
+    shape = SHAPES[shape_name]
+    c = shape["config"]
+    rows = shape["batch"] * shape["seq"] * c["num_experts_per_tok"]
+    element = 2 if shape["dtype"] == "bfloat16" else 4
+    return rows * 2 * c["moe_intermediate_size"] * c["hidden_size"] * element / 2**30
+
+
+def child(variant: str, mode: str, shape_name: str, device: str, steps: int) -> dict:
+    import torch
+
+    if device == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    model, batch, report = prepared(variant, mode, shape_name, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(model, batch)
+        torch.cuda.synchronize()
+        growth = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        step(model, batch)  # the first step sets the high-water mark: its rise is the step's peak growth
+        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(model, batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    saved = saved_bytes(model, batch)
+    shape = SHAPES[shape_name]
+    c = shape["config"]
+    tokens = shape["batch"] * shape["seq"]
+    element = torch.finfo(getattr(torch, shape["dtype"])).bits // 8
+    minimum = tokens * (c["hidden_size"] * element + c["num_experts_per_tok"] * (8 + element))
+    return dict(variant=variant, mode=mode, peak_growth_mib=growth, step_s=statistics.median(times),
+                tokens_per_s=tokens / statistics.median(times), saved_layer_mib=saved / 2**20,
+                minimum_layer_mib=minimum / 2**20, calls=(report.calls if report is not None else None))
+
+
+def run_child(variant, mode, shape_name, device, steps) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS")}
+    env["ACCEL_PATCH_KERNELS"] = "0"  # no swap at load: the variant decides
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--mode", mode, "--shape", shape_name,
+           "--device", device, "--steps", str(steps)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return dict(variant=variant, mode=mode, error=f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, in seconds")
+    p.add_argument("--modes", default="full,lora", help="full, lora or both (default)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after the measured one (default: 2 on CPU, 10 on GPU)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--batched-limit", type=float, default=8.0, help="GiB of batched_mm's weight gather above which it is not run")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON after each variant")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    import torch
+
+    device = "cpu" if args.dry_run else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shape_name = args.shape or ("dry" if args.dry_run else device)
+    steps = args.steps if args.steps is not None else (10 if device == "cuda" else 1 if args.dry_run else 2)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if steps < 1 or not modes or any(m not in MODES for m in modes) or not variants or any(v not in VARIANTS for v in variants):
+        p.error(f"--steps must be >= 1, --modes among {', '.join(MODES)} and --variants among {', '.join(VARIANTS)}, "
+                f"got {steps}, {args.modes!r} and {args.variants!r}")
+    if args.child:
+        print(json.dumps(child(args.child, args.mode, shape_name, device, steps)))
+        return 0
+
+    import peft
+    import transformers
+
+    shape = SHAPES[shape_name]
+    c = shape["config"]
+    machine = (torch.cuda.get_device_name() if device == "cuda"
+               else f"CPU, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.1f}")
+    print(f"accel-patch MoE step, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, {machine}, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}")
+    print(f"Qwen3-MoE: hidden {c['hidden_size']}, moe intermediate {c['moe_intermediate_size']}, {c['num_experts']} "
+          f"experts, top-{c['num_experts_per_tok']}, {c['num_hidden_layers']} layers, vocab {c['vocab_size']}, "
+          f"{shape['batch']} x {shape['seq']} tokens, {shape['dtype']}; LoRA r=16 all-linear; median of {steps} steps")
+    rows, verdicts = [], {}
+
+    def dump():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, device=device,
+                               shape=shape, torch=torch.__version__, rows=rows, verdicts=verdicts), f, indent=1)
+
+    gather = batched_gather_gib(shape_name)
+    for mode in modes:
+        for variant in variants:
+            if variant == "batched_mm" and gather > args.batched_limit:
+                rows.append(dict(variant=variant, mode=mode, skipped=f"its weight gather would take {gather:.0f} GiB "
+                                                                      f"(> --batched-limit {args.batched_limit:g})"))
+            else:
+                rows.append(run_child(variant, mode, shape_name, device, steps))
+            dump()
+    print(f"\n{'mode':<6}{'variant':<12}{'tokens/s':>10}{'step s':>9}{'peak growth MiB':>17}{'saved/layer MiB':>17}"
+          f"{'minimum MiB':>13}")
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            print(f"{r['mode']:<6}{r['variant']:<12}{'FAILED: ' + r['error'] if 'error' in r else 'not run: ' + r['skipped']}")
+        else:
+            print(f"{r['mode']:<6}{r['variant']:<12}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}"
+                  f"{r['peak_growth_mib']:>17.0f}{r['saved_layer_mib']:>17.1f}{r['minimum_layer_mib']:>13.1f}")
+    for mode in modes:
+        by = {r["variant"]: r for r in rows if r["mode"] == mode and "error" not in r and "skipped" not in r}
+        if "ours" not in by:
+            continue
+        for against in [v for v in IMPLEMENTATIONS if v in by]:
+            memory = by["ours"]["peak_growth_mib"] / max(by[against]["peak_growth_mib"], 1e-9)
+            t = by["ours"]["step_s"] / by[against]["step_s"]
+            line = f"{mode}: ours / {against}: peak growth {memory:.2f}x, time {t:.2f}x, tokens/s {1 / t:.2f}x"
+            if against == "grouped_mm":
+                target = TARGETS[shape_name][mode]
+                verdicts[mode] = dict(memory_ratio=memory, time_ratio=t,
+                                      memory_verdict="PASS" if memory <= target["memory"] else "MISS",
+                                      time_verdict="PASS" if t <= target["time"] else "MISS")
+                line += (f"  (targets: <= {target['memory']:.2f}x {verdicts[mode]['memory_verdict']}, time <= "
+                         f"{target['time']:.2f}x {verdicts[mode]['time_verdict']})")
+            print(line)
+        print(f"{mode}: ours' calls: {by['ours']['calls']}")
+    dump()
+    failed = any("error" in r for r in rows)
+    if args.dry_run:
+        return 1 if failed else 0
+    return 0 if verdicts and not failed and all("MISS" not in v.values() for v in verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

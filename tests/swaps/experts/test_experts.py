@@ -1,0 +1,260 @@
+"""The experts site (accel_patch/swaps/experts/): every MoE family's experts swapped, one padded
+training step equal to stock's (float32: loss 1e-5, gradients 1e-4; bf16 autocast within 3x
+stock's own error against float64), whatever experts implementation the config picks; PEFT's LoRA
+on the experts fused as split LoRA with PEFT's adapter gradients; what the op cannot do runs
+PEFT's or the module's forward, counted; reversible; compiles fullgraph."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from accel_patch import report as live_report
+from accel_patch import restore_kernels, swap_kernels
+from accel_patch.swaps import experts, probe, sites
+from accel_patch.swaps.layers import tiled_mlp
+
+from _models import padded_batch, rel, training_step
+from _moe_models import FAMILIES, build, experts_modules, pair
+
+QUICK = {"qwen3_moe"}  # the kernels run interpreted: every other case is slow
+
+
+def experts_calls(model):
+    return live_report(model).calls.get(experts.OP, {})
+
+
+def assert_step_equals(stock, twin, loss_bound=1e-5, grad_bound=1e-4):
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert rel(loss1, loss0) <= loss_bound, (loss1, loss0)
+    assert grads0 and grads1.keys() == grads0.keys()
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= grad_bound, (worst, rel(grads1[worst], grads0[worst]))
+    return grads0, grads1
+
+
+@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)])
+def test_every_experts_module_is_swapped_and_a_float32_step_equals_stock(family):
+    stock, twin = pair(family)
+    report = swap_kernels(twin)
+    modules = experts_modules(twin)
+    assert modules and report.swapped.get(experts.OP) == len(modules), report
+    assert all(sites.is_swapped(m) for m in modules.values())
+    assert not [r for r in report.refused if r.op == experts.OP or "xperts" in r.where], report
+    from accel_kernels import _launch
+
+    with _launch.recording() as launched:
+        assert_step_equals(stock, twin)
+    assert experts_calls(twin) == {"fused": len(modules)}
+    # the Triton kernels ran (interpreted): gate/up with the GLU fused, and the weight gradients
+    assert {"_moe_gate_up_kernel", "_moe_weight_grad_kernel"} <= set(launched), sorted(set(launched))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_the_probe_and_the_step_hold_for_every_experts_implementation(family, implementation):
+    probe.cache.clear()
+    stock, twin = pair(family)
+    for m in (stock, twin):
+        m.config._experts_implementation = implementation
+        m.set_experts_implementation(implementation) if hasattr(m, "set_experts_implementation") else None
+    assert next(iter(experts_modules(twin).values())).config._experts_implementation == implementation
+    report = swap_kernels(twin)
+    assert report.swapped.get(experts.OP) == len(experts_modules(twin)), report
+    assert_step_equals(stock, twin)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_a_bfloat16_autocast_step_is_within_three_times_stocks_own_error(family):
+    reference, _ = pair(family, torch.float64)
+    reference.set_experts_implementation("eager")  # torch._grouped_mm takes no float64
+    stock, twin = pair(family)
+    swap_kernels(twin)
+    batch = padded_batch()
+    loss_ref, grads_ref, _ = training_step(reference, batch)
+    results = []
+    for m in (stock, twin):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(training_step(m, batch))
+    (loss0, grads0, _), (loss1, grads1, _) = results
+    assert rel(loss1, loss_ref) <= 3 * rel(loss0, loss_ref) + 1e-3
+    names = sorted(grads_ref)
+    flat = {k: torch.cat([g[n].double().flatten() for n in names]) for k, g in (("ref", grads_ref), ("stock", grads0), ("twin", grads1))}
+    assert rel(flat["twin"], flat["ref"]) <= 3 * rel(flat["stock"], flat["ref"]) + 1e-3
+    assert experts_calls(twin) == {"fused": len(experts_modules(twin))}
+
+
+# --- LoRA on the experts --------------------------------------------------------------------
+
+LORA = dict(r=4, lora_alpha=8, init_lora_weights=False)
+
+
+def peft_pair(family, order="peft-then-swap", **config):
+    base = build(family)
+    torch.manual_seed(3)
+    stock = get_peft_model(copy.deepcopy(base), LoraConfig(**{**LORA, **config}))
+    twin = copy.deepcopy(base)
+    if order == "swap-then-peft":
+        swap_kernels(twin)
+    torch.manual_seed(3)
+    twin = get_peft_model(twin, LoraConfig(**{**LORA, **config}))
+    if order == "peft-then-swap":
+        swap_kernels(twin)
+    return stock, twin
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, order, config", [
+    ("gpt_oss", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
+    ("qwen3_moe", "swap-then-peft", {"target_modules": "all-linear"}),
+    ("mixtral", "peft-then-swap", {"target_parameters": ["down_proj"], "target_modules": []}),
+    ("llama4", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
+    ("qwen2_moe", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
+])
+def test_lora_on_the_experts_is_fused_and_gives_peft_s_adapter_gradients(family, order, config):
+    stock, twin = peft_pair(family, order, **config)
+    grads0, grads1 = assert_step_equals(stock, twin)
+    assert all("lora_" in n for n in grads1 if "experts" in n)  # gradients to A and B only
+    assert any("experts" in n and "lora_A" in n for n in grads1)
+    assert experts_calls(twin) == {"fused (LoRA)": len(experts_modules(twin))}
+
+
+@pytest.mark.slow
+def test_lora_on_the_experts_never_reads_the_merged_weight():
+    """PEFT's ParamWrapper folds W + s B A when it registers its parametrization (torch checks the
+    parametrization's output once there) and again when the experts forward reads the parameter:
+    the site reads the stored weight and the factors, so only PEFT's own check remains."""
+    import peft.tuners.lora.layer as peft_lora
+
+    stock, twin = peft_pair("gpt_oss", target_parameters=["gate_up_proj", "down_proj"], target_modules=[])
+    wrappers = sum(type(m).__name__ == "ParamWrapper" for m in twin.modules())
+    original = peft_lora._LoraFactorsProxy.forward
+    folds = []
+
+    def watched(self, W):
+        folds.append(tuple(W.shape))
+        return original(self, W)
+
+    counts = []
+    peft_lora._LoraFactorsProxy.forward = watched
+    try:
+        for m in (stock, twin):
+            folds.clear()
+            m(**padded_batch()).loss.backward()
+            counts.append(len(folds))
+    finally:
+        peft_lora._LoraFactorsProxy.forward = original
+    assert wrappers == 4 and counts == [2 * wrappers, wrappers], counts
+    base = twin.base_model.model.model.layers[0].mlp.experts.get_base_layer()
+    assert isinstance(base.gate_up_proj, torch.nn.Parameter)  # PEFT's parametrization is gone after the call
+
+
+@pytest.mark.slow
+def test_several_active_adapters_run_peft_s_forward_counted_and_disabled_adapters_the_fused_base():
+    stock, twin = peft_pair("qwen3_moe", target_modules="all-linear")
+    layers = len(experts_modules(twin))
+    for m in (stock, twin):
+        torch.manual_seed(5)
+        m.add_adapter("second", LoraConfig(**LORA, target_modules="all-linear"))
+        m.base_model.set_adapter(["default", "second"])
+    assert_step_equals(stock, twin)
+    outcomes = experts_calls(twin)
+    assert list(outcomes.values()) == [layers] and next(iter(outcomes)).startswith("PEFT's forward: "), outcomes
+    for m in (stock, twin):
+        m.base_model.set_adapter("default")
+    batch = padded_batch()
+    with stock.disable_adapter(), twin.disable_adapter():
+        assert torch.allclose(twin(**batch).loss, stock(**batch).loss, rtol=1e-5, atol=0)
+    assert experts_calls(twin)["fused"] == layers
+
+
+# --- composition ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_router_and_its_aux_loss_stay_stock_and_restore_puts_the_forward_back():
+    stock, twin = pair("qwen3_moe", router_aux_loss_coef=0.1)
+    before = {n: m.__dict__.get("forward") for n, m in twin.named_modules()}
+    swap_kernels(twin)
+    batch = padded_batch()
+    out0, out1 = stock(**batch), twin(**batch)
+    assert out1.aux_loss is not None and torch.allclose(out1.aux_loss, out0.aux_loss, rtol=1e-6)
+    assert all(not sites.is_swapped(m) for n, m in twin.named_modules() if n.endswith(".gate"))  # the router
+    assert restore_kernels(twin)
+    assert {n: m.__dict__.get("forward") for n, m in twin.named_modules()} == before
+    assert not any(experts.SITE_ATTR in m.__dict__ for m in twin.modules())
+
+
+@pytest.mark.slow
+def test_a_long_call_is_tiled_over_tokens_by_the_tiled_mlp_rule(monkeypatch):
+    stock, twin = pair("qwen3_moe")
+    swap_kernels(twin)
+    monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)  # chunks of `hidden` (64) tokens
+    batch = {k: v.repeat(1, 30) for k, v in padded_batch().items()}  # 3 x 300 tokens: 15 chunks
+    batch["labels"][:, :5] = -100
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
+    assert experts_calls(twin) == {"fused (tiled)": len(experts_modules(twin))}
+
+
+@pytest.mark.slow
+def test_a_fullgraph_compiled_step_has_no_graph_break_holds_the_op_and_equals_stock():
+    stock, twin = pair("qwen3_moe", output_router_logits=False)
+    swap_kernels(twin)
+    batch = padded_batch()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(twin)(**batch)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert any("moe_experts" in str(n.target) for g in explained.graphs for n in g.graph.nodes)
+    torch._dynamo.reset()
+    loss0, grads0, _ = training_step(stock, batch)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    loss1, grads1, _ = training_step(compiled, batch)
+    grads1 = {n.replace("_orig_mod.", ""): g for n, g in grads1.items()}
+    assert rel(loss1, loss0) <= 1e-5
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
+    assert set(experts_calls(twin)) == {"compiled: fused"}
+    torch._dynamo.reset()
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+def test_an_activation_that_is_not_what_it_names_is_refused_with_the_reason():
+    model = build("qwen3_moe")
+
+    class SiLU(torch.nn.Module):  # named SiLU, computes something else
+        def forward(self, t):
+            return torch.nn.functional.silu(t) * 1.01
+
+    for m in experts_modules(model).values():
+        m.act_fn = SiLU()
+    report = swap_kernels(model)
+    assert experts.OP not in report.swapped
+    reasons = {r.reason for r in report.refused if r.op == experts.OP}
+    assert len(reasons) == 1 and "differs from every reading of the MoE experts" in reasons.pop()
+
+
+def test_separate_3d_gate_and_up_are_refused_with_the_reason():
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = torch.nn.Parameter(torch.randn(4, 8, 16))
+            self.up_proj = torch.nn.Parameter(torch.randn(4, 8, 16))
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 8))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    holder = torch.nn.Sequential(Experts())
+    report = swap_kernels(holder, ops="experts")
+    assert [r.reason for r in report.refused] == ["MoE experts with separate 3-D gate and up parameters: the op takes one gate_up"]
