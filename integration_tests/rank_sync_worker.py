@@ -1,4 +1,4 @@
-"""The rank-sync check in a DDP Trainer (issue 19): one process of a 2-rank torchrun launch, three
+"""The rank-sync check in a DDP Trainer: one process of a 2-rank torchrun launch, three
 Trainer runs in it, so that one launch covers them all.
 
 - "sync": ACCEL_PATCH_SYNC_EVERY=1, 5 steps: every log should say the ranks are in sync.

@@ -200,7 +200,7 @@ def test_trl_sft_trainer_gets_the_callback_and_the_kernels(tmp_path):
 
 @pytest.mark.slow
 def test_a_dora_adapter_in_a_trainer_logs_its_fallbacks_once_per_reason(tmp_path, caplog):
-    """Issue 19's check: PEFT's forward runs for every LoRA call (DoRA); the logs say so at every
+    """PEFT's forward runs for every LoRA call (DoRA); the logs say so at every
     log, the logger warns once per op and reason, the report counts the fused loss, and every
     logged string fits a console line."""
     from peft import LoraConfig, get_peft_model

@@ -32,7 +32,7 @@ def _check_matrix(records, expected_kernels):
         assert seen == expected_kernels, f"{target}: {expected_kernels - seen} never compiled"
     for r in records:
         assert r["registers"] and r["blocks_per_sm"] >= 1 and r["shared"] >= 0, r
-    # the rms_norm backward grid has as many programs as are resident at once (issue 11): at
+    # the rms_norm backward grid has as many programs as are resident at once: at
     # least what the host sizes it for must fit a SM
     for r in records:
         if r["kernel"] == "_rms_norm_bwd_kernel":

@@ -1,4 +1,4 @@
-"""What ran, said out loud (issue 19): `accel_patch.report(model)` is the live report, the fused
+"""What ran, said out loud: `accel_patch.report(model)` is the live report, the fused
 loss's calls are counted in `calls` beside the LoRA sites', one rule says which outcome is a
 fall-back, and LoRA sites without an adapter are not reported as swapped."""
 from __future__ import annotations

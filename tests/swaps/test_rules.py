@@ -151,7 +151,7 @@ def test_report_reads_as_a_table_and_one_line():
            "lora_o": 32, "tiled_mlp": 32}
     big = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1])
     assert len(big.short()) <= 100, big.short()  # a logged value (AccelPatchCallback)
-    # TRL's head and 64 more refusals: the 108-character line of issue 19 now fits, still naming every op
+    # TRL's head and 64 more refusals: a 108-character line once overflowed; it now fits, still naming every op
     trl = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1] * 65, head="ours")
     assert len(trl.short()) <= 100 and trl.short().endswith("; 65 refused; LM head: ours, in TRL's place"), trl.short()
     assert trl.short().startswith("norm 65, rope 32, glu+tiled 32, loss 1, lora mlp/qkv/o 32;")

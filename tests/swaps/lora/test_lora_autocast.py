@@ -28,7 +28,7 @@ def expected_calls(model, family, n=1):
 
 def assert_within_stocks_error(reference, stock, twin, batch, dtype=torch.bfloat16):
     """twin's autocast step against the float32 step: loss and every adapter gradient within 3x
-    stock's own autocast error + 2e-3 (issue 17's bound), gradients in stock's dtypes."""
+    stock's own autocast error + 2e-3, gradients in stock's dtypes."""
     torch.manual_seed(0)
     loss_ref, grads_ref, _ = training_step(reference, batch)
     with torch.autocast("cpu", dtype=dtype):
