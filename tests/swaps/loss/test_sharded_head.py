@@ -54,7 +54,9 @@ class FakeZero3:
 @pytest.mark.slow
 def test_a_zero3_partitioned_head_stands_aside_and_gives_the_stock_loss():
     stock, twin = pair("llama")
-    accel_patch.swap_kernels(twin)
+    # only the loss is swapped: the other kernels (interpreted here) would change the last bits of
+    # the hidden states, and this test asks for the stock loss exactly
+    accel_patch.swap_kernels(twin, ops=["fused_linear_cross_entropy"])
     FakeZero3(stock.lm_head)
     FakeZero3(twin.lm_head)
     batch = padded_batch()
