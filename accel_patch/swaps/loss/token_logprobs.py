@@ -105,6 +105,10 @@ class _Metrics(torch.autograd.Function):
         gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if needs_h else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs_w else None
         gb = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if needs_b and b is not None else None
+        # On CPU bf16/fp16 matmuls run far slower than fp32 ones: the gradient matmuls take the
+        # rounded chunk gradient in fp32 there, as the fused kernel's plain-torch twin does.
+        wide = h.device.type == "cpu" and h.dtype != torch.float32
+        w_mm = w.float() if wide and gh is not None else w
         for s in range(0, h.shape[0], ctx.rows):
             e = min(h.shape[0], s + ctx.rows)
             z, t = _chunk_logits(h[s:e], w, b, ctx.softcap)
@@ -115,10 +119,12 @@ class _Metrics(torch.autograd.Function):
             if t is not None:
                 g.mul_(1 - t * t)
             g = g.to(h.dtype)
+            if wide:
+                g = g.float()
             if gh is not None:
-                gh[s:e] = (g @ w).float()
+                gh[s:e] = g @ w_mm
             if gw is not None:
-                gw.add_((g.t() @ h[s:e]).float())
+                gw.addmm_(g.t(), h[s:e].float()) if wide else gw.add_((g.t() @ h[s:e]).float())
             if gb is not None:
                 gb.add_(g.float().sum(0))
         return (None if gh is None else gh.to(h.dtype), None if gw is None else gw.to(w.dtype),
