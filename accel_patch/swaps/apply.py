@@ -109,7 +109,8 @@ class _Walk:
         elif op == experts.OP:  # a site with call-time data (its plan, the model's call counts)
             plan, arg_names = forward(verdict)
             experts.install(self.state, module, sites.signed(experts.forward, type(module), op),
-                            experts.Site(plan, arg_names, self.state.calls))
+                            experts.Site(plan, arg_names, self.state.calls, self.tiled_requested,
+                                         tiled_mlp.checkpoint_holders(self.model, where)))
             self.state.counts[op] = self.state.counts.get(op, 0) + 1
             self.new += 1
         else:

@@ -52,10 +52,13 @@ class ExpertsPlan(namedtuple("ExpertsPlan", "style names biases transposed inter
 
 class Site:
     """What the experts forward reads at call time: its plan, the forward's argument names, the
-    model's call counts."""
+    model's call counts, and what the tiled MLP's rule reads (`requested`: the caller named
+    tiled_mlp; `holders`: the modules whose gradient_checkpointing flag covers this layer)."""
 
-    def __init__(self, plan: ExpertsPlan, arg_names: tuple[str, ...], calls) -> None:
+    def __init__(self, plan: ExpertsPlan, arg_names: tuple[str, ...], calls, requested: bool = False,
+                 holders=()) -> None:
         self.plan, self.arg_names, self.calls = plan, arg_names, calls
+        self.requested, self.holders = requested, tuple(holders)
 
     def count(self, outcome: str) -> None:
         per_op = self.calls.setdefault(OP, {})
@@ -276,12 +279,13 @@ def decide_lora(module, plan: ExpertsPlan):
             "scaling": scalings.pop()}
 
 
-def _tiling(module, plan: ExpertsPlan, hidden: torch.Tensor, top_k: int) -> int | None:
-    """Tokens per chunk when this call is long enough to tile (the tiled MLP's rule, on the K
-    expert rows a token has), else None."""
+def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
+    """Tokens per chunk when this call is tiled by the tiled MLP's rule (long enough, on the K
+    expert rows a token has; under gradient checkpointing or named), else None."""
+    plan = site.plan
     gate_up = adapters.base(module, plan.names[0])
     inter = (gate_up.shape[2] if plan.transposed else gate_up.shape[1]) // 2
-    rule = tiled_mlp.Site(hidden.shape[-1], inter * top_k, {})
+    rule = tiled_mlp.Site(hidden.shape[-1], inter * top_k, {}, site.requested, site.holders)
     if tiled_mlp.decide(rule, module, hidden) is not None:
         return None
     return tiled_mlp.chunk_tokens(rule.hidden, rule.intermediate)
@@ -317,7 +321,7 @@ def forward(self, *args, **kwargs):
     else:
         index, weights = dense_routes(hidden, experts)
     autocast_dtype = _autocast_dtype(hidden)
-    chunk = None if sites.compiling() else _tiling(self, plan, hidden, index.shape[-1])
+    chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None)) if on]
     _count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:

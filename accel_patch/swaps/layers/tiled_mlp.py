@@ -368,11 +368,12 @@ def install(state, module, site: Site) -> None:
 
 def request(model) -> None:
     """Every tiled site of `model` tiles long training calls without checkpointing too (the caller
-    named the op after a default swap had installed them)."""
+    named the op after a default swap had installed them): the tiled MLPs and every other site
+    that tiles by this rule (MoE experts), whose site objects carry `requested` too."""
     for module in model.modules():
-        site = module.__dict__.get(SITE_ATTR)
-        if site is not None:
-            site.requested = True
+        for site in list(module.__dict__.values()):
+            if hasattr(site, "requested") and hasattr(site, "holders"):
+                site.requested = True
 
 
 def op_of(module) -> str | None:

@@ -198,6 +198,30 @@ def test_a_long_call_is_tiled_over_tokens_by_the_tiled_mlp_rule(monkeypatch):
     monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)  # chunks of `hidden` (64) tokens
     batch = {k: v.repeat(1, 30) for k, v in padded_batch().items()}  # 3 x 300 tokens: 15 chunks
     batch["labels"][:, :5] = -100
+    # by default, as the tiled MLP: not tiled without gradient checkpointing (it would cost a forward)
+    training_step(twin, batch)
+    assert "fused (tiled)" not in experts_calls(twin), experts_calls(twin)
+    twin.gradient_checkpointing_enable()  # where the recompute is paid anyway: tiled
+    twin.config.use_cache = False
+    for calls in twin.__dict__[sites.STATE_ATTR].calls.values():
+        calls.clear()
+    loss1, grads1, _ = training_step(twin, batch)
+    loss0, grads0, _ = training_step(stock, batch)
+    assert rel(loss1, loss0) <= 1e-5
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
+    assert experts_calls(twin)["fused (tiled)"] >= len(experts_modules(twin))
+
+
+@pytest.mark.slow
+def test_a_named_tiled_mlp_tiles_the_experts_without_checkpointing(monkeypatch):
+    stock, twin = pair("qwen3_moe")
+    swap_kernels(twin)
+    swap_kernels(twin, ops=["tiled_mlp"])  # named after a default swap: tiles from now on
+    monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)  # chunks of `hidden` (64) tokens
+    batch = {k: v.repeat(1, 30) for k, v in padded_batch().items()}  # 3 x 300 tokens: 15 chunks
+    batch["labels"][:, :5] = -100
     loss0, grads0, _ = training_step(stock, batch)
     loss1, grads1, _ = training_step(twin, batch)
     assert rel(loss1, loss0) <= 1e-5
