@@ -87,7 +87,8 @@ def test_a_swapped_training_forward_has_no_graph_break_and_holds_every_kernel(fa
     # the LoRA sites fuse nothing without an adapter (and stand aside while compiling), nor does the
     # tiled MLP (it stands aside while compiling): no node of their own
     module_ops = set(report.swapped) - LORA - {"tiled_mlp"}
-    assert ops == {KERNEL_NODES[op].split(".")[1] for op in module_ops} == set(FAMILIES[family][0]) - LORA - {"tiled_mlp"}
+    assert module_ops == set(FAMILIES[family][0]) - LORA - {"tiled_mlp"}
+    assert ops == {KERNEL_NODES[op].split(".")[1] for op in module_ops}  # an op's node may have another name
     assert logits == []  # the head's (tokens, vocab) logits are never built
     _, stock_logits = graph_facts(explained_stock.graphs, tokens)
     assert stock_logits  # (the check above can see them)
