@@ -392,6 +392,9 @@ COMBINE_BLOCK_H = 1024
 # gpt-oss's interleaved gate/up: stride-2 weight columns and the GLU backward's epilogue spill at
 # 4 warps (255 registers, 112-352 B on sm_80/sm_90a at 4096 tokens); 8 warps hold them
 GATE_UP_BACKWARD_INTERLEAVED_WARPS = 8
+# fp32 operands ("ieee" dots, fp32 tiles in registers) spill 88-6012 B at 4 warps on sm_80/sm_90a
+# at every MoE shape of the audit; 8 warps split each tile over twice the threads
+FP32_WARPS = 8
 _CT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -404,8 +407,8 @@ def _block(n: int, most: int) -> int:
 
 
 def _meta(ct: torch.dtype) -> dict:
-    return dict(CT=_CT[ct], PRECISION="ieee" if ct == torch.float32 else "tf32", num_warps=NUM_WARPS,
-                num_stages=NUM_STAGES)
+    return dict(CT=_CT[ct], PRECISION="ieee" if ct == torch.float32 else "tf32",
+                num_warps=FP32_WARPS if ct == torch.float32 else NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def _rank_block(rank: int) -> int:
