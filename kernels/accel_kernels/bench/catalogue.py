@@ -180,13 +180,22 @@ def _make_moe(device, dtype, tokens, hidden, intermediate, experts, top_k):
             (torch.randn(experts, hidden, intermediate, device=device) / math.sqrt(intermediate)).to(dtype).requires_grad_()]
 
 
+def _grouped(a, b, offs):
+    """torch._grouped_mm(a, b, offs=offs); group by group where it takes no such dtype (float64: the
+    reference `accel-patch check` runs)."""
+    if a.dtype != torch.float64:
+        return torch._grouped_mm(a, b, offs=offs)
+    starts = [0] + offs.tolist()[:-1]
+    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, offs.tolist()))])
+
+
 def _eager_moe(x, index, w, gate_up, down):
     """transformers' grouped_mm_experts_forward (integrations/moe.py) in plain torch."""
     top_k, experts = index.shape[1], gate_up.shape[0]
     ids, perm = torch.sort(index.reshape(-1))
     offs = torch.cumsum(torch.bincount(ids, minlength=experts), 0).to(torch.int32)
-    gate, up = torch._grouped_mm(x[perm // top_k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs) * w.reshape(-1)[perm, None]
+    gate, up = _grouped(x[perm // top_k], gate_up.transpose(1, 2), offs).chunk(2, dim=-1)
+    y = _grouped(F.silu(gate) * up, down.transpose(1, 2), offs) * w.reshape(-1)[perm, None]
     return torch.zeros_like(x).index_add_(0, perm // top_k, y.to(x.dtype))
 
 
