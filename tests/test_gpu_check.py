@@ -75,6 +75,7 @@ def test_bad_arguments_and_steps_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # every step's dry run (15 steps, each its own interpreter): past the suite's 300 s a test
 def test_the_dry_run_runs_every_step_and_each_writes_its_json(tmp_path):
     """Every step of the table, on this CPU at tiny shapes: two dry runs side by side, each taking
     every other step (the machine's two cores), each exiting 0 with every step's JSON."""
