@@ -233,11 +233,16 @@ class _Walk:
         self.state.counts[tiled_mlp.OP] = self.state.counts.get(tiled_mlp.OP, 0) + 1
         self.new += 1
 
-    def experts(self, where, module) -> None:
-        found = experts.candidate(module)
+    def candidate(self, where, op, found):
+        """A candidate test's answer: what it found, else None (a reason is recorded as a refusal)."""
         if isinstance(found, str):
-            self.refuse(where, experts.OP, found)
-        if found is None or isinstance(found, str):
+            self.refuse(where, op, found)
+            return None
+        return found
+
+    def experts(self, where, module) -> None:
+        found = self.candidate(where, experts.OP, experts.candidate(module))
+        if found is None:
             return
         config = getattr(module, "config", None)
         act_fn = mlp.activation(module)
@@ -259,10 +264,8 @@ class _Walk:
                             lambda: norms.probe_verdict(module, self.dtype, eps_attr), norms.forward_for)
 
     def glu(self, where, module) -> None:
-        found = mlp.candidate(module)
-        if isinstance(found, str):
-            self.refuse(where, mlp.OP, found)
-        if found is None or isinstance(found, str):
+        found = self.candidate(where, mlp.OP, mlp.candidate(module))
+        if found is None:
             return
         names, act = found
         act_fn = mlp.activation(module)
