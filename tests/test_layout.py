@@ -250,3 +250,14 @@ def test_tests_of_swaps_mirror_its_rooms():
     tests = Path(__file__).resolve().parent / "swaps"
     for room in sorted(p.parent.name for p in SWAPS.glob("*/__init__.py")):
         assert list((tests / room).glob("test_*.py")), f"tests/swaps/{room}/ has no tests for accel_patch/swaps/{room}/"
+
+
+def test_every_package_directory_is_listed_in_pyproject():
+    # setuptools installs only the packages pyproject lists: a room missing there works in an
+    # editable install and is absent from a wheel
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {".".join(("accel_patch", *p.parent.relative_to(PACKAGE).parts)) for p in PACKAGE.rglob("__init__.py")}
+    found |= {".".join(("accel_kernels", *p.parent.relative_to(KERNELS).parts)) for p in KERNELS.rglob("__init__.py")}
+    assert found - listed == set(), f"packages missing from pyproject's [tool.setuptools] packages: {sorted(found - listed)}"
