@@ -285,7 +285,7 @@ class _Walk:
         fn = plan.key
         if fn not in self.rope_held:
             # the model's own hold: copied and pickled with its state, counted down when it is collected
-            self.state.releases.append(rope.Hold(fn, plan.cast_back).release)
+            self.state.releases.append(rope.Hold(fn, plan.cast_back, plan.half_tables).release)
             self.rope_held.add(fn)
         return rope.forward_for(fn)
 

@@ -30,6 +30,12 @@ with cos/sin in q's dtype and in float32 (what rotary embeddings that compute in
 over): values, dtypes and shapes must all match. Some families (Olmo, Olmo2) compute in the
 promoted dtype and cast back to q's and k's dtypes; the probe sees that and the site casts back
 too (`RopePlan.cast_back`). Interleaved conventions (Cohere, GLM) differ and are refused.
+Some families (gpt-oss) hand over half-width tables, `cos[..., :r/2]`, and rotate each half by
+them (`x1 * cos - x2 * sin`, `x2 * cos + x1 * sin`): that is rotate-half RoPE on the table
+repeated twice, `cat(cos, cos)`. When the function takes no full-width table the probe tries
+half-width ones against the kernel on the widened tables, and the dispatcher widens them for the
+kernel (`RopePlan.half_tables`); a table repeated twice costs a copy of `[batch, seq, r]`, not of
+q or k.
 
 On CPU without Triton (`accel_kernels._dispatch.use_triton` false) the dispatcher calls the
 original function: the kernel's plain-torch twin computes the same thing more slowly there.
@@ -53,9 +59,11 @@ OP = "rope"
 
 
 
-class RopePlan(namedtuple("RopePlan", "key cast_back")):
+class RopePlan(namedtuple("RopePlan", "key cast_back half_tables", defaults=(False,))):
     """key: (modeling module, function name) of the global; cast_back: the function returns q's and
-    k's own dtypes (it casts the promoted result back), so the site casts the kernel's back too."""
+    k's own dtypes (it casts the promoted result back), so the site casts the kernel's back too;
+    half_tables: the function takes cos/sin of half the rotary width, which the kernel gets
+    repeated twice (see the module docstring)."""
 
     __slots__ = ()
 
@@ -131,16 +139,16 @@ class Interceptions:
             module_name, name = key
             return sys.modules[module_name].__dict__[name]
 
-    def acquire(self, key: tuple[str, str], cast_back: bool = False) -> None:
+    def acquire(self, key: tuple[str, str], cast_back: bool = False, half_tables: bool = False) -> None:
         """Put the dispatcher in place (first holder) and count one more holder (see `Hold`).
-        `cast_back`: the dispatcher returns q's and k's dtypes (the probe's finding for this function)."""
+        `cast_back`, `half_tables`: the probe's findings for this function (see `RopePlan`)."""
         with self._lock:
             self._sweep(keep=key)
             module_name, name = key
             owner = sys.modules.get(module_name) or importlib.import_module(module_name)  # a model loaded first
             if key not in self._held:
                 original = owner.__dict__[name]
-                dispatcher = _dispatcher(key, original, cast_back)
+                dispatcher = _dispatcher(key, original, cast_back, half_tables)
                 owner.__dict__[name] = dispatcher
                 self._held[key] = [original, dispatcher, 0]
             self._held[key][2] += 1
@@ -191,9 +199,9 @@ class Hold:
     is collected. A copy of the model (deepcopy) and a pickled model loaded again make their own
     (`__reduce__`), so each runs the kernel its report lists."""
 
-    def __init__(self, key: tuple[str, str], cast_back: bool = False) -> None:
-        self.key, self.cast_back = tuple(key), bool(cast_back)
-        interceptions.acquire(self.key, self.cast_back)
+    def __init__(self, key: tuple[str, str], cast_back: bool = False, half_tables: bool = False) -> None:
+        self.key, self.cast_back, self.half_tables = tuple(key), bool(cast_back), bool(half_tables)
+        interceptions.acquire(self.key, self.cast_back, self.half_tables)
         self._collected = weakref.finalize(self, interceptions.dropped, self.key)
 
     def release(self) -> None:
@@ -201,10 +209,10 @@ class Hold:
             interceptions.release(self.key)
 
     def __reduce__(self):
-        return Hold, (self.key, self.cast_back)
+        return Hold, (self.key, self.cast_back, self.half_tables)
 
 
-def _dispatcher(key, original, cast_back: bool):
+def _dispatcher(key, original, cast_back: bool, half_tables: bool = False):
     from accel_kernels import _dispatch
 
     signature = inspect.signature(original)
@@ -240,7 +248,7 @@ def _dispatcher(key, original, cast_back: bool):
                 q, k, cos, sin = (given[n] for n in tensors)
                 if isinstance(q, torch.Tensor) and _dispatch.use_triton(q):  # else the original is faster
                     try:
-                        q_out, k_out = _kernel(q, k, cos, sin)
+                        q_out, k_out = _kernel(q, k, cos, sin, half_tables)
                     except ValueError:
                         pass  # a shape the kernel does not take: the stock function handles it
                     else:
@@ -253,9 +261,11 @@ def _dispatcher(key, original, cast_back: bool):
     return dispatch
 
 
-def _kernel(q, k, cos, sin):
+def _kernel(q, k, cos, sin, half_tables: bool = False):
     from accel_kernels import rope
 
+    if half_tables:  # the same rotation on the full-width tables (see the module docstring)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return rope(q, k, cos, sin, unsqueeze_dim=1)
 
 
@@ -308,42 +318,48 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
         # know it even when the first model swapped runs in float32
         combos = dict.fromkeys([(act_dtype, act_dtype), (act_dtype, torch.float32), (torch.float32, torch.float32),
                                 (torch.bfloat16, torch.float32)])
-        for dtype, table_dtype in combos:
-            # q/k of the full head dim with rotary dim r (partial rotary inside the function), and
-            # q/k of dim r (the caller slices the rotary part off first, as Phi and StableLM do)
-            for dim, r in {(head_dim, r) for r in rotary_dims} | {(r, r) for r in rotary_dims}:
-                q = probe.randn((2, heads, 5, dim), dtype, device)
-                k = probe.randn((2, kv_heads, 5, dim), dtype, device)
-                cos = probe.randn((2, 5, r), table_dtype, device)
-                sin = probe.randn((2, 5, r), table_dtype, device)
-                try:
-                    ref = original(q, k, cos, sin)
-                except Exception:
-                    continue  # this function does not take this shape; the dispatcher never sends it
-                ran += 1
-                try:
-                    out = _kernel(q, k, cos, sin)
-                except ValueError as exc:
-                    return f"kernel refused the shapes the function takes: {exc}"
-                if dtype != table_dtype and isinstance(ref, tuple) and len(ref) == 2:
-                    # mixed dtypes: the kernel returns the promoted dtype; the function may cast back
-                    back = all(isinstance(r_, torch.Tensor) and r_.dtype == t.dtype for r_, t in zip(ref, (q, k)))
-                    if cast_back is not None and back != cast_back:
-                        return f"{key[0]}.{key[1]} returns different dtypes for different shapes"
-                    cast_back = back
-                    if back:
-                        out = tuple(o.to(t.dtype) for o, t in zip(out, (q, k)))
-                why = _dtypes_returned(out, ref)
-                if why:
-                    return f"{key[0]}.{key[1]} with q/k in {dtype} and cos/sin in {table_dtype}: {why}"
-                err = max(probe.rel_err(o, s) for o, s in zip(out, ref))
-                limit = probe.bound(dtype)
-                if err > limit:
-                    return (f"{key[0]}.{key[1]} differs from rotate-half RoPE in {dtype} (relative error "
-                            f"{err:.2e} > {limit:.1e}; interleaved or another convention)")
+        # full-width tables first; half-width ones only for a function that takes no full-width one
+        for half_tables in (False, True):
+            for dtype, table_dtype in combos:
+                # q/k of the full head dim with rotary dim r (partial rotary inside the function), and
+                # q/k of dim r (the caller slices the rotary part off first, as Phi and StableLM do)
+                for dim, r in {(head_dim, r) for r in rotary_dims} | {(r, r) for r in rotary_dims}:
+                    width = r // 2 if half_tables else r
+                    q = probe.randn((2, heads, 5, dim), dtype, device)
+                    k = probe.randn((2, kv_heads, 5, dim), dtype, device)
+                    cos = probe.randn((2, 5, width), table_dtype, device)
+                    sin = probe.randn((2, 5, width), table_dtype, device)
+                    try:
+                        ref = original(q, k, cos, sin)
+                    except Exception:
+                        continue  # this function does not take this shape; the dispatcher never sends it
+                    ran += 1
+                    try:
+                        out = _kernel(q, k, cos, sin, half_tables)
+                    except ValueError as exc:
+                        return f"kernel refused the shapes the function takes: {exc}"
+                    if dtype != table_dtype and isinstance(ref, tuple) and len(ref) == 2:
+                        # mixed dtypes: the kernel returns the promoted dtype; the function may cast back
+                        back = all(isinstance(r_, torch.Tensor) and r_.dtype == t.dtype for r_, t in zip(ref, (q, k)))
+                        if cast_back is not None and back != cast_back:
+                            return f"{key[0]}.{key[1]} returns different dtypes for different shapes"
+                        cast_back = back
+                        if back:
+                            out = tuple(o.to(t.dtype) for o, t in zip(out, (q, k)))
+                    why = _dtypes_returned(out, ref)
+                    if why:
+                        return f"{key[0]}.{key[1]} with q/k in {dtype} and cos/sin in {table_dtype}: {why}"
+                    err = max(probe.rel_err(o, s) for o, s in zip(out, ref))
+                    limit = probe.bound(dtype)
+                    if err > limit:
+                        tables = "half-width tables" if half_tables else "full-width tables"
+                        return (f"{key[0]}.{key[1]} differs from rotate-half RoPE in {dtype} on {tables} (relative "
+                                f"error {err:.2e} > {limit:.1e}; interleaved or another convention)")
+            if ran:
+                break
     if not ran:
-        return f"{key[1]} could not be called with rotate-half shapes"
-    return RopePlan(key, bool(cast_back))
+        return f"{key[1]} could not be called with rotate-half shapes (full- or half-width cos/sin)"
+    return RopePlan(key, bool(cast_back), half_tables)
 
 
 _forwards: dict[tuple, object] = {}

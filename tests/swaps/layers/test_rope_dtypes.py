@@ -119,3 +119,80 @@ def test_a_float32_model_swapped_first_does_not_decide_the_dtype_for_a_half_one(
     assert [g.dtype for g in got] == [w.dtype for w in want] == [dtype, dtype]
     restore_kernels(model)
     restore_kernels(first)
+
+
+def gpt_oss_attention():
+    """An attention of gpt-oss, whose RoPE takes cos/sin of half the head dim."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    config._attn_implementation = "eager"  # what a model class sets (an unset one logs, a graph break)
+    return gpt_oss.GptOssAttention(config, layer_idx=0), config
+
+
+def test_the_probe_accepts_gpt_oss_half_width_tables_and_the_dispatcher_widens_them():
+    attn, config = gpt_oss_attention()
+    key = rope.rope_function(attn)
+    verdict = rope.probe_verdict(key, attn, config, torch.float32)
+    assert isinstance(verdict, rope.RopePlan) and verdict.half_tables and not verdict.cast_back, verdict
+    hold = rope.Hold(key, verdict.cast_back, verdict.half_tables)
+    try:
+        torch.manual_seed(0)
+        q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+        cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)  # half of head dim 16
+        want = rope.interceptions.original(key)(q, k, cos, sin)
+        with _launch.recording() as launched:
+            got = call_swapped(key, q, k, cos, sin)
+        assert launched == ["_rope_kernel"]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and rel(g, w) <= 1e-6, rel(g, w)
+    finally:
+        hold.release()
+
+
+def test_full_width_families_keep_full_tables_and_a_function_taking_neither_is_refused():
+    model = build("llama")
+    attn = model.model.layers[0].self_attn
+    plan = rope.probe_verdict(rope.rope_function(attn), attn, model.config, torch.float32)
+    assert isinstance(plan, rope.RopePlan) and not plan.half_tables
+    fake = types.ModuleType("accel_patch_test_fake_quarter_tables")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if cos.shape[-1] * 4 != q.shape[-1]:
+            raise RuntimeError("takes quarter-width tables only")
+        return q * cos.repeat(1, 1, 4).unsqueeze(1), k
+
+    fake.apply_rotary_pos_emb = apply_rotary_pos_emb
+    sys.modules[fake.__name__] = fake
+    try:
+        verdict = rope.probe_verdict((fake.__name__, "apply_rotary_pos_emb"), attn, model.config, torch.float32)
+        assert isinstance(verdict, str) and "could not be called with rotate-half shapes" in verdict, verdict
+    finally:
+        del sys.modules[fake.__name__]
+
+
+@pytest.mark.slow
+def test_a_gpt_oss_attention_compiles_fullgraph_with_its_tables_widened_for_the_kernel():
+    from accel_patch.swaps import sites
+
+    attn, config = gpt_oss_attention()
+    holder = torch.nn.ModuleDict({"self_attn": attn})
+    holder.config = config
+    report = swap_kernels(holder, ops="rope")
+    assert report.swapped.get("rope") == 1 and sites.is_swapped(attn), report
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 64)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(attn)(hidden, (cos, sin), None)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    targets = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
+    assert "accel_kernels.rope" in targets, targets
+    compiled = torch.compile(attn, fullgraph=True, backend="eager")
+    got = compiled(hidden, (cos, sin), None)[0]
+    restore_kernels(holder)
+    want = attn(hidden, (cos, sin), None)[0]
+    assert rel(got, want) <= 1e-6
+    torch._dynamo.reset()
