@@ -270,7 +270,7 @@ def zero3(path: str) -> None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES + MOE_MODES)}")
     p.add_argument("--zero3", metavar="FILE")
     args = p.parse_args()
     if args.zero3:
