@@ -251,6 +251,36 @@ def test_a_fullgraph_compiled_step_has_no_graph_break_holds_the_op_and_equals_st
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_experts_sharded_before_the_swap_are_refused_with_the_reason_and_train_as_stock(tmp_path, monkeypatch):
+    """FSDP2 on a one-process gloo group, applied before the swap: the experts' parameters are
+    DTensor shards there, the probe cannot run the module on them (swapped first, FSDP2 unshards
+    them for each forward and they run the op: integration_tests/test_fsdp.py)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        stock, twin = pair("qwen3_moe")
+        for model in (stock, twin):
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        report = swap_kernels(twin)
+        assert experts.OP not in report.swapped
+        reasons = [r.reason for r in report.refused if r.op == experts.OP]
+        assert reasons == ["MoE experts' gate_up_proj is a DTensor (sharded already): swap before sharding"] * len(
+            experts_modules(twin)), report
+        batch = padded_batch()
+        loss0, grads0, _ = training_step(stock, batch)
+        loss1, grads1, _ = training_step(twin, batch)
+        assert rel(loss1, loss0) <= 1e-5 and grads1.keys() == grads0.keys()
+        assert experts_calls(twin) == {}
+    finally:
+        dist.destroy_process_group()
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 def test_an_activation_that_is_not_what_it_names_is_refused_with_the_reason():
