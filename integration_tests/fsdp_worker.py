@@ -12,7 +12,10 @@ noise) and the swapped model's distance from stock there (the swap's own float32
 `checkpoint` mode saves FSDP's sharded state dict (torch.distributed.checkpoint) and, after
 gathering, `save_pretrained`, for stock and swapped at the same weights, into `<out>/ckpt/`.
 
-Modes: fsdp2-untied fsdp2-tied fsdp1-untied fsdp1-tied lora lora-head checkpoint (all by default).
+Modes: fsdp2-untied fsdp2-tied fsdp1-untied fsdp1-tied lora lora-head checkpoint (all by default), and
+moe-ddp moe-fsdp2 when named: a tiny Qwen3-MoE (4 experts, top-2) with its experts swapped, under
+DDP and under FSDP2, the same way, which also write the experts' call outcomes, the Triton kernels
+launched while the swapped model trained, and (DDP) each rank's weight digest and `check_rank_sync`.
 
 `--zero3 FILE` instead runs DeepSpeed ZeRO-3 in this one process (gloo; DeepSpeed must be
 installed): a swapped and a stock tiny Llama, 2 SGD steps each, and writes what the head's weight
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 VOCAB, SEQ, STEPS, LR = 128, 16, 3, 1e-2
 MODES = ("fsdp2-untied", "fsdp2-tied", "fsdp1-untied", "fsdp1-tied", "lora", "lora-head", "checkpoint")
+MOE_MODES = ("moe-ddp", "moe-fsdp2")
 
 
 def tiny(tied: bool):
@@ -40,6 +44,16 @@ def tiny(tied: bool):
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=SEQ * 2, tie_word_embeddings=tied))
+
+
+def tiny_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        max_position_embeddings=SEQ * 2, tie_word_embeddings=False))
 
 
 def batches(rank: int):
@@ -71,6 +85,9 @@ def fsdp1(model):
 
 def gathered(model) -> dict:
     """The full weights, on rank 0 (an empty dict elsewhere)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        sd = {k: v.detach().float().clone() for k, v in model.module.named_parameters()}
+        return sd if dist.get_rank() == 0 else {}
     if hasattr(model, "_fsdp_wrapped_module"):
         # FSDP1's full state dict segfaults on CPU here (torch 2.13, _state_dict_utils.param_hook):
         # read the parameters inside summon_full_params instead.
@@ -129,6 +146,16 @@ def digest(sd) -> str:
 
 def pair(mode: str):
     """(stock, swapped, unsharded stock) for a mode, the first two sharded the same way."""
+    if mode.startswith("moe"):
+        stock = tiny_moe()
+        swapped = copy.deepcopy(stock)
+        report = accel_patch.swap_kernels(swapped)
+        assert report.swapped.get("experts") == 2, str(report)
+        alone = (copy.deepcopy(stock), copy.deepcopy(swapped))
+        if mode == "moe-ddp":
+            ddp = torch.nn.parallel.DistributedDataParallel
+            return ddp(stock), ddp(swapped), alone
+        return fsdp2(stock, stock.model.layers), fsdp2(swapped, swapped.model.layers), alone
     tied = mode.endswith("-tied")
     stock = tiny(tied)
     swapped = copy.deepcopy(stock)
@@ -158,7 +185,11 @@ def run_mode(mode: str, rank: int, out: str) -> dict:
     head = swapped.module if hasattr(swapped, "_fsdp_wrapped_module") else swapped
     sharded_head = type(getattr(getattr(head, "lm_head", None), "weight", None)).__name__
     before = gathered(stock)
-    stock_losses, swapped_losses = train(stock, rank), train(swapped, rank)
+    from accel_kernels import _launch
+
+    stock_losses = train(stock, rank)
+    with _launch.recording() as launched:
+        swapped_losses = train(swapped, rank)
     alone_losses = train(alone[0], rank, one_process_batches(dist.get_world_size()))
     train(alone[1], rank, one_process_batches(dist.get_world_size()))
     a, b = gathered(stock), gathered(swapped)  # full weights on rank 0 only (cpu_offload)
@@ -169,6 +200,17 @@ def run_mode(mode: str, rank: int, out: str) -> dict:
         "head_weight_type_outside_forward": sharded_head,
         "trainable": len(trainable_names(stock)),
     }
+    if mode.startswith("moe"):
+        live = accel_patch.report(swapped)
+        result.update({
+            "swapped": dict(live.swapped), "experts_calls": live.calls.get("experts"),
+            "kernels_launched": sorted(set(launched)),
+            "experts_weight_type_outside_forward": type(
+                (swapped.module if mode == "moe-ddp" else swapped).model.layers[0].mlp.experts.gate_up_proj).__name__,
+        })
+        if mode == "moe-ddp":  # every rank holds the whole model: its own digest, and the ranks compared
+            result["rank_digest"] = digest({k: v.detach().float() for k, v in swapped.module.named_parameters()})
+            result["rank_sync"] = str(accel_patch.check_rank_sync(swapped))
     if rank == 0:
         result.update({
             "same_keys": sorted(a) == sorted(b),
@@ -228,7 +270,7 @@ def zero3(path: str) -> None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES + MOE_MODES)}")
     p.add_argument("--zero3", metavar="FILE")
     args = p.parse_args()
     if args.zero3:

@@ -6,6 +6,8 @@
 - `accelerate launch --use_fsdp --fsdp_version 2` of the Trainer worker: one FSDP2 job on CPU (stock
   accelerate gives state NO on every rank there: each trains alone), the fused loss running.
 - DeepSpeed ZeRO-3, one process on gloo, where DeepSpeed is installed (it is not a test dependency).
+- A tiny Qwen3-MoE with its experts swapped, under DDP and under FSDP2 (one torchrun of the FSDP
+  worker's moe modes), without the interpreter: the experts run the op's CPU twin.
 """
 import filecmp
 import importlib.util
@@ -48,6 +50,30 @@ def fsdp_runs(tmp_path_factory):
         broken = {m: v["error"] for m, v in res.items() if isinstance(v, dict) and "error" in v}
         assert not broken, "\n".join(f"{m}: {res[m]['traceback']}" for m in broken)
     return ranks, out
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """Both ranks' results of one torchrun of the moe modes. No TRITON_INTERPRET: as on a user's CPU
+    machine, the swapped experts run the op's plain-torch twin (interpreted, 3 steps of both modes
+    took 90 s here)."""
+    root = tmp_path_factory.mktemp("moe")
+    out = root / "out"
+    out.mkdir()
+    proc = run(torchrun_cmd(["--out", str(out), "--modes", "moe-ddp,moe-fsdp2"], nproc=2, port=free_port(),
+                            target=(str(FSDP_WORKER),)), worker_env(root / "hf_home"), root)
+    require_success([proc])
+    ranks = []
+    for r in (0, 1):
+        path = out / f"fsdp_rank{r}.json"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no result\n\n{tails([proc])}")
+        res = json.loads(path.read_text())
+        assert res["triton_interpret"] is None
+        broken = {m: v["traceback"] for m, v in res.items() if isinstance(v, dict) and "error" in v}
+        assert not broken, "\n".join(broken.values())
+        ranks.append(res)
+    return ranks
 
 
 def close_losses(got, want):
@@ -148,3 +174,24 @@ def test_deepspeed_zero3_head_stands_aside_and_trains_as_stock(tmp_path, home):
         "stood aside: LM head weight is a DeepSpeed ZeRO-3 partition (released outside the head's forward; "
         "stock head, which ZeRO-3 gathers)"], res["loss_calls"]
     assert close_losses(res["swapped_losses"], res["stock_losses"])  # the other kernels: float noise
+
+
+@pytest.mark.parametrize("mode", ["moe-ddp", "moe-fsdp2"])
+def test_a_moe_model_with_swapped_experts_trains_as_stock_under_ddp_and_fsdp2(moe_runs, mode):
+    for res in moe_runs:
+        m = res[mode]
+        assert m["swapped"]["experts"] == 2, m["swapped"]
+        # every experts call ran the op (2 layers x 3 steps), on its CPU twin: no Triton launch
+        assert m["experts_calls"] == {"fused": 6}, m["experts_calls"]
+        assert m["kernels_launched"] == [], m["kernels_launched"]
+        assert close_losses(m["swapped_losses"], m["stock_losses"]), (m["swapped_losses"], m["stock_losses"])
+    m0 = moe_runs[0][mode]
+    # FSDP2 shards the experts (DTensor between calls) and unshards them to plain tensors for the
+    # forward, so they run the op rather than standing aside
+    assert m0["experts_weight_type_outside_forward"] == ("DTensor" if mode == "moe-fsdp2" else "Parameter")
+    assert m0["same_keys"] and m0["moved"] > 1e-3
+    assert m0["max_weight_diff"] <= 2 * m0["swap_noise"] + 2 * m0["noise_floor"] + 1e-6, m0
+    assert m0["noise_floor"] < 1e-4, m0
+    if mode == "moe-ddp":  # the ranks end equal
+        assert moe_runs[0][mode]["rank_digest"] == moe_runs[1][mode]["rank_digest"]
+        assert all(r[mode]["rank_sync"].startswith("in sync") for r in moe_runs), [r[mode]["rank_sync"] for r in moe_runs]

@@ -88,6 +88,8 @@ def make(T=13, H=32, I=16, E=4, K=2, *, dtype=torch.float32, transposed=False, b
     if routing == "empty":  # expert 0 and the last never chosen
         logits[:, 0] -= 100.0
         logits[:, E - 1] -= 100.0
+    if routing == "middle":  # expert 1 never chosen, experts before and after it are
+        logits[:, 1] -= 100.0
     top = torch.topk(logits.softmax(-1), K, dim=-1)
     index = top.indices.to(device)
     weights = (top.values / top.values.sum(-1, keepdim=True)).to(device=device, dtype=dtype)
@@ -222,6 +224,39 @@ def test_low_precision_within_stock_error(device, dtype):
 def test_float64_runs_the_twin(device):
     inputs = [t.double() if t is not None and t.is_floating_point() else t for t in make(device=device)]
     check(*inputs, expect_triton=False)
+
+
+@pytest.mark.parametrize("path", ["grouped_mm", "loop"])
+def test_quick_twin_with_an_empty_expert_between_others(device, monkeypatch, path):
+    # the twin's two ways to compute (torch._grouped_mm, a loop over the experts), with an empty
+    # expert that has experts on both sides: none may stop at it, skip the next, or leave its
+    # weight gradient unwritten
+    if device.type != "cpu":
+        pytest.skip("the twin runs on CPU tensors")
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
+    calls = []
+    if path == "loop":
+        monkeypatch.delattr(torch, "_grouped_mm", raising=False)
+    elif not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm")
+    else:
+        real = torch._grouped_mm
+
+        def grouped_mm(a, b, offs=None, **kwargs):
+            # as the twin assumes of grouped_mm (CPU's zeroes it): an empty group's block of a
+            # weight gradient is left as found, here NaN
+            out = real(a, b, offs=offs, **kwargs)
+            calls.append(out.dim())
+            if out.dim() == 3:
+                out[offs.diff(prepend=offs.new_zeros(1)) == 0] = float("nan")
+            return out
+
+        monkeypatch.setattr(torch, "_grouped_mm", grouped_mm)
+    hidden, index, *rest = make(T=7, E=4, K=2, routing="middle", device=device)
+    counts = torch.bincount(index.flatten(), minlength=4)
+    assert counts[1] == 0 and counts[0] > 0 and counts[2] > 0 and counts[3] > 0
+    check(hidden, index, *rest, expect_triton=False)
+    assert (3 in calls and 2 in calls) if path == "grouped_mm" else not calls
 
 
 # --------------------------------------------------------------------------------------------

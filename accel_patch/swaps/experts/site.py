@@ -7,7 +7,8 @@ Candidate, by structure (`candidate`): 3-D `gate_up_proj` and `down_proj` parame
 `use_experts_implementation` classes are, `(hidden [T, H], top_k_index [T, K], top_k_weights
 [T, K])`, or as Llama4's experts are, `(hidden [E * T, H])` with every expert applied to its own
 block of rows (the router's scores already multiplied in). Separate 3-D gate/up parameters, an
-experts class without a gate, one with a norm after each expert are refused with the reason.
+experts class without a gate, one with a norm after each expert, experts sharded already (DTensor
+parameters at swap time: FSDP2 before the swap) are refused with the reason.
 
 Proved by numbers (`probe_verdict`): the module's own forward, whatever
 `config._experts_implementation` it runs (grouped_mm, eager, batched_mm), against the op on
@@ -97,6 +98,8 @@ def candidate(module):
         if any(n in own for group in families.EXPERTS_NAMES for n in group):
             return "MoE experts with 3-D parameters but no gate (up and down only): the op computes a GLU"
         return None
+    if any(_is_dtensor(own[n]) for n in names):  # the probe needs the whole weights
+        return f"MoE experts' {names[0]} is a {type(own[names[0]]).__name__} (sharded already): swap before sharding"
     if getattr(module, "has_gate", True) is False:
         return "MoE experts without a gate (has_gate=False): the op computes a GLU"
     if getattr(module, "has_post_expert_norm", False):

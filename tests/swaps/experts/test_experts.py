@@ -251,6 +251,36 @@ def test_a_fullgraph_compiled_step_has_no_graph_break_holds_the_op_and_equals_st
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_experts_sharded_before_the_swap_are_refused_with_the_reason_and_train_as_stock(tmp_path, monkeypatch):
+    """FSDP2 on a one-process gloo group, applied before the swap: the experts' parameters are
+    DTensor shards there, the probe cannot run the module on them (swapped first, FSDP2 unshards
+    them for each forward and they run the op: integration_tests/test_fsdp.py)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        stock, twin = pair("qwen3_moe")
+        for model in (stock, twin):
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        report = swap_kernels(twin)
+        assert experts.OP not in report.swapped
+        reasons = [r.reason for r in report.refused if r.op == experts.OP]
+        assert reasons == ["MoE experts' gate_up_proj is a DTensor (sharded already): swap before sharding"] * len(
+            experts_modules(twin)), report
+        batch = padded_batch()
+        loss0, grads0, _ = training_step(stock, batch)
+        loss1, grads1, _ = training_step(twin, batch)
+        assert rel(loss1, loss0) <= 1e-5 and grads1.keys() == grads0.keys()
+        assert experts_calls(twin) == {}
+    finally:
+        dist.destroy_process_group()
+
+
 # --- refusals -----------------------------------------------------------------------------------
 
 def test_an_activation_that_is_not_what_it_names_is_refused_with_the_reason():
@@ -282,3 +312,31 @@ def test_separate_3d_gate_and_up_are_refused_with_the_reason():
     holder = torch.nn.Sequential(Experts())
     report = swap_kernels(holder, ops="experts")
     assert [r.reason for r in report.refused] == ["MoE experts with separate 3-D gate and up parameters: the op takes one gate_up"]
+
+
+@pytest.mark.slow
+def test_a_4bit_base_leaves_the_experts_unquantized_and_their_lora_is_fused(tmp_path, monkeypatch):
+    """transformers' bitsandbytes integration replaces nn.Linear modules only: the 3-D experts load
+    as plain parameters beside Linear4bit attention, and LoRA on them is fused as on a float base."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig, Qwen3MoeForCausalLM
+
+    build("qwen3_moe").save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    monkeypatch.setenv("ACCEL_PATCH_KERNELS", "0")  # the load hook swaps nothing: both start stock
+    models = []
+    for _ in range(2):
+        model = Qwen3MoeForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cpu")
+        torch.manual_seed(3)
+        models.append(get_peft_model(model, LoraConfig(**LORA, target_modules="all-linear")))
+    stock, twin = models
+    layer = twin.base_model.model.model.layers[0]
+    assert type(layer.self_attn.q_proj.base_layer).__name__ == "Linear4bit"
+    base = layer.mlp.experts.get_base_layer()
+    for name in ("gate_up_proj", "down_proj"):
+        param = base.parametrizations[name].original if hasattr(base, "parametrizations") else base._parameters[name]
+        assert type(param) is torch.nn.Parameter and param.dtype == torch.float32 and param.dim() == 3, (name, param)
+    report = swap_kernels(twin, ops="experts")  # the experts alone: the other kernels run interpreted too
+    assert report.swapped == {experts.OP: len(experts_modules(twin))}, report
+    assert_step_equals(stock, twin)
+    assert experts_calls(twin) == {"fused (LoRA)": len(experts_modules(twin))}
