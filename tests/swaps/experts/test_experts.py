@@ -22,6 +22,15 @@ from _moe_models import FAMILIES, build, experts_modules, pair
 QUICK = {"qwen3_moe"}  # the kernels run interpreted: every other case is slow
 
 
+def on_the_twin(monkeypatch):
+    """Run the op's plain-torch twin (same saved tensors, same hand-written backward) instead of the
+    interpreted kernel: for tests of the site's decisions (tiling), not of the kernel, whose
+    parity the steps above check; the interpreted kernel costs about 5 s a step at 150 tokens."""
+    from accel_kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "use_triton", lambda t: False)
+
+
 def experts_calls(model):
     return live_report(model).calls.get(experts.OP, {})
 
@@ -192,8 +201,9 @@ def test_the_router_and_its_aux_loss_stay_stock_and_restore_puts_the_forward_bac
 
 @pytest.mark.slow
 def test_a_long_call_is_tiled_over_tokens_by_the_tiled_mlp_rule(monkeypatch):
+    on_the_twin(monkeypatch)
     stock, twin = pair("qwen3_moe")
-    swap_kernels(twin)
+    swap_kernels(twin, ops="experts")  # the experts alone: the other kernels, interpreted, add only time
     monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
     monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)  # chunks of `hidden` (64) tokens
     batch = {k: v.repeat(1, 30) for k, v in padded_batch().items()}  # 3 x 300 tokens: 15 chunks
@@ -215,8 +225,9 @@ def test_a_long_call_is_tiled_over_tokens_by_the_tiled_mlp_rule(monkeypatch):
 
 @pytest.mark.slow
 def test_a_named_tiled_mlp_tiles_the_experts_without_checkpointing(monkeypatch):
+    on_the_twin(monkeypatch)
     stock, twin = pair("qwen3_moe")
-    swap_kernels(twin)
+    swap_kernels(twin, ops="experts")  # the experts alone: the other kernels, interpreted, add only time
     swap_kernels(twin, ops=["tiled_mlp"])  # named after a default swap: tiles from now on
     monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
     monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)  # chunks of `hidden` (64) tokens
