@@ -6,7 +6,7 @@
     python benchmarks/e2e.py --compile       # eager and torch.compile (Inductor), stock and swapped, full fine-tune
     python benchmarks/e2e.py --dry-run       # the same code at a tiny shape on CPU, in seconds (one step each)
 
-Each variant (stock, swapped, swapped + tiled MLP; on GPU also with LoRA) runs in a fresh process:
+Each variant (stock, swapped, swapped + tiled MLP; on GPU also with LoRA) runs in a fresh process (forked from this one in a dry run: benchmarks/_children.py):
 build the model from a config (random weights, nothing downloaded) and one batch, run `--warmup`
 steps, then time `--steps` forward+backward steps (the optimizer step is the same for all and is
 left out). "swapped" is the default swap (`swap_kernels(model)`): without gradient checkpointing it
@@ -35,9 +35,10 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+import _children  # benchmarks/: one process per variant, forked in a dry run
 
 SHAPES = {
     # A tiny Llama whose logits dominate, as a real vocabulary makes them: vocab 32000.
@@ -140,7 +141,7 @@ def run_variant(variant: str, device: str, warmup: int, steps: int, shape_name: 
     env["ACCEL_PATCH_KERNELS"] = "0"  # the variant swaps (or not) by itself; CPU: the plain-torch paths
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--device", device,
            "--warmup", str(warmup), "--steps", str(steps), "--shape", shape_name, "--backend", COMPILE_BACKEND]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = _children.run(cmd, env, dry=shape_name == "dry")
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

@@ -68,6 +68,9 @@ PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-540}   # no step starts that could end past this many seconds after the start
 DRY_LIMIT_S=${DRY_LIMIT_S:-600}  # a dry step that hangs stops here
 mkdir -p "$OUT"
+# A dry run has no figures: one thread, which also lets the benchmarks fork their variants
+# (benchmarks/_children.py) instead of importing torch and transformers again for each.
+if [ "$DRY" = 1 ]; then OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
 export OUT PY PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Import the checkout without installing it: accel_patch from the root, accel_kernels from kernels/.
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"

@@ -49,6 +49,8 @@ import sys
 import tempfile
 import time
 
+import _children  # benchmarks/: one process per variant, forked in a dry run
+
 SHAPES = {
     "cpu": dict(config=dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=131072),
@@ -266,8 +268,8 @@ def run_child(args: list[str], malloc: str = "default") -> dict:
     env = _child_env()
     if malloc == "fixed":
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env,
-                          capture_output=True, text=True)
+    dry = "--device" in args and args[args.index("--device") + 1] == "dry"
+    proc = _children.run([sys.executable, os.path.abspath(__file__), *args], env, dry=dry)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

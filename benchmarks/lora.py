@@ -12,7 +12,7 @@ the tiled MLP (its own column: "fused LoRA" never includes it).
     python benchmarks/lora.py --compile inductor   # every variant torch.compile'd (inductor, or aot_eager)
     python benchmarks/lora.py --dry-run        # the same code at a tiny shape on CPU, in seconds
 
-Each variant's memory is measured in a fresh process (random weights from a config, nothing downloaded; a 4-bit
+Each variant's memory is measured in a fresh process (forked in a dry run, benchmarks/_children.py; random weights from a config, nothing downloaded; a 4-bit
 base is saved once to a temporary directory and loaded quantized), without TRITON_INTERPRET.
 
 - tokens/s: tokens of the batch / median step time (forward + backward; the optimizer is the same
@@ -50,10 +50,11 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+import _children  # benchmarks/: one process per variant, forked in a dry run
 
 SHAPES = {
     "cpu": dict(config=dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -284,7 +285,7 @@ def run_child(what: str, shape_name, device, qlora, checkpoint, warmup, steps, r
            "--device", device, "--warmup", str(warmup), "--steps", str(steps), *run.args()]
     if qlora:
         cmd += ["--qlora", "--checkpoint", checkpoint]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = _children.run(cmd, env, dry=shape_name == "dry")
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

@@ -9,7 +9,7 @@ experts site (accel-patch's moe_experts op, `swap_kernels(ops="experts")`).
     python benchmarks/moe.py --modes lora      # only LoRA on the experts (or: full)
     python benchmarks/moe.py --variants grouped_mm,ours   # some of eager, grouped_mm, batched_mm, ours
 
-Each variant runs in a fresh process (random weights from a config, nothing downloaded, without
+Each variant runs in a fresh process (forked in a dry run: benchmarks/_children.py; random weights from a config, nothing downloaded, without
 TRITON_INTERPRET): peak memory growth of its first step (GPU: max_memory_allocated minus what was
 allocated before; CPU: the rise of the process's peak RSS), then the median time of --steps more.
 "ours" swaps only the experts site, on the grouped_mm model, so the ratios are the experts' alone.
@@ -33,9 +33,10 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
+
+import _children  # benchmarks/: one process per variant, forked in a dry run
 
 SHAPES = {
     "cpu": dict(config=dict(vocab_size=8000, hidden_size=512, moe_intermediate_size=384, intermediate_size=1024,
@@ -169,7 +170,7 @@ def run_child(variant, mode, shape_name, device, steps) -> dict:
     env["ACCEL_PATCH_KERNELS"] = "0"  # no swap at load: the variant decides
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--mode", mode, "--shape", shape_name,
            "--device", device, "--steps", str(steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = _children.run(cmd, env, dry=shape_name == "dry")
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

@@ -76,7 +76,7 @@ def test_bad_arguments_and_steps_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # every step's dry run (15 steps, each its own interpreter): past the suite's 300 s a test
+@pytest.mark.timeout(900)  # every step's dry run (15 steps, about 90 s on two idle cores): past the suite's 300 s a test under load
 def test_the_dry_run_runs_every_step_and_each_writes_its_json(tmp_path):
     """Every step of the table, on this CPU at tiny shapes: two dry runs side by side, each taking
     every other step (the machine's two cores), each exiting 0 with every step's JSON."""
@@ -108,3 +108,47 @@ def test_the_dry_run_runs_every_step_and_each_writes_its_json(tmp_path):
             assert data, name
             if name in ("kernel-tests", "gpu-tests", "unit-tests"):  # a stale selection collects nothing
                 assert data["collected"] > 0 and data["errors"] == 0 and data["exitstatus"] == 0, (name, data)
+
+
+def children():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _children
+    finally:
+        sys.path.pop(0)
+    return _children
+
+
+CHILD = """import json, os, sys
+print("noise")
+print(json.dumps({"argv": sys.argv[1:], "seen": os.environ.get("SEEN"), "parent": os.environ.get("PARENT_ONLY")}))
+if sys.argv[1] == "raise":
+    raise RuntimeError("child failed")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_dry_run_forks_each_variant_with_its_own_command_line_environment_and_exit_code(tmp_path, monkeypatch):
+    """benchmarks/_children.py: what a forked child gives back is what a fresh process would."""
+    _children = children()
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    monkeypatch.setattr(_children, "PRELOAD", ())  # the mechanics, not the imports it saves
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PARENT_ONLY", "1")
+    cmd = [sys.executable, str(script), "3", "--flag"]
+    assert _children.forks(cmd, dry=True)
+    pid = os.getpid()
+    proc = _children.run(cmd, {"SEEN": "yes"}, dry=True)
+    assert os.getpid() == pid and os.environ["PARENT_ONLY"] == "1"  # the parent goes on, untouched
+    assert proc.returncode == 3, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"argv": ["3", "--flag"], "seen": "yes", "parent": None}
+    raised = _children.run([sys.executable, str(script), "raise"], {}, dry=True)
+    assert raised.returncode == 1 and "RuntimeError: child failed" in raised.stderr
+    # a measured run, more than one thread, or `python -m`: a fresh interpreter
+    assert not _children.forks(cmd, dry=False)
+    assert not _children.forks([sys.executable, "-m", "json.tool"], dry=True)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not _children.forks(cmd, dry=True)
+    fresh = _children.run(cmd, {"SEEN": "fresh", "PATH": os.environ["PATH"]}, dry=True)
+    assert fresh.returncode == 3 and json.loads(fresh.stdout.splitlines()[-1])["seen"] == "fresh"

@@ -1,0 +1,74 @@
+"""How the benchmarks run each variant in a process of its own.
+
+A measured run starts a fresh interpreter per variant: its peak memory, allocator settings
+(`MALLOC_MMAP_THRESHOLD_`) and import-time environment are its own. A dry run (tiny shapes on the
+CPU, no figures: it proves the script runs, as `gpu_check.sh --dry-run` does before a GPU lease)
+forks this interpreter instead, with torch, transformers and peft imported once, and runs the same
+command line in the fork: the same argument parsing, the same child code and the same JSON line
+on stdout, without about 7 s of imports for every variant.
+
+The fork is taken only on one thread (`OMP_NUM_THREADS=1`, which `gpu_check.sh --dry-run` sets): a
+fork of a process whose OpenMP team has started can hang in its first parallel region. Anything
+else (no fork on this platform, a `python -m` command) starts a fresh interpreter as a measured
+run does.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+
+PRELOAD = ("torch", "transformers", "peft")
+
+
+def forks(cmd: list[str], dry: bool) -> bool:
+    """Whether `run` forks for this command (see the module docstring)."""
+    return (dry and hasattr(os, "fork") and os.environ.get("OMP_NUM_THREADS") == "1"
+            and len(cmd) >= 2 and cmd[1] != "-m" and os.path.isfile(cmd[1]))
+
+
+def run(cmd: list[str], env: dict[str, str], dry: bool = False) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, env=env, capture_output=True, text=True)`, or in a dry run the same
+    command line in a fork of this interpreter (see the module docstring)."""
+    if not forks(cmd, dry):
+        return subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass  # the child's own import says what is missing
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                # what the child prints goes to the new descriptors even where this process's
+                # sys.stdout was something else (a capture)
+                sys.stdout = open(1, "w", closefd=False)
+                sys.stderr = open(2, "w", closefd=False)
+                os.environ.clear()
+                os.environ.update(env)
+                sys.argv = list(cmd[1:])
+                runpy.run_path(cmd[1], run_name="__main__")
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # noqa: BLE001 - the child reports it as a fresh process would
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status), out.read(), err.read())
