@@ -56,3 +56,22 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False here")
     for item in needs_gpu:
         item.add_marker(skip)
+
+
+#: `pytest -n auto` (README's command) runs one worker per core, at most this many: each worker
+#: imports torch and transformers, and the launch tests start two ranks of their own.
+MAX_AUTO_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    # a worker of `pytest -n`: one intra-op thread each, so that the workers share the cores instead
+    # of spinning on each other's (the processes the tests start keep the default)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)

@@ -25,6 +25,7 @@ def test_kernels_pass_on_both_cpu_paths():
             assert rows[(op, path)].ok, rows[(op, path)]
 
 
+@pytest.mark.slow  # over 2 s: every kernel row of the check, interpreted
 def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
     from accel_kernels.ops import rms_norm
 
@@ -38,6 +39,7 @@ def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
     assert check.main(parts=("kernels",)) == 1
 
 
+@pytest.mark.slow  # over 2 s: the model rows of the check
 def test_a_kernel_with_a_wrong_gradient_fails_the_model_rows(monkeypatch):
     from accel_kernels.ops import _glu
 

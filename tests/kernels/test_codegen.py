@@ -40,6 +40,7 @@ def _check_matrix(records, expected_kernels):
             assert r["blocks_per_sm"] >= host_per_sm, r
 
 
+@pytest.mark.slow  # over 2 s: a compile per configuration (the whole matrix is slow too)
 def test_quick_matrix_compiles_within_budgets():
     records = codegen.run(quick=True)
     # the dot pass only runs for rows wider than 8192: Llama-3-405B in the whole matrix

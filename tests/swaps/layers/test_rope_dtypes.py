@@ -53,6 +53,7 @@ def test_the_swapped_rope_returns_the_familys_dtypes_with_float32_tables(family,
     restore_kernels(model)
 
 
+@pytest.mark.slow  # over 2 s: two interpreted forwards of a model
 @pytest.mark.parametrize("dtype", HALF)
 def test_a_swapped_olmo2_in_half_precision_runs_sdpa_as_stock(dtype):
     """Olmo2's rotary tables are float32 whatever the model's dtype: a RoPE returning the promoted

@@ -65,7 +65,8 @@ def assert_same_step(untiled, tiled, batch=None, loss_bound=1e-5, grad_bound=1e-
     assert rel(grads1[worst], grads0[worst]) <= grad_bound, (worst, rel(grads1[worst], grads0[worst]))
 
 
-@pytest.mark.parametrize("family, kernels", [("llama", "triton interpreter"), ("phi3", "plain torch"),
+@pytest.mark.parametrize("family, kernels", [pytest.param("llama", "triton interpreter", marks=pytest.mark.slow),
+                                             ("phi3", "plain torch"),
                                              pytest.param("gemma", "plain torch", marks=pytest.mark.slow),
                                              pytest.param("qwen3", "plain torch", marks=pytest.mark.slow)])
 def test_a_tiled_step_equals_the_untiled_swap(forced, request, family, kernels):
@@ -216,6 +217,7 @@ def with_lora(model, **config):
     return get_peft_model(model, LoraConfig(**{**LORA, **config}))
 
 
+@pytest.mark.slow  # over 2 s
 def test_a_lora_mlp_tiles_over_the_fused_lora_function(forced, no_triton, monkeypatch):
     """The tiled site sits on top of the fused LoRA MLP: adapter gradients accumulate over chunks."""
     # The test's chunks (4 tokens, run without grad in the forward) look like decode steps to the
