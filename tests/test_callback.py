@@ -115,6 +115,7 @@ def test_tokens_per_second_counts_the_tokens_the_step_trains_on(tmp_path):
         assert h["tokens_per_second"] * h["step_time_s"] == pytest.approx(14, rel=1e-6)
 
 
+@pytest.mark.slow  # over 2 s: two Trainer runs
 def test_an_explicit_callback_is_never_registered_twice(tmp_path):
     mine = AccelPatchCallback(metrics=False)
     trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows(), callbacks=[mine])
@@ -150,6 +151,7 @@ def test_accel_patch_callback_0_leaves_trainers_alone(monkeypatch, tmp_path):
         accel_patch.enable()
 
 
+@pytest.mark.slow  # over 1.5 s: the quick loop keeps to one minute
 def test_a_model_init_trainer_gets_module_kernels_at_train_begin(tmp_path, caplog):
     built = []
 

@@ -18,6 +18,7 @@ def rows_by(rows):
     return {(r.name, r.where): r for r in rows}
 
 
+@pytest.mark.slow  # over 1.5 s: the quick loop keeps to one minute
 def test_kernels_pass_on_both_cpu_paths():
     rows = rows_by(check.check_kernels(CPU))
     for op in ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy"):

@@ -278,6 +278,7 @@ def test_demo_valid_arguments(tmp_path):
     assert (args.steps, args.output_dir) == (1, str(tmp_path / "new"))
 
 
+@pytest.mark.slow  # over 2 s: a fresh interpreter
 def test_output_into_a_closed_pipe_ends_quietly():
     # `accel-patch env | head -1`: the reader is gone before the report is written.
     proc = subprocess.Popen([sys.executable, "-m", "accel_patch.cli", "env"], stdout=subprocess.PIPE,

@@ -177,13 +177,6 @@ def test_opcheck_every_dtype_with_aot_dispatch(family, dtype, path):
     _opcheck_all(family, dtype, path, ALL_UTILS)
 
 
-@pytest.mark.usefixtures("nan_outputs")
-def test_opcheck_bfloat16_triton_quick():
-    # one low-precision pass per family in the quick loop (the fake implementations' dtypes)
-    for family in CASES:
-        _opcheck_all(family, torch.bfloat16, True, ("test_faketensor",))
-
-
 @pytest.mark.parametrize("family", list(CASES))
 def test_every_forward_op_differentiates_through_its_backward_op(family, monkeypatch):
     # register_autograd at work: gradients flow, and through the family's backward op (a custom op

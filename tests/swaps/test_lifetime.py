@@ -54,6 +54,7 @@ def test_a_deep_copy_runs_its_rope_kernel_after_the_original_is_collected(releas
     assert modeling_llama.apply_rotary_pos_emb is STOCK_ROPE
 
 
+@pytest.mark.slow  # over 2 s: a model saved, loaded and run, interpreted
 @pytest.mark.parametrize("how", ["torch.save", "multiprocessing"])
 def test_a_pickled_and_loaded_swapped_model_runs_the_kernels_its_report_lists(released, how):
     stock, twin = pair("llama")

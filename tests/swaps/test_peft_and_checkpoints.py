@@ -60,6 +60,7 @@ def test_peft_in_either_order_trains_every_adapter_as_stock(order, config, outco
     assert any(n.endswith("mlp") for n in swapped) and any(n.endswith("input_layernorm") for n in swapped)
 
 
+@pytest.mark.slow  # over 1.5 s: the quick loop keeps to one minute
 def test_a_lora_adapter_added_to_the_head_after_the_swap_is_seen_at_call_time():
     base = build("llama")
     twin = peft_model(base, HEAD_COPY, "swap-then-peft")
@@ -149,6 +150,7 @@ def test_a_bad_accel_patch_kernels_never_fails_the_load_and_says_why(monkeypatch
     restore_kernels(restored)
 
 
+@pytest.mark.slow  # over 1.5 s: the quick loop keeps to one minute
 def test_qlora_on_cpu_trains_as_stock(monkeypatch, checkpoint):
     pytest.importorskip("bitsandbytes")
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)

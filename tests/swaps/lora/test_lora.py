@@ -228,6 +228,7 @@ def test_each_fall_back_runs_pefts_forward_for_that_call_and_is_counted(name):
     assert calls(twin)["lora_mlp"] == {outcome: 2}, calls(twin)
 
 
+@pytest.mark.slow  # over 2 s
 def test_an_adapter_disabled_merged_switched_or_removed_after_the_swap_is_seen_at_the_next_call():
     base = build("llama")
     stock, twin = peft_model(base, "stock"), peft_model(base, "swap-then-peft")
@@ -307,6 +308,7 @@ def test_the_probe_refuses_a_broken_backward(monkeypatch, fresh_probes, mutation
 # --- reversible; nothing saved changes --------------------------------------------------------
 
 
+@pytest.mark.slow  # over 2 s
 def test_restore_puts_back_the_same_objects_and_adapters_save_the_same_bytes(tmp_path):
     base = build("llama")
     stock = peft_model(base, "stock")

@@ -59,6 +59,7 @@ def test_num_items_in_batch_normalises_as_stock(models):
     assert calls(twin) == {"fused": 1}
 
 
+@pytest.mark.slow  # over 2 s
 def test_shift_labels_and_ignore_index_are_honoured(models):
     stock, twin = models
     batch = padded_batch()
