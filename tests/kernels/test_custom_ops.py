@@ -6,6 +6,8 @@ The Triton path runs under the interpreter here; `triton_path=False` is the twin
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -175,6 +177,16 @@ DTYPE_PATHS = [pytest.param(dtype, path, id=f"{str(dtype)[6:]}-{'triton' if path
 @pytest.mark.parametrize("family", list(CASES))
 def test_opcheck_every_dtype_with_aot_dispatch(family, dtype, path):
     _opcheck_all(family, dtype, path, ALL_UTILS)
+
+
+# slow here, where the kernels are interpreted (3 s); on a GPU (ACCEL_TEST_DEVICE=cuda, gpu_check's
+# quick kernel step) the one half-precision opcheck of the real kernels
+@pytest.mark.skipif(os.environ.get("ACCEL_TEST_DEVICE", "cpu") == "cpu",
+                    reason="interpreted here: the slow aot-dispatch matrix runs bfloat16 with every util")
+@pytest.mark.usefixtures("nan_outputs")
+def test_opcheck_bfloat16_triton_on_the_test_device():
+    for family in CASES:
+        _opcheck_all(family, torch.bfloat16, True, ("test_faketensor",))
 
 
 @pytest.mark.parametrize("family", list(CASES))
