@@ -30,25 +30,33 @@ MODES = ("fsdp2-untied", "fsdp2-tied", "fsdp1-untied", "fsdp1-tied")
 KERNELS_ON_CPU = {"TRITON_INTERPRET": "1"}
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
-    """Both ranks' results of one torchrun of every mode, and the directory they saved into."""
-    root = tmp_path_factory.mktemp("fsdp")
+def launch_worker(tmp_path_factory, name: str, args: list[str], **env):
+    """Both ranks' results of one torchrun of fsdp_worker.py (every mode it ran without an error),
+    and the directory they saved into."""
+    root = tmp_path_factory.mktemp(name)
     out = root / "out"
     out.mkdir()
-    proc = run(torchrun_cmd(["--out", str(out)], nproc=2, port=free_port(), target=(str(FSDP_WORKER),)),
-               worker_env(root / "hf_home", **KERNELS_ON_CPU), root)
+    proc = run(torchrun_cmd(["--out", str(out), *args], nproc=2, port=free_port(), target=(str(FSDP_WORKER),)),
+               worker_env(root / "hf_home", **env), root)
     require_success([proc])
     ranks = []
     for r in (0, 1):
         path = out / f"fsdp_rank{r}.json"
         if not path.exists():
             pytest.fail(f"rank {r} wrote no result\n\n{tails([proc])}")
-        ranks.append(json.loads(path.read_text()))
+        res = json.loads(path.read_text())
+        broken = {m: v["traceback"] for m, v in res.items() if isinstance(v, dict) and "error" in v}
+        assert not broken, "\n".join(f"{m}: {tb}" for m, tb in broken.items())
+        ranks.append(res)
+    return ranks, out
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Both ranks' results of one torchrun of every mode, and the directory they saved into."""
+    ranks, out = launch_worker(tmp_path_factory, "fsdp", [], **KERNELS_ON_CPU)
     for res in ranks:
         assert res["world_size"] == 2 and res["triton_interpret"] == KERNELS_ON_CPU["TRITON_INTERPRET"]  # set, not inherited
-        broken = {m: v["error"] for m, v in res.items() if isinstance(v, dict) and "error" in v}
-        assert not broken, "\n".join(f"{m}: {res[m]['traceback']}" for m in broken)
     return ranks, out
 
 
@@ -57,22 +65,9 @@ def moe_runs(tmp_path_factory):
     """Both ranks' results of one torchrun of the moe modes. No TRITON_INTERPRET: as on a user's CPU
     machine, the swapped experts run the op's plain-torch twin (interpreted, 3 steps of both modes
     took 90 s here)."""
-    root = tmp_path_factory.mktemp("moe")
-    out = root / "out"
-    out.mkdir()
-    proc = run(torchrun_cmd(["--out", str(out), "--modes", "moe-ddp,moe-fsdp2"], nproc=2, port=free_port(),
-                            target=(str(FSDP_WORKER),)), worker_env(root / "hf_home"), root)
-    require_success([proc])
-    ranks = []
-    for r in (0, 1):
-        path = out / f"fsdp_rank{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} wrote no result\n\n{tails([proc])}")
-        res = json.loads(path.read_text())
+    ranks, _ = launch_worker(tmp_path_factory, "moe", ["--modes", "moe-ddp,moe-fsdp2"])
+    for res in ranks:
         assert res["triton_interpret"] is None
-        broken = {m: v["traceback"] for m, v in res.items() if isinstance(v, dict) and "error" in v}
-        assert not broken, "\n".join(broken.values())
-        ranks.append(res)
     return ranks
 
 
