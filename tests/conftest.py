@@ -63,6 +63,7 @@ def pytest_collection_modifyitems(config, items):
 MAX_AUTO_WORKERS = 4
 
 
+@pytest.hookimpl(optionalhook=True)  # where pytest-xdist is not installed (the GPU image) the hook is unknown
 def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else os.cpu_count() or 1))

@@ -152,3 +152,15 @@ def test_a_dry_run_forks_each_variant_with_its_own_command_line_environment_and_
     assert not _children.forks(cmd, dry=True)
     fresh = _children.run(cmd, {"SEEN": "fresh", "PATH": os.environ["PATH"]}, dry=True)
     assert fresh.returncode == 3 and json.loads(fresh.stdout.splitlines()[-1])["seen"] == "fresh"
+
+
+def test_the_conftest_xdist_hooks_are_optional_where_the_gpu_image_lacks_pytest_xdist(request):
+    """gpu_check's pytest steps run on an image without pytest-xdist: a hook of it that is not
+    optional stops every collection there ("unknown hook")."""
+    path = ROOT / "tests" / "conftest.py"
+    conftest = next(p for p in request.config.pluginmanager.get_plugins()
+                    if getattr(p, "__file__", None) and Path(p.__file__).resolve() == path)
+    hooks = [name for name in dir(conftest) if name.startswith("pytest_xdist_")]
+    assert hooks
+    for name in hooks:
+        assert getattr(getattr(conftest, name), "pytest_impl", {}).get("optionalhook"), name
