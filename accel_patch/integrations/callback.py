@@ -6,8 +6,9 @@
   Trainer builds its model late, or the callback was added after construction) gets the swaps that
   are safe after wrapping: the modules' kernels, not the fused loss, which needs the model's own
   forward. Said in the log.
-- Every training log carries `tokens_per_second`: the tokens the steps train on (the attention
-  masks of the model's training forwards that build a graph, so not a reference model's pass, KTO's
+- Every training log carries `tokens_per_second`: the tokens the steps train on (`step_tokens`:
+  the labels not ignored, else the attention mask in any of its forms, of the model's training
+  forwards that build a graph, so not a reference model's pass, KTO's
   KL pass, GRPO's generation or its old log-probs, which run under no_grad; or Trainer's
   `num_input_tokens_seen` when it counts them; summed over all processes) per second since the last
   log; `step_time_s`; and `peak_memory_mib`: on GPU the peak of accelerator memory allocated since
@@ -45,6 +46,7 @@ passing one explicitly replaces the automatic one, never adds a second.
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import sys
 import time
@@ -191,15 +193,11 @@ class AccelPatchCallback(TrainerCallback):
         # KTO's KL pass, GRPO's generation and old log-probs run under no_grad (or in eval mode).
         if not module.training or not torch.is_grad_enabled():
             return None
-        mask = kwargs.get("attention_mask")
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(mask, torch.Tensor):
-            n = mask.sum()
-        elif isinstance(ids, torch.Tensor):
-            n = torch.tensor(ids.numel(), device=ids.device)
-        else:
+        n = step_tokens(kwargs, args)
+        if n is None:
             return None
-        self._tokens = n.detach().to(torch.float64) if self._tokens is None else self._tokens + n.detach()
+        n = n.detach().to(torch.float64)
+        self._tokens = n if self._tokens is None else self._tokens + n
         return None
 
     def _tokens_seen(self, args, state) -> float:
@@ -347,7 +345,12 @@ class AccelPatchCallback(TrainerCallback):
         added["peak_memory_mib"] = self._peak_memory_mib()
         if state.global_step > step and now > then:
             added["step_time_s"] = (now - then) / (state.global_step - step)
-            added["tokens_per_second"] = (tokens - seen) / (now - then)
+            rate = (tokens - seen) / (now - then)
+            if math.isfinite(rate) and rate >= 0:
+                added["tokens_per_second"] = rate
+            elif "bad token count" not in self._warned:  # never a non-finite figure in report_to
+                self._warned.add("bad token count")
+                log.warning("accel_patch: the token count is not a finite count (%s): no tokens_per_second", rate)
         if first:
             added["accel_patch_swap"] = self._swap_line(self._module(model, "swap report"))
             added["accel_patch_topology"] = _topology_line()
@@ -375,6 +378,40 @@ class AccelPatchCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if last is not None and last.get("step") == state.global_step and last.get("loss") == logs.get("loss"):
             last.update(added)  # Trainer appended its copy before calling us
+
+
+IGNORE_INDEX = -100  # transformers' and TRL's label for a position no loss is taken on
+
+
+def step_tokens(kwargs: dict, args: tuple = ()) -> torch.Tensor | None:
+    """The tokens one training forward trains on, as a 0-d tensor (None: nothing to count from).
+
+    Token labels (as many dimensions as the inputs) count the positions not labelled -100
+    (Trainer's own `num_items_in_batch`). Without them the attention mask counts: a 2-D mask of
+    0/1 or of packed-sequence numbers 1, 2, 3 counts its non-zero positions; a 4-D mask (boolean,
+    or additive 0 / finfo.min or -inf) counts the positions that may attend to themselves, so a
+    padding row counts nothing. With neither, every input position.
+    """
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor):
+        ids = kwargs.get("inputs_embeds")
+        ids = ids[..., 0] if isinstance(ids, torch.Tensor) else None
+    labels = kwargs.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and (ids is None or labels.shape == ids.shape):
+        return labels.ne(IGNORE_INDEX).sum()
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        diagonal = mask.diagonal(dim1=-2, dim2=-1)[:, 0]  # (batch, query): may a position see itself
+        if mask.dtype == torch.bool:
+            return diagonal.sum()
+        if mask.is_floating_point():  # additive: 0 where attended, a large negative where not
+            return (diagonal > torch.finfo(mask.dtype).min / 2).sum()
+        return diagonal.ne(0).sum()
+    if isinstance(mask, torch.Tensor):
+        return mask.ne(0).sum()
+    if ids is not None:
+        return torch.tensor(ids.numel(), device=ids.device)
+    return None
 
 
 def _rank() -> int:
