@@ -58,6 +58,12 @@ LAUNCHES = {
              GROUP_RANK="0", GROUP_WORLD_SIZE="1"),
         (2, 1, 1, 2, 1, "accelerate"),
     ),
+    # Frameworks set other ACCELERATE_ variables under torchrun (Axolotl: ACCELERATE_LOG_LEVEL).
+    "torchrun-with-accelerate-log-level": (
+        dict(TORCHRUN, ACCELERATE_LOG_LEVEL="info", ACCELERATE_CONFIG_FILE="x.yaml",
+             RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", GROUP_WORLD_SIZE="1"),
+        (2, 1, 1, 2, 1, "torchrun"),
+    ),
     # Without --multi_gpu it starts one plain process and sets no topology variable.
     "accelerate-single-process": (
         {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO"},

@@ -186,13 +186,18 @@ def _initialized_group() -> tuple[int, int] | None:
     return dist.get_world_size(), dist.get_rank()
 
 
+# What `accelerate launch` sets in every process it starts, on each of its paths (multi-GPU,
+# DeepSpeed, FSDP, one process)
+_ACCELERATE_LAUNCH_MARKERS = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_DEEPSPEED")
+
+
 def _detect_torch_launcher(env: dict) -> tuple[str, str]:
     """(launcher, the variable that identified it) for a run that set the torch variables."""
     for name in ("CROSS_RANK", "CROSS_SIZE"):
         if not _blank(env.get(name)):
             return "deepspeed", name
-    for name in sorted(env):
-        if name.startswith("ACCELERATE_") and name != "ACCELERATE_CONFIG_FILE":
+    for name in _ACCELERATE_LAUNCH_MARKERS:  # not any ACCELERATE_*: frameworks set ACCELERATE_LOG_LEVEL under torchrun
+        if not _blank(env.get(name)):
             return "accelerate", name
     for name in sorted(env):
         if name.startswith("TORCHELASTIC_"):
