@@ -122,20 +122,24 @@ class _Walk:
             if module is self.model:
                 continue
             if not sites.is_swapped(module):
-                if experts.OP in self.todo:
-                    self.experts(where, module)
-                if "rms_norm" in self.todo:
-                    self.norm(where, module)
-                if "glu" in self.todo:
-                    self.glu(where, module)
-                if "rope" in self.todo:
-                    self.rope(where, module)
+                for op, step in ((experts.OP, self.experts), (norms.OP, self.norm), (mlp.OP, self.glu),
+                                 (rope.OP, self.rope)):
+                    if op in self.todo:
+                        self.guarded(where, op, step, module)
             if lora_ops:  # on top of glu / rope, installed just before (swaps/lora/: which wins)
                 self.lora(where, module, lora_ops)
             if tiled_mlp.OP in self.todo:  # on top of glu and lora_mlp: it tiles whatever runs beneath
                 self.tiled(where, module)
         if "fused_linear_cross_entropy" in self.todo:
             self.loss()
+
+    def guarded(self, where, op, step, module) -> None:
+        """Run one site's step; a read that raises (a per-layer configuration attribute, a module
+        property) refuses that site with the error, never the swap."""
+        try:
+            step(where, module)
+        except Exception as exc:
+            self.refuse(where, op, f"reading this site raised {type(exc).__name__}: {exc}")
 
     def lora(self, where, module, ops) -> None:
         there = lora.op_of(module)

@@ -92,6 +92,23 @@ def module_device(module: torch.nn.Module) -> torch.device | None:
     return None
 
 
+def layer_config(config, module):
+    """The configuration that describes `module`: its layer's own entry where the configuration
+    is per layer (transformers' heterogeneous configs, e.g. Gemma 4's global-attention layers with
+    their own key/value heads), else `config`. A global read of a per-layer attribute raises
+    there (not an AttributeError), so the layer's entry is read instead."""
+    layers = None
+    try:
+        if getattr(config, "is_heterogeneous", False):
+            layers = config.per_layer_config
+    except Exception:
+        layers = None
+    index = getattr(module, "layer_idx", None)
+    if layers is not None and isinstance(index, int) and 0 <= index < len(layers):
+        return layers[index]
+    return config
+
+
 def randn(shape, dtype: torch.dtype, device, scale: float = 1.0) -> torch.Tensor:
     """Random normal values made in float32 and rounded to dtype (the probe's inputs)."""
     return (torch.randn(shape, device=device) * scale).to(dtype)

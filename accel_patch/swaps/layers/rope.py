@@ -270,7 +270,10 @@ def _kernel(q, k, cos, sin, half_tables: bool = False):
 
 
 def head_shape(module, config) -> tuple[int, int, int, tuple[int, ...]]:
-    """(query heads, key/value heads, head dim, rotary dims to probe) of an attention module."""
+    """(query heads, key/value heads, head dim, rotary dims to probe) of an attention module, read
+    from its layer's configuration (probe.layer_config). May raise: a configuration that cannot be
+    read refuses the site (apply.py)."""
+    config = probe.layer_config(config, module)
     heads = getattr(config, "num_attention_heads", None) or getattr(module, "num_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
