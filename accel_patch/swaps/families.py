@@ -48,6 +48,13 @@ ACTIVATION_NAMES = {
     "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
 }
 
+#: Attributes (of the module, else of its configuration) that clamp pre-activations: DeepSeek V4's
+#: and GLM-5-next's `swiglu_limit`, gpt-oss's `limit`. The probe drives inputs past them.
+LIMIT_ATTRIBUTES = ("limit", "swiglu_limit", "clamp_limit")
+#: How far the past-limits probe drives pre-activations where no limit is named: a clamp below it
+#: that nobody listed is still seen.
+UNNAMED_REACH = 32.0
+
 # --- fused LoRA (lora/) -----------------------------------------------------------------
 #: Input projections of an attention block, one group read from the same x (q/k/v or fused).
 LORA_ATTENTION_INPUTS = (("q_proj", "k_proj", "v_proj"), ("qkv_proj",), ("query_key_value",))

@@ -109,6 +109,44 @@ def layer_config(config, module):
     return config
 
 
+#: Limits past this are out of any pre-activation's reach (a "no clamp" written as a huge number).
+LIMIT_REACHED = 1e4
+
+
+def limits(module, config=None) -> list[float]:
+    """The clamp limits a module or its configuration names (families.LIMIT_ATTRIBUTES), up to
+    LIMIT_REACHED."""
+    from .families import LIMIT_ATTRIBUTES
+
+    found = []
+    for owner in (module, getattr(module, "config", None), config):
+        for name in LIMIT_ATTRIBUTES:
+            try:
+                value = getattr(owner, name, None) if owner is not None else None
+            except Exception:  # a per-layer configuration's global read
+                value = None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= LIMIT_REACHED:
+                found.append(float(value))
+    return found
+
+
+def reach(module, config=None) -> float:
+    """The pre-activation magnitude the past-limits probe drives to: twice the largest limit the
+    module names, at least families.UNNAMED_REACH."""
+    from .families import UNNAMED_REACH
+
+    return max([UNNAMED_REACH] + [2.0 * v for v in limits(module, config)])
+
+
+def past_limits(x: torch.Tensor, pre: torch.Tensor, magnitude: float) -> torch.Tensor:
+    """`x` scaled so that the pre-activations it gives (`pre`, computed from `x` by linear maps)
+    reach `magnitude` at their largest: a probe input past every clamp below it. A new leaf that
+    requires grad, in x's dtype."""
+    peak = pre.detach().abs().max().item()
+    scale = magnitude / peak if peak > 0 else 1.0
+    return (x.detach().float() * scale).to(x.dtype).requires_grad_()
+
+
 def randn(shape, dtype: torch.dtype, device, scale: float = 1.0) -> torch.Tensor:
     """Random normal values made in float32 and rounded to dtype (the probe's inputs)."""
     return (torch.randn(shape, device=device) * scale).to(dtype)

@@ -219,7 +219,37 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
     if errors[best] > limit:
         return (f"output differs from every reading of the MoE experts (layout, gate/up order, "
                 f"{'/'.join(a for a, _, _ in acts)}) in {act_dtype}: closest relative error {errors[best]:.2e} > {limit:.1e}")
-    return best
+    return _past_limits(module, best, act_dtype, experts, limit)
+
+
+def _past_limits(module, plan: ExpertsPlan, act_dtype, experts: int, bound: float):
+    """`plan` when the op still reproduces the module with gate/up pre-activations driven past every
+    clamp it names (DeepSeek V4's experts clamp at `limit` without gpt-oss's alpha), else the reason."""
+    device = probe.module_device(module)
+    gate_up = adapters.base(module, plan.names[0]).detach()
+    with probe.probing(module):
+        if plan.style == ROUTED:
+            hidden = probe.randn((7, gate_up.shape[1] if plan.transposed else gate_up.shape[2]), act_dtype, device)
+            index, weights = routes(7, min(2, experts), experts, device)
+            weights = weights.to(act_dtype)
+        else:
+            hidden = probe.randn((experts * 3, gate_up.shape[1] if plan.transposed else gate_up.shape[2]),
+                                 act_dtype, device)
+            index, weights = dense_routes(hidden, experts)
+        pre = torch.einsum("th,ehi->tei" if plan.transposed else "th,eih->tei", hidden.float(), gate_up.float())
+        magnitude = probe.reach(module)
+        far = probe.past_limits(hidden, pre, magnitude)
+        args = (far, index, weights) if plan.style == ROUTED else (far,)
+        ref = sites.call_inner(module, *args)
+        out = run(module, plan, far, index, weights)
+    if isinstance(ref, torch.Tensor) and torch.isfinite(ref).all():
+        err = probe.rel_err(out, ref)
+        if err > bound:
+            named = ", ".join(f"{v:g}" for v in probe.limits(module))
+            why = f" (it names a limit of {named}: a clamp the op's {plan.activation} does not apply)" if named else ""
+            return (f"output differs from the MoE experts with gate/up pre-activations up to {magnitude:g} in "
+                    f"{act_dtype}: relative error {err:.2e} > {bound:.1e}{why}")
+    return plan
 
 
 # --- the swapped forward -----------------------------------------------------------------------

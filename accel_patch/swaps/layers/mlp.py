@@ -140,7 +140,26 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
     if errors[order] > limit:
         return (f"output differs from down({act}(gate) * up) in {act_dtype}: relative error "
                 f"{errors[order]:.2e} > {limit:.1e}")
-    return GluPlan(names, act, order)
+    plan = GluPlan(names, act, order)
+    # The same function where it can differ: pre-activations driven past every clamp the module or
+    # its configuration names (DeepSeek V4 and GLM-5-next clamp gate and up at swiglu_limit).
+    magnitude = probe.reach(module)
+    with probe.probing(module):
+        with torch.no_grad():
+            pre = getattr(module, names[0])(x)
+        far = probe.past_limits(x, pre, magnitude)
+        probe.seeded()
+        ref = module(far)
+        probe.seeded()
+        out = forward_for(plan, stock_without_triton=False)(module, far)
+    if torch.isfinite(ref).all():
+        err = probe.rel_err(out, ref)
+        if err > limit:
+            named = ", ".join(f"{v:g}" for v in probe.limits(module))
+            why = f" (it names a limit of {named}: a clamp the kernel does not apply)" if named else ""
+            return (f"output differs from down({act}(gate) * up) with pre-activations up to {magnitude:g} in "
+                    f"{act_dtype}: relative error {err:.2e} > {limit:.1e}{why}")
+    return plan
 
 
 _forwards: dict[tuple, object] = {}
