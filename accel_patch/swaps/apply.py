@@ -277,12 +277,19 @@ class _Walk:
                             lambda: mlp.probe_verdict(module, self.dtype, names, act), mlp.forward_for)
 
     def rope(self, where, module) -> None:
+        reason = rope.interleaved_refusal(module, self.config)
+        if reason:
+            self.refuse(where, rope.OP, reason)
+            return
         fn = rope.rope_function(module)
         if fn is None:
             return
         shape = rope.head_shape(module, self.config)
+        swaps = self.new
         self.probe_and_swap(where, rope.OP, module, (fn, shape),
                             lambda: rope.probe_verdict(fn, module, self.config, self.dtype), self.rope_forward)
+        if self.new > swaps:
+            self.rope_site(module, fn)
 
     def rope_forward(self, plan: rope.RopePlan):
         """Hold the module global of `plan` for this model (once), then the attention forward for it."""
@@ -292,6 +299,10 @@ class _Walk:
             self.state.releases.append(rope.Hold(fn, plan.cast_back, plan.half_tables).release)
             self.rope_held.add(fn)
         return rope.forward_for(fn)
+
+    def rope_site(self, module, fn) -> None:
+        """Where the swapped attention counts its calls (restore deletes it with the forward)."""
+        self.state.set(module, rope.SITE_ATTR, rope.Site(self.state.calls, fn[1]))
 
     def loss(self) -> None:
         model = self.model
@@ -408,6 +419,9 @@ def _restore(target) -> list[str]:
                     inner = module.__dict__.pop(tiled_mlp.INNER_ATTR, None)
                 elif op == experts.OP:
                     module.__dict__.pop(experts.SITE_ATTR, None)
+                    inner = module.__dict__.pop(sites.INNER_ATTR, None)
+                elif op == rope.OP:
+                    module.__dict__.pop(rope.SITE_ATTR, None)
                     inner = module.__dict__.pop(sites.INNER_ATTR, None)
                 else:
                     inner = module.__dict__.pop(sites.INNER_ATTR, None)

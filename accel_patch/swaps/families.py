@@ -74,6 +74,8 @@ EXPERTS_BIAS_SUFFIX = "_bias"
 # --- RoPE ----------------------------------------------------------------------------------
 #: Module-level functions that attention forwards call by name to apply rotate-half RoPE.
 ROPE_FUNCTIONS = ("apply_rotary_pos_emb",)
+#: Interleaved-RoPE functions (DeepSeek V3's MLA and its heirs): no kernel, refused with the reason.
+INTERLEAVED_ROPE_FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_emb_interleave")
 #: Config attributes that give the rotary share of a head (partial rotary).
 PARTIAL_ROTARY_ATTRIBUTES = ("partial_rotary_factor", "rotary_pct")
 

@@ -23,6 +23,7 @@ SUCCESSES = ("fused", "tiled")
 #: not checkpointed ("not checkpointed") unless the op was asked for by name. A LoRA site at a decode
 #: step (a few tokens, no grad: generation) runs PEFT's forward, the faster path there (lora/sites.py).
 BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
+             "stood aside: no Triton",
              "short sequence", "no grad", "eval mode", "not checkpointed", "decode shape")
 #: The fused loss's op name (sites.LOSS_OP; this module imports no torch).
 LOSS_OP = "fused_linear_cross_entropy"

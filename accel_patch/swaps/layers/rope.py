@@ -39,6 +39,13 @@ q or k.
 
 On CPU without Triton (`accel_kernels._dispatch.use_triton` false) the dispatcher calls the
 original function: the kernel's plain-torch twin computes the same thing more slowly there.
+
+Every eager call of a swapped attention is counted in the model's `calls["rope"]`: "fused" when
+the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) call, a
+call it cannot bind, no Triton; "another function" when the forward never reached the
+dispatcher, e.g. an MLA attention that picked its interleaved function). Attentions that call an
+interleaved RoPE function (`families.INTERLEAVED_ROPE_FUNCTIONS`, chosen by `rope_interleave`)
+are refused at the swap with that reason: there is no kernel for that form.
 """
 from __future__ import annotations
 
@@ -56,6 +63,26 @@ import torch
 from .. import families, probe, sites
 
 OP = "rope"
+#: A call's outcomes (the model's calls["rope"]; report.outcome_kind reads them).
+FUSED = "fused"
+NO_TRITON = "stood aside: no Triton for these tensors (the function itself)"
+UNSQUEEZE_2 = "(B, S, H, D) call (unsqueeze_dim=2): the function itself"
+NOT_PLAIN = "not a plain (q, k, cos, sin) call: the function itself"
+SHAPE = "a shape the kernel does not take: the function itself"
+#: Instance attribute of a swapped attention: its `Site` (where its calls are counted).
+SITE_ATTR = "_accel_patch_rope_site"
+
+
+class Site:
+    """What a swapped attention's forward counts into: the model's call table."""
+
+    def __init__(self, calls, name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def count(self, outcome: str) -> None:
+        per_op = self.calls.setdefault(OP, {})
+        per_op[outcome] = per_op.get(outcome, 0) + 1
+
 
 
 
@@ -77,6 +104,9 @@ class _Depth:
 
 class _LocalDepth(threading.local):
     depth = 0
+    ran = 0  # dispatches that ran the kernel (eager only: counted per call of a swapped forward)
+    fell = 0  # dispatches that ran the original function, the last one's reason in `why`
+    why = ""
 
 
 class Gate:
@@ -108,6 +138,32 @@ def gate(key: tuple[str, str]) -> Gate:
         if key not in _gates:
             _gates[key] = Gate()
         return _gates[key]
+
+
+def interleaved_refusal(module, config) -> str | None:
+    """Why an attention that calls an interleaved RoPE function is refused (no kernel for that
+    form), else None. MLA attentions name both functions and pick by `rope_interleave`."""
+    cls = type(module)
+    try:
+        code = inspect.unwrap(cls.forward).__code__
+    except (AttributeError, ValueError):
+        return None
+    named = [n for n in families.INTERLEAVED_ROPE_FUNCTIONS if n in code.co_names]
+    if not named:
+        return None
+    plain = any(n in code.co_names for n in families.ROPE_FUNCTIONS)
+    interleave = None
+    for owner in (probe.layer_config(config, module), getattr(module, "config", None)):
+        try:
+            interleave = getattr(owner, "rope_interleave", None) if owner is not None else None
+        except Exception:
+            interleave = None
+        if interleave is not None:
+            break
+    if plain and interleave is False:
+        return None  # the rotate-half function runs: the plain site decides
+    return (f"calls {named[0]} (interleaved RoPE{', rope_interleave=True' if plain else ''}): "
+            f"no kernel for the interleaved form")
 
 
 def rope_function(module) -> tuple[str, str] | None:
@@ -238,23 +294,37 @@ def _dispatcher(key, original, cast_back: bool, half_tables: bool = False):
             given[name] = value
         return given
 
+    def kernel_or_why(args, kwargs):
+        """The kernel's (q, k) for this call, else the reason the original runs."""
+        given = bound(args, kwargs)
+        if not (given is not None and len(tensors) == 4 and all(n in given for n in tensors)
+                and all(given[n] is d for n, d in others.items() if n in given)):
+            return NOT_PLAIN
+        if given.get("unsqueeze_dim", 1) != 1:
+            return UNSQUEEZE_2
+        q, k, cos, sin = (given[n] for n in tensors)
+        if not (isinstance(q, torch.Tensor) and _dispatch.use_triton(q)):  # the original is faster there
+            return NO_TRITON
+        try:
+            q_out, k_out = _kernel(q, k, cos, sin, half_tables)
+        except ValueError:
+            return SHAPE
+        if cast_back:
+            return q_out.to(q.dtype), k_out.to(k.dtype)
+        return q_out, k_out
+
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
         if the_gate.is_open():
-            given = bound(args, kwargs)
-            if (given is not None and len(tensors) == 4 and all(n in given for n in tensors)
-                    and given.get("unsqueeze_dim", 1) == 1
-                    and all(given[n] is d for n, d in others.items() if n in given)):
-                q, k, cos, sin = (given[n] for n in tensors)
-                if isinstance(q, torch.Tensor) and _dispatch.use_triton(q):  # else the original is faster
-                    try:
-                        q_out, k_out = _kernel(q, k, cos, sin, half_tables)
-                    except ValueError:
-                        pass  # a shape the kernel does not take: the stock function handles it
-                    else:
-                        if cast_back:
-                            return q_out.to(q.dtype), k_out.to(k.dtype)
-                        return q_out, k_out
+            counter = the_gate.counter()
+            out = kernel_or_why(args, kwargs)
+            if not isinstance(out, str):
+                if counter is the_gate.local:
+                    counter.ran += 1
+                return out
+            if counter is the_gate.local:
+                counter.fell += 1
+                counter.why = out
         return original(*args, **kwargs)
 
     dispatch.__accel_patch_original__ = original
@@ -377,11 +447,23 @@ def forward_for(key: tuple[str, str]):
 
         def forward(self, *args, **kwargs):
             counter = the_gate.counter()
+            site = self.__dict__.get(SITE_ATTR)
+            eager = counter is the_gate.local
+            ran, fell = (counter.ran, counter.fell) if eager else (0, 0)
             counter.depth += 1
             try:
-                return sites.call_inner(self, *args, **kwargs)
+                out = sites.call_inner(self, *args, **kwargs)
             finally:
                 counter.depth -= 1
+            if eager and site is not None:  # what this call's RoPE ran (compiled graphs are not counted)
+                if counter.ran > ran and counter.fell == fell:
+                    site.count(FUSED)
+                elif counter.fell > fell:
+                    site.count(counter.why)
+                else:
+                    site.count(f"another function: the forward did not call {key[1]} (another RoPE form, "
+                               f"or no positions)")
+            return out
 
         _forwards[key] = forward
     return _forwards[key]
