@@ -245,7 +245,8 @@ def test_sft_trains_with_our_loss_and_stock_losses_and_metrics(tmp_path):
     assert b[0]["accel_patch_swap"] == "rms_norm 5, rope 2, glu+tiled 2, fused_linear_cross_entropy 1; LM head: ours, in TRL's place"
     # counted in the report like every op decided per call; nothing fell back, and the logs fit a console
     calls = accel_patch.report(model).calls  # (the tiled MLP's short-sequence calls are by design)
-    assert calls == {"fused_linear_cross_entropy": {"fused (in TRL's head)": 4}, "tiled_mlp": {tiled_mlp.SHORT: 16}}
+    assert calls == {"fused_linear_cross_entropy": {"fused (in TRL's head)": 4}, "tiled_mlp": {tiled_mlp.SHORT: 16},
+                     "rope": {"fused": 16}}
     assert not any("accel_patch_fallbacks" in h for h in b)
     assert all(len(v) <= 100 for h in ours.state.log_history for v in h.values() if isinstance(v, str))
     assert any(h["mean_token_accuracy"] > 0 for h in a)  # the metric is exercised, not only 0

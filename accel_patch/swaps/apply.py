@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from . import experts, lora, probe, sites
+from . import experts, lora, mixers, probe, sites
 from .layers import mlp, norms, rope, tiled_mlp
 from .loss import compiled_loss
 from .loss import site as loss
@@ -356,10 +356,10 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
     if tiled_requested:  # sites installed by an earlier default call tile every long call from now on
         tiled_mlp.request(target)
     report = SwapReport(type(target).__name__, state.counts, state.refused, new=new, head=state.head,
-                        calls=state.calls, waiting=waiting_for_adapters(target))
+                        calls=state.calls, waiting=waiting_for_adapters(target), mixers=mixers.census(target))
     if todo:
         _history.record(target, report)
-        if report.swapped or report.refused:
+        if report.swapped or report.refused or report.mixers:
             log.info("accel_patch: %s", report.summary())
     return report
 
@@ -396,7 +396,7 @@ def report_of(model) -> SwapReport | None:
     if state is None:
         return None
     return SwapReport(type(target).__name__, state.counts, state.refused, head=state.head, calls=state.calls,
-                      waiting=waiting_for_adapters(target))
+                      waiting=waiting_for_adapters(target), mixers=mixers.census(target))
 
 
 def _restore(target) -> list[str]:

@@ -98,12 +98,17 @@ class SwapReport:
     compiled graph decides and calls are not counted.
     `waiting`: LoRA sites installed on modules that have no PEFT LoRA layer yet, op -> sites: not
     counted in `swapped` (nothing is fused there) until an adapter is added.
+    `mixers`: linear-attention and SSM mixers, which no accel-patch op covers: class name ->
+    (modules, what transformers runs there: its torch reference or the package's kernels;
+    swaps/mixers.py).
     """
 
     def __init__(self, model: str, swapped: dict[str, int] | None = None,
                  refused: list[Refusal] | None = None, new: int = 0, head: str | None = None,
-                 calls: dict[str, dict[str, int]] | None = None, waiting: dict[str, int] | None = None) -> None:
+                 calls: dict[str, dict[str, int]] | None = None, waiting: dict[str, int] | None = None,
+                 mixers: dict[str, tuple[int, str]] | None = None) -> None:
         self.model = model
+        self.mixers = dict(mixers or {})
         self.waiting = {op: n for op, n in (waiting or {}).items() if n}
         self.swapped = {op: n - self.waiting.get(op, 0) for op, n in (swapped or {}).items()
                         if n - self.waiting.get(op, 0) > 0}
@@ -130,6 +135,8 @@ class SwapReport:
                 f"{op} {n}" for op, n in sorted(self.waiting.items(), key=_op_order))
         if self.head:
             line += f"; LM head: {self.head}"
+        for cls, (n, what) in sorted(self.mixers.items()):
+            line += f"; mixer {cls} x{n} (no accel-patch op): {what}"
         return line
 
     def short(self) -> str:
@@ -143,6 +150,11 @@ class SwapReport:
             ordered = [(op, n) for op, n in ordered if op != LOSS_OP]
             head += "; loss: not run (see fall-backs)"
         tail = (f"; {len(self.refused)} refused" if self.refused else "") + head
+        if self.mixers:  # what runs there: the report's mixer rows; the reference is what users must know
+            slow = sum(n for n, what in self.mixers.values() if "torch reference" in what)
+            total = sum(n for n, _ in self.mixers.values())
+            tail += f"; mixers {total}: " + ("torch reference" if slow == total else
+                                             f"{slow} torch reference" if slow else "package kernels")
         line = ""
         for names in ({}, _SHORT_NAMES):  # the ops' own names, then shorter ones if the line is too long
             parts = [f"{names.get(op, op)} {n}" for op, n in ordered if not op.startswith("lora_") and op != "tiled_mlp"]
@@ -178,6 +190,8 @@ class SwapReport:
             rows.append((op, str(len(sites)), "refused", f"{where}: {reason}"))
         for op, n in sorted(self.waiting.items(), key=_op_order):
             rows.append((op, str(n), "waiting", "no LoRA adapter on these modules yet: fused once PEFT adds one"))
+        for cls, (n, what) in sorted(self.mixers.items()):
+            rows.append(("mixer", str(n), "stock", f"{cls} (no accel-patch op): {what}"))
         if len(rows) == 1:
             rows.append(("-", "0", "", "no candidate site found"))
         for op, outcomes in sorted(self.calls.items(), key=_op_order):
@@ -190,7 +204,8 @@ class SwapReport:
     def to_dict(self) -> dict:
         return {"model": self.model, "swapped": dict(self.swapped),
                 "refused": [r._asdict() for r in self.refused], "head": self.head,
-                "waiting": dict(self.waiting), "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()}}
+                "waiting": dict(self.waiting), "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()},
+                "mixers": {cls: {"modules": n, "runs": what} for cls, (n, what) in self.mixers.items()}}
 
 
 #: Shorter names for a logged line that would otherwise pass 100 characters.

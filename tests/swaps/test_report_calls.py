@@ -65,7 +65,8 @@ def test_report_is_live_and_counts_the_fused_loss_and_lora_calls():
     assert "lora" not in report.short() and "waiting" in str(report)
     training_step(model, padded_batch())
     # live: the step is counted (the tiled MLP decides per call too: short sequences run the MLP whole)
-    assert report.calls == {"fused_linear_cross_entropy": {"fused": 1}, "tiled_mlp": {tiled_mlp.SHORT: 2}}
+    assert report.calls == {"fused_linear_cross_entropy": {"fused": 1}, "tiled_mlp": {tiled_mlp.SHORT: 2},
+                            "rope": {"fused": 2}}
     assert "fused_linear_cross_entropy" in str(report) and "calls" in str(report)
 
     peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True,

@@ -1,0 +1,86 @@
+"""Linear-attention and SSM mixers: no accel-patch op, but named in the report with what runs there.
+
+Gated DeltaNet (Qwen3.5, Qwen3-Next, Olmo hybrid), KDA (Kimi Linear, GLM-5-next), Mamba2
+(Nemotron-H, Granite 4 hybrids, Falcon-H1) and short convolutions (LFM2, LFM3) carry a large part
+of a hybrid layer's weights and most of its step time. transformers picks their kernels once, at
+import, through `use_kernel_func_from_hub_with_fallback`: the original package when it is
+installed (flash-linear-attention, causal-conv1d, mamba-ssm), else its torch reference (correct,
+much slower), and warns once. The report says, per mixer class, which of the two each of its
+functions holds, and the package that brings the kernel: read from the wrapper itself, not
+guessed from what is installed.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+
+#: Packages transformers falls back from -> the pip distribution that brings the kernel.
+DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d", "mamba_ssm": "mamba-ssm"}
+
+
+def _fallback_parts(func):
+    """(function name, package, implementation, torch reference) of a transformers fallback
+    wrapper (read from its closure), else None."""
+    seen = 0
+    while func is not None and seen < 8:
+        code = getattr(func, "__code__", None)
+        if code is not None and func.__closure__ and {"implementation", "torch_function", "package"} <= set(code.co_freevars):
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__)))
+            return cells.get("func_name"), cells["package"], cells["implementation"], cells["torch_function"]
+        func, seen = getattr(func, "__wrapped__", None), seen + 1
+    return None
+
+
+def _class_names(cls) -> set[str]:
+    """Every global name the methods of `cls` (and its bases in the same module) refer to."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__ != cls.__module__:
+            continue
+        for value in vars(klass).values():
+            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+            if code is not None:
+                names.update(code.co_names)
+    return names
+
+
+def what_runs(module) -> str | None:
+    """What runs in this module's mixer functions, grouped by package ("torch reference, no
+    flash-linear-attention (pip install flash-linear-attention): chunk_gated_delta_rule, ..."),
+    or None when it has none."""
+    cls = type(module)
+    owner = sys.modules.get(cls.__module__)
+    if owner is None:
+        return None
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for name in sorted(_class_names(cls)):
+        found = _fallback_parts(owner.__dict__.get(name))
+        if found is None:
+            continue
+        func_name, package, implementation, torch_function = found
+        groups.setdefault((package, implementation is torch_function), []).append(func_name or name)
+    parts = []
+    for (package, reference), names in sorted(groups.items()):
+        dist = DISTRIBUTIONS.get(package, package)
+        if reference:
+            parts.append(f"torch reference, no {dist} (pip install {dist}): {', '.join(names)}")
+        else:
+            parts.append(f"{dist}'s kernels: {', '.join(names)}")
+    return "; ".join(parts) or None
+
+
+def census(model) -> dict[str, tuple[int, str]]:
+    """Mixer class name -> (modules, what runs there), for every mixer of `model`."""
+    found: dict[str, tuple[int, str]] = {}
+    known: dict[type, str | None] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls not in known:
+            try:
+                known[cls] = what_runs(module)
+            except Exception:  # a class we cannot read is not named, never raised
+                known[cls] = None
+        if known[cls]:
+            n, _ = found.get(cls.__name__, (0, known[cls]))
+            found[cls.__name__] = (n + 1, known[cls])
+    return found
