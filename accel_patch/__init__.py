@@ -3,7 +3,7 @@ maps for quantized models, and verified Triton kernels, with no change to the tr
 
 `import accel_patch` registers post-import hooks and returns: it imports neither torch,
 transformers nor accelerate. Each patch binds when its target module is imported (at once if it
-already is). `ACCEL_PATCH_DISABLE=1` turns everything off; `ACCEL_PATCH_ACCELERATE=0` and
+already is). `ACCEL_PATCH_DISABLE=1` (or true/yes/on) turns everything off; `ACCEL_PATCH_ACCELERATE=0` and
 `ACCEL_PATCH_DEVICE_MAP=0` turn off one patch each.
 
 The package is laid out in rooms by role; imports run one way, downward:
@@ -81,11 +81,21 @@ def __getattr__(name: str):
 
 
 def _activate() -> None:
-    if os.environ.get("ACCEL_PATCH_DISABLE", "").strip().lower() in ("1", "true", "yes"):
+    from .core.switches import BadSwitch, read
+
+    try:
+        off, why = read("ACCEL_PATCH_DISABLE"), None
+    except BadSwitch as exc:
+        # the user reached for the off switch: stay off (never raise at import), and say so
+        off, why = True, f"{exc}; accel-patch stays off until it is fixed"
+        import logging
+
+        logging.getLogger("accel_patch").warning("accel_patch: %s", why)
+    if off:
         from .core import registry
 
         for record in registry.status():
-            registry.set_state(record.name, DISABLED, "turned off by ACCEL_PATCH_DISABLE=1")
+            registry.set_state(record.name, DISABLED, why or f"turned off by ACCEL_PATCH_DISABLE={os.environ['ACCEL_PATCH_DISABLE']}")
         return
     enable()
 

@@ -245,8 +245,13 @@ def local_devices():
 
 def collect(parts=PARTS) -> list[Row]:
     """Every row of the self-test."""
+    from ..swaps.ops import bad_names
+
     devices = local_devices()
     rows = []
+    problem = bad_names()  # what every training run would swap: a bad name fails the self-test
+    if problem:
+        rows.append(Row("settings", "ACCEL_PATCH_KERNELS", "-", False, "-", problem))
     if "kernels" in parts:
         rows += check_kernels(devices)
     if "models" in parts:

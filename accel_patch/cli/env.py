@@ -62,6 +62,8 @@ def print_report(report: dict) -> None:
     print(f"  this process: {entry['this_process']}")
     if entry["advice"]:
         print(f"  {entry['advice']}")
+    if report.get("kernel_list_problem"):
+        print(f"\nkernels: {report['kernel_list_problem']}")
     print(f"\npatches\n  {'NAME':<17} {'STATE':<9} REASON")
     for s in report["status"]:
         print(f"  {s['name']:<17} {s['state']:<9} {s['reason']}")

@@ -28,6 +28,12 @@ def versions() -> dict[str, str]:
     return found
 
 
+def bad_names(environ):
+    from ..swaps.ops import bad_names as check
+
+    return check(environ)
+
+
 def env_report() -> dict:
     """Everything `accel-patch env` shows. Raises TopologyError for a bad launcher variable."""
     environ = dict(os.environ)
@@ -54,6 +60,7 @@ def env_report() -> dict:
             f"{engine} places the weights itself: from_pretrained untouched" if engine else
             "no sharding engine requested: quantized or distributed loads get the device map above")},
         "config_entry": config_entry.describe(),
+        "kernel_list_problem": bad_names(environ),
         # After decide(): it imports accelerate, so the accelerate patch shows as it will bind.
         "status": [
             {"name": s.name, "state": s.state, "reason": s.reason, "target": s.target, "verified": s.verified}

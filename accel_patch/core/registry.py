@@ -43,7 +43,11 @@ class Patch:
     module: str  # the module whose import binds the patch
     target: str  # what it patches, for humans
     verified: str  # versions it was verified on
-    switch: str  # env variable that turns this patch off with "0"
+    switch: str  # env variable that turns this patch off with "0" (any false spelling: core/switches.py)
+    #: A bad value of a safety switch stops at the patch's decision point (`require_switch`); the
+    #: others warn and keep the patch on. False for a switch that is not on/off (ACCEL_PATCH_KERNELS).
+    safety = False
+    boolean_switch = True
 
     def __init__(self) -> None:
         self._saved: list[tuple[type, str, object, bool]] = []
@@ -160,6 +164,14 @@ def register(patch: Patch) -> None:
             _watching = _watching | {patch.module}
 
 
+def require_switch(patch: Patch) -> None:
+    """At a safety patch's decision point: raise the BadSwitch of a bad value of its switch (read
+    now, as every setting is read at decision time)."""
+    from .switches import read
+
+    read(patch.switch)
+
+
 def set_state(name: str, state: str, reason: str) -> None:
     """Record a patch's state and why (a failure is logged once per patch)."""
     _states[name] = (state, reason)
@@ -175,9 +187,19 @@ def _bind(patch: Patch, module) -> None:
     with _lock:
         if not _enabled or patch.installed:
             return
-        if os.environ.get(patch.switch, "").strip() == "0":
-            set_state(patch.name, SKIPPED, f"turned off by {patch.switch}=0")
-            return
+        if patch.boolean_switch:
+            from .switches import BadSwitch, turned_off
+
+            try:
+                if turned_off(patch.switch):
+                    set_state(patch.name, SKIPPED, f"turned off by {patch.switch}={os.environ[patch.switch]}")
+                    return
+            except BadSwitch as exc:
+                if not patch.safety:
+                    import logging
+
+                    logging.getLogger("accel_patch").warning("accel_patch: %s; %s stays on", exc, patch.name)
+                # a safety switch: installed, and its decision point raises while the value is bad
         try:
             reason = patch.check(module)
             if reason:

@@ -15,6 +15,9 @@ import os
 import sys
 
 CONFIG_NAME = "accel_patch_config.yaml"
+# core/switches.py's spellings (that module is not importable from the hook: the hook is stdlib-only)
+TRUE_SWITCH = ("1", "true", "yes", "on", "y", "t", "enable", "enabled")
+FALSE_SWITCH = ("0", "false", "no", "off", "n", "f", "disable", "disabled")
 
 _GATE = '''
 def accelerate_dir(environ):
@@ -36,6 +39,9 @@ def config_file(environ, extra):
 TRUE = ("true", "yes", "1", "on")
 FALSE = ("false", "no", "0", "off")
 KEYS = ("enabled", "kernels", "callback")
+# the on/off spellings of accel_patch.core.switches (this source is stdlib-only: written out here)
+TRUE_SWITCH = %r
+FALSE_SWITCH = %r
 
 
 def read_settings(path):
@@ -67,8 +73,13 @@ def say(line):
 def start(environ, extra):
     """Load accel_patch when configured and enabled; returns what happened, in one line. A bad
     file or value is said on stderr (the file, the key, the value, the valid values, what happens)."""
-    if environ.get("ACCEL_PATCH_DISABLE", "").strip().lower() in ("1", "true", "yes"):
+    disable = environ.get("ACCEL_PATCH_DISABLE", "").strip().lower()
+    if disable in TRUE_SWITCH:
         return "off: ACCEL_PATCH_DISABLE is set"
+    if disable and disable not in FALSE_SWITCH:  # accel_patch's own import says it too, and stays off
+        say("ACCEL_PATCH_DISABLE=%%r is not a switch value (use 1/true/yes/on or 0/false/no/off); "
+            "accel-patch is not loaded" %% environ["ACCEL_PATCH_DISABLE"])
+        return "off: ACCEL_PATCH_DISABLE has a bad value"
     path = config_file(environ, extra)
     if path is None:
         return "off: not configured"
@@ -98,7 +109,7 @@ def start(environ, extra):
         say("%%s: callback: %%r is not valid (true or false): the callback stays on (the default)" %% (path, callback))
     import accel_patch
     return "on: accel_patch loaded at start-up (%%s)" %% path
-''' % CONFIG_NAME
+''' % (CONFIG_NAME, TRUE_SWITCH, FALSE_SWITCH)
 
 _RUN = '''
 if getattr(sys, "accel_patch_startup", None) is None:

@@ -82,6 +82,7 @@ class AccelerateStatePatch(registry.Patch):
     target = "accelerate.state.PartialState.__init__ and ._prepare_backend, AcceleratorState.__init__"
     verified = "accelerate 1.15"
     switch = "ACCEL_PATCH_ACCELERATE"
+    safety = True
 
     def check(self, module) -> str | None:
         import inspect
@@ -126,6 +127,7 @@ class AccelerateStatePatch(registry.Patch):
         def init_wrapper(wrapped, instance, args, kwargs):
             if cls._shared_state:  # the state exists: accelerate reuses it, nothing to decide
                 return wrapped(*args, **kwargs)
+            registry.require_switch(AccelerateStatePatch)  # a bad ACCEL_PATCH_ACCELERATE stops here
             scrub_blank_env()
             bound = init_signature.bind_partial(instance, *args, **kwargs)
             topo = topology()

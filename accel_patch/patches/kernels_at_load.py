@@ -24,6 +24,7 @@ class KernelSwapPatch(registry.Patch):
     target = "transformers.PreTrainedModel.from_pretrained and ._from_config: swap kernels into the model returned"
     verified = "transformers 5.17, 5.24"
     switch = SWITCH
+    boolean_switch = False  # a list of ops, read by ops_from_env
 
     def check(self, module) -> str | None:
         cls = getattr(module, "PreTrainedModel", None)

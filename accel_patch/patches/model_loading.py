@@ -45,6 +45,7 @@ class ModelLoadingPatch(registry.Patch):
     target = "transformers.PreTrainedModel.from_pretrained"
     verified = "transformers 5.17, 5.24"
     switch = "ACCEL_PATCH_DEVICE_MAP"
+    safety = True
 
     def check(self, module) -> str | None:
         import inspect
@@ -64,6 +65,7 @@ class ModelLoadingPatch(registry.Patch):
 
     def install(self, module) -> None:
         def from_pretrained_wrapper(wrapped, instance, args, kwargs):
+            registry.require_switch(ModelLoadingPatch)  # a bad ACCEL_PATCH_DEVICE_MAP stops the load here
             pretrained = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             requested = kwargs.get("device_map")
             # An explicit map is kept whatever the load: skip reading the checkpoint's config then.

@@ -35,19 +35,52 @@ def resolve_ops(ops) -> tuple[str, ...]:
     return tuple(op for op in families.OPS if op in chosen)
 
 
+def split_known(raw: str) -> tuple[tuple[str, ...], list[str]]:
+    """(the known ops `raw` names, in report order; the names it writes that are no op)."""
+    known, unknown = set(), []
+    for written in filter(None, (w.strip().lower() for w in raw.split(","))):
+        names = families.expand(written)
+        if all(n in families.OPS for n in names):
+            known.update(names)
+        else:
+            unknown.append(written)
+    return tuple(op for op in families.OPS if op in known), unknown
+
+
+def bad_names(environ=None) -> str | None:
+    """What is wrong with ACCEL_PATCH_KERNELS (the unknown names, what runs instead, the valid
+    names), or None when every name is an op (`accel-patch env` and `check` show it)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SWITCH, "").strip()
+    if not raw or raw.lower() in OFF:
+        return None
+    known, unknown = split_known(raw)
+    if not unknown:
+        return None
+    return (f"{source(SWITCH, raw)}: unknown kernel op(s) {', '.join(map(repr, unknown))}, skipped; swapping "
+            f"{', '.join(known) if known else 'no kernel'} (choose from {', '.join(families.OPS)}; also "
+            f"{', '.join(sorted({**families.OP_ALIASES, **families.OP_GROUPS}))})")
+
+
+_warned: set[str] = set()
+
+
 def ops_from_env(environ=None):
-    """The ops ACCEL_PATCH_KERNELS asks for: None (all), () (off), or a tuple of names.
-    Raises ValueError naming the variable when it names an unknown op."""
+    """The ops ACCEL_PATCH_KERNELS asks for: None (all), () (off), or a tuple of names. A name
+    that is no op is warned about (once per value, with the valid names) and skipped: the rest run."""
     env = os.environ if environ is None else environ
     raw = env.get(SWITCH, "").strip()
     if not raw:
         return None
     if raw.lower() in OFF:
         return ()
-    try:
-        return resolve_ops(raw)
-    except ValueError as exc:
-        raise ValueError(f"{source(SWITCH, raw)}: {exc}") from None
+    known, unknown = split_known(raw)
+    if unknown and raw not in _warned:
+        import logging
+
+        _warned.add(raw)
+        logging.getLogger("accel_patch").warning("accel_patch: %s", bad_names(env))
+    return known
 
 
 def source(name: str, raw: str) -> str:
