@@ -266,6 +266,11 @@ def last_decision(name: str):
         return _decisions.get(name)
 
 
+def reason_of(name: str) -> str:
+    """The reason recorded with a patch's state ("" when none)."""
+    return _states.get(name, ("", ""))[1]
+
+
 def state_of(name: str) -> str:
     """The state of one registered patch (active, pending, ...)."""
     with _lock:

@@ -81,7 +81,12 @@ def _swap_loaded(model) -> None:
         from ..swaps import swap_kernels
 
         swap_kernels(model, ops)
-        if registry.state_of(patch.name) == registry.FAILED:  # an earlier load failed; this one did not
+        from ..swaps.ops import bad_names
+
+        problem = bad_names()
+        if problem:  # the bad names were skipped, the rest swapped: status says which
+            registry.set_state(patch.name, registry.ACTIVE, f"patched {patch.target}; {problem}")
+        elif registry.state_of(patch.name) == registry.FAILED or "unknown kernel op" in registry.reason_of(patch.name):
             registry.set_state(patch.name, registry.ACTIVE, f"patched {patch.target}")
     except Exception as exc:  # the user's load must succeed whatever happens here
         registry.set_state(patch.name, registry.FAILED, f"swapping kernels into {type(model).__name__} failed: "

@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from . import experts, lora, mixers, probe, sites
-from .layers import mlp, norms, rope, tiled_mlp
+from . import experts, lora, probe, sites
+from .layers import mixers, mlp, norms, rope, tiled_mlp
 from .loss import compiled_loss
 from .loss import site as loss
 from .ops import resolve_ops

@@ -139,14 +139,17 @@ def test_accel_patch_kernels_limits_or_stops_the_automatic_swap(monkeypatch, che
 def test_a_bad_accel_patch_kernels_never_fails_the_load_and_says_why(monkeypatch, checkpoint):
     monkeypatch.setenv("ACCEL_PATCH_KERNELS", "rms_norm,flash")
     model = LlamaForCausalLM.from_pretrained(checkpoint)
-    assert not any(sites.is_swapped(m) for m in model.modules())
+    # the bad name is skipped and said; the rest run
+    assert sites.is_swapped(model.model.norm) and not sites.is_swapped(model.model.layers[0].mlp)
     record = next(s for s in accel_patch.status() if s.name == "kernels")
-    assert record.state == "failed" and "ACCEL_PATCH_KERNELS='rms_norm,flash'" in record.reason
+    assert record.state == "active" and "ACCEL_PATCH_KERNELS='rms_norm,flash'" in record.reason
     assert "'flash'" in record.reason
+    restore_kernels(model)
     monkeypatch.delenv("ACCEL_PATCH_KERNELS")
-    restored = LlamaForCausalLM.from_pretrained(checkpoint)  # a good load clears the failure
+    restored = LlamaForCausalLM.from_pretrained(checkpoint)  # a good load clears the complaint
     assert sites.is_swapped(restored.model.norm)
-    assert next(s for s in accel_patch.status() if s.name == "kernels").state == "active"
+    record = next(s for s in accel_patch.status() if s.name == "kernels")
+    assert record.state == "active" and "flash" not in record.reason
     restore_kernels(restored)
 
 

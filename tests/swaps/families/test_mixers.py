@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import accel_patch
-from accel_patch.swaps import mixers
+from accel_patch.swaps.layers import mixers
 
 transformers = pytest.importorskip("transformers")
 
