@@ -1,4 +1,4 @@
-"""Bad settings, one rule (docs/decisions.md): the source (the settings file or the variable), the
+"""Bad settings, one rule (docs/cli.md): the source (the settings file or the variable), the
 value and the valid values are named, and what happens instead is said. The start-up hook never
 raises and never stays silent about a bad file: one line on stderr naming it; `accel-patch env`
 and `config --show` describe a bad file instead of crashing on it."""

@@ -7,7 +7,7 @@ One resolver, read when a decision is made (never cached at import: launchers su
 notebook_launcher set the environment after the user's imports). Importing this module is cheap;
 torch is imported only when the accelerator count is needed.
 
-Rules (see docs/decisions.md):
+Rules (why: docs/distributed.md):
 - An initialized torch.distributed group wins over every variable.
 - Otherwise the first launcher whose variables are present: DeepSpeed, torchrun/accelerate,
   Open MPI, MVAPICH, Intel MPI/MPICH Hydra (PMI), SLURM step. SLURM_NTASKS alone is not trusted:

@@ -16,7 +16,7 @@ beneath ran instead (a short sequence, no grad, not checkpointed, ...). Tiling p
 tokens x intermediate reaches MIN_ELEMENTS; a chunk holds about CHUNK_ELEMENTS (chunk tokens x
 intermediate) elements.
 
-When it engages (docs/decisions.md, "The tiled MLP's default"): the backward's chunk recompute is
+When it engages (docs/tiled-mlp.md, "When it engages"): the backward's chunk recompute is
 one more MLP forward, which gradient checkpointing pays anyway. So by default (`ops=None`, no
 ACCEL_PATCH_KERNELS, no config entry) a long call tiles only under transformers' gradient
 checkpointing: the `gradient_checkpointing` flag of the nearest module above the MLP that has one
@@ -53,7 +53,7 @@ INNER_ATTR = "_accel_patch_tiled_inner"
 #: from two chunks. Measured on CPU (`benchmarks/long_context.py --crossover`: one Llama MLP,
 #: hidden 512, intermediate 2048, fp32): the tiled step's peak memory is above the plain one's up to
 #: 2048 tokens (4M elements: 126 vs 117 MiB) and below it from 4096 (8M: 142 vs 221 MiB), for one
-#: more MLP forward in time (none under checkpointing): docs/decisions.md, "Tiled MLP".
+#: more MLP forward in time (none under checkpointing): docs/tiled-mlp.md, "Threshold and chunk".
 MIN_ELEMENTS = 2 ** 23
 #: Elements of one chunk's intermediate tensor (chunk tokens x intermediate), but at least `hidden`
 #: tokens a chunk (a chunk's activations then weigh about one weight matrix, and a GPU's matmuls
