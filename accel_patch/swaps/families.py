@@ -37,6 +37,9 @@ GLU_SPLIT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 GLU_FUSED_NAMES = (("gate_up_proj", "down_proj"),)
 #: Attribute that holds the MLP's activation.
 ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act")
+#: torch.nn.functional activations a gated MLP may call in its forward instead of holding one
+#: (LFM2, LFM3: `F.silu(self.w1(x)) * self.w3(x)`).
+INLINE_ACTIVATIONS = ("silu", "gelu")
 #: What an activation says it is, by class or function name (lower case) -> the kernel's
 #: activation: "silu" (swiglu), "gelu" (geglu, erf), "gelu_tanh" (geglu, tanh). The probe then
 #: checks that it computes that; a name not listed here has no kernel.

@@ -13,6 +13,7 @@ the module's own forward: the twin is slower than the stock MLP there (benchmark
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections import namedtuple
 
@@ -31,12 +32,19 @@ class GluPlan(namedtuple("GluPlan", "names act order")):
 
 
 def activation(module):
-    """The module's activation (its first callable attribute of families.ACTIVATION_ATTRIBUTES), or None."""
+    """The module's activation: its first callable attribute of families.ACTIVATION_ATTRIBUTES,
+    else the one `torch.nn.functional` activation its forward calls by name (LFM2's
+    `F.silu(self.w1(x))`), else None. The probe then checks the whole module either way."""
     for name in families.ACTIVATION_ATTRIBUTES:
         act = getattr(module, name, None)
         if act is not None and callable(act):
             return act
-    return None
+    try:
+        code = inspect.unwrap(type(module).forward).__code__
+    except (AttributeError, ValueError):
+        return None
+    called = [n for n in families.INLINE_ACTIVATIONS if n in code.co_names]
+    return getattr(torch.nn.functional, called[0]) if len(called) == 1 else None
 
 
 def declared_activation(act) -> tuple[str, str | None]:
@@ -71,7 +79,8 @@ def candidate(module) -> tuple[tuple[str, ...], str] | str | None:
         return None
     act = activation(module)
     if act is None:
-        return "gated projections but no activation attribute (" + "/".join(families.ACTIVATION_ATTRIBUTES) + ")"
+        return ("gated projections but no activation attribute (" + "/".join(families.ACTIVATION_ATTRIBUTES) +
+                ") and no single torch.nn.functional activation called in its forward")
     if sites.single_input(type(module)) is None:
         return "forward takes more than one input"
     own_name, kernel_act = declared_activation(act)
