@@ -373,6 +373,21 @@ def _dtypes_returned(out, ref) -> str | None:
     return None
 
 
+def _one_tensor_form(function) -> str | None:
+    """Why a RoPE function that rotates one tensor per call (Gemma 4's and DeepSeek V4's
+    `apply_rotary_pos_emb(x, cos, sin)`) has no kernel here, else None."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) == 3:
+        names = ", ".join(p.name for p in required)
+        return (f"rotates one tensor per call ({names}): the one-tensor form, which the kernel (q and k "
+                f"together) does not take")
+    return None
+
+
 def probe_verdict(key, module, config, act_dtype: torch.dtype):
     """A `RopePlan` for `key` (the function to intercept) when the kernel reproduces it at this
     attention's shapes and every dtype combination it will see (values, dtypes and shapes of what
@@ -381,6 +396,9 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
     if not (heads and kv_heads and head_dim):
         return "cannot tell the attention's head counts and head dim"
     original = interceptions.original(key)
+    form = _one_tensor_form(original)
+    if form:
+        return f"{key[0]}.{key[1]} {form}"
     device = probe.module_device(module)
     ran = 0
     cast_back = None

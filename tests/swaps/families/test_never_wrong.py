@@ -48,3 +48,10 @@ def test_a_site_whose_structure_read_raises_is_refused_with_the_error_not_the_sw
     reasons = [r.reason for r in report.refused if r.op == "rope"]
     assert reasons and all("RuntimeError: per-layer attribute read" in r for r in reasons), report.refused
     assert report.swapped.get("rms_norm", 0) > 0
+
+
+def test_a_one_tensor_rope_function_is_refused_with_its_form_named():
+    model = _gemma4_per_layer()
+    report = swap_kernels(model, ops=["rope"])
+    reasons = {r.reason for r in report.refused if r.op == "rope"}
+    assert reasons and all("one-tensor form" in r and "(x, cos, sin)" in r for r in reasons), reasons
