@@ -396,7 +396,19 @@ def report_of(model) -> SwapReport | None:
     if state is None:
         return None
     return SwapReport(type(target).__name__, state.counts, state.refused, head=state.head, calls=state.calls,
-                      waiting=waiting_for_adapters(target), mixers=mixers.census(target))
+                      waiting=waiting_for_adapters(target), mixers=mixers.census(target),
+                      replaced=replaced_sites(target, state))
+
+
+def replaced_sites(target, state: sites.SwapState) -> list[tuple[str, str, str]]:
+    """(where, op, by whom) of the sites of `target` whose forward was rebound after the swap. The
+    loss site's forward is TRL's business when TRL installed its head (the report's `head` says so)."""
+    found = state.replaced()
+    if not found:
+        return []
+    names = {id(m): n for n, m in target.named_modules()}
+    return [(names.get(id(obj)) or type(target).__name__, op, by) for obj, op, by in found
+            if not (op == loss.OP and state.head is not None)]
 
 
 def _restore(target) -> list[str]:

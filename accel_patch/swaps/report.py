@@ -98,6 +98,8 @@ class SwapReport:
     compiled graph decides and calls are not counted.
     `waiting`: LoRA sites installed on modules that have no PEFT LoRA layer yet, op -> sites: not
     counted in `swapped` (nothing is fused there) until an adapter is added.
+    `replaced`: (where, op, by whom) of sites whose swapped forward was rebound after the swap by
+    something that does not call it (another tool's kernels): not counted in `swapped`.
     `mixers`: linear-attention and SSM mixers, which no accel-patch op covers: class name ->
     (modules, what transformers runs there: its torch reference or the package's kernels;
     swaps/mixers.py).
@@ -106,12 +108,17 @@ class SwapReport:
     def __init__(self, model: str, swapped: dict[str, int] | None = None,
                  refused: list[Refusal] | None = None, new: int = 0, head: str | None = None,
                  calls: dict[str, dict[str, int]] | None = None, waiting: dict[str, int] | None = None,
-                 mixers: dict[str, tuple[int, str]] | None = None) -> None:
+                 mixers: dict[str, tuple[int, str]] | None = None,
+                 replaced: list[tuple[str, str, str]] | None = None) -> None:
         self.model = model
         self.mixers = dict(mixers or {})
+        self.replaced = list(replaced or [])
+        gone: dict[str, int] = {}
+        for _, op, _ in self.replaced:
+            gone[op] = gone.get(op, 0) + 1
         self.waiting = {op: n for op, n in (waiting or {}).items() if n}
-        self.swapped = {op: n - self.waiting.get(op, 0) for op, n in (swapped or {}).items()
-                        if n - self.waiting.get(op, 0) > 0}
+        self.swapped = {op: n - self.waiting.get(op, 0) - gone.get(op, 0) for op, n in (swapped or {}).items()
+                        if n - self.waiting.get(op, 0) - gone.get(op, 0) > 0}
         self.refused = list(refused or [])
         self.new = new
         self.head = head
@@ -135,6 +142,8 @@ class SwapReport:
                 f"{op} {n}" for op, n in sorted(self.waiting.items(), key=_op_order))
         if self.head:
             line += f"; LM head: {self.head}"
+        for (op, by), wheres in self._replaced_groups():
+            line += f"; {op} x{len(wheres)} replaced after the swap by {by} (its forward runs, not ours)"
         for cls, (n, what) in sorted(self.mixers.items()):
             line += f"; mixer {cls} x{n} (no accel-patch op): {what}"
         return line
@@ -150,6 +159,8 @@ class SwapReport:
             ordered = [(op, n) for op, n in ordered if op != LOSS_OP]
             head += "; loss: not run (see fall-backs)"
         tail = (f"; {len(self.refused)} refused" if self.refused else "") + head
+        if self.replaced:
+            tail += f"; {len(self.replaced)} replaced after the swap"
         if self.mixers:  # what runs there: the report's mixer rows; the reference is what users must know
             slow = sum(n for n, what in self.mixers.values() if "torch reference" in what)
             total = sum(n for n, _ in self.mixers.values())
@@ -175,6 +186,12 @@ class SwapReport:
                 return line
         return fit(line)
 
+    def _replaced_groups(self) -> list[tuple[tuple[str, str], list[str]]]:
+        groups: dict[tuple[str, str], list[str]] = {}
+        for where, op, by in self.replaced:
+            groups.setdefault((op, by), []).append(where)
+        return sorted(groups.items(), key=lambda kv: _op_order((kv[0][0], 0)))
+
     def _grouped(self) -> list[tuple[tuple[str, str], list[str]]]:
         groups: dict[tuple[str, str], list[str]] = {}
         for r in self.refused:
@@ -190,6 +207,9 @@ class SwapReport:
             rows.append((op, str(len(sites)), "refused", f"{where}: {reason}"))
         for op, n in sorted(self.waiting.items(), key=_op_order):
             rows.append((op, str(n), "waiting", "no LoRA adapter on these modules yet: fused once PEFT adds one"))
+        for (op, by), wheres in self._replaced_groups():
+            where = ", ".join(wheres[:2]) + (f", ... (+{len(wheres) - 2})" if len(wheres) > 2 else "")
+            rows.append((op, str(len(wheres)), "replaced", f"{where}: rebound after the swap by {by}; its forward runs"))
         for cls, (n, what) in sorted(self.mixers.items()):
             rows.append(("mixer", str(n), "stock", f"{cls} (no accel-patch op): {what}"))
         if len(rows) == 1:
@@ -205,7 +225,8 @@ class SwapReport:
         return {"model": self.model, "swapped": dict(self.swapped),
                 "refused": [r._asdict() for r in self.refused], "head": self.head,
                 "waiting": dict(self.waiting), "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()},
-                "mixers": {cls: {"modules": n, "runs": what} for cls, (n, what) in self.mixers.items()}}
+                "mixers": {cls: {"modules": n, "runs": what} for cls, (n, what) in self.mixers.items()},
+                "replaced": [{"where": w, "op": op, "by": by} for w, op, by in self.replaced]}
 
 
 #: Shorter names for a logged line that would otherwise pass 100 characters.

@@ -99,6 +99,29 @@ class SwapState:
                     value.calls = self.calls
         self.head = self.head or part.head
 
+    def replaced(self) -> list[tuple[object, str, str]]:
+        """(module, op, by whom) of every forward this swap bound that the module no longer runs:
+        rebound after the swap (another tool's per-instance kernels) by something that does not
+        call through it. A wrapper that calls through ours (`__wrapped__`, accelerate's autocast
+        forward, accelerate's hooks moving ours to `_old_forward`) still runs it. Sites stacked on
+        one forward (LoRA or the tiled MLP on top of the GLU kernel) stand or fall with the top one."""
+        stacks: dict[tuple[int, str], list] = {}
+        for obj, attr, _, _, value in self._undo:
+            op = getattr(getattr(value, "__func__", None), MARK, None)
+            if attr in ("forward", "_old_forward") and op is not None:
+                stacks.setdefault((id(obj), attr), []).append((obj, op, value))
+        found = []
+        for (_, attr), stack in stacks.items():
+            obj, _, top = stack[-1]
+            current = obj.__dict__.get(attr)
+            if _runs_through(current, top) or (attr == "forward" and _runs_through(obj.__dict__.get("_old_forward"), top)):
+                continue
+            func = getattr(current, "__func__", current)
+            by = (f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+                  if current is not None else f"the class's own {type(obj).__name__}.forward")
+            found.extend((obj, op, by) for obj, op, _ in stack)
+        return found
+
     @property
     def loss_calls(self) -> dict[str, int]:
         """The fused loss's calls: outcome -> count, live (the dict `calls[LOSS_OP]`)."""
@@ -108,6 +131,18 @@ class SwapState:
         """Count one call of `op` (the fused loss by default) with `outcome`."""
         per_op = self.calls.setdefault(op, {})
         per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+def _runs_through(current, value) -> bool:
+    """Whether the callable `current` is `value` or wraps it (follows `__func__` and `__wrapped__`)."""
+    target = getattr(value, "__func__", value)
+    for _ in range(16):
+        if current is None:
+            return False
+        if current is value or current is target:
+            return True
+        current = getattr(current, "__func__", None) or getattr(current, "__wrapped__", None)
+    return False
 
 
 def forward_slot(module) -> str:
