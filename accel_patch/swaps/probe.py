@@ -147,6 +147,21 @@ def past_limits(x: torch.Tensor, pre: torch.Tensor, magnitude: float) -> torch.T
     return (x.detach().float() * scale).to(x.dtype).requires_grad_()
 
 
+def past_limits_refusal(module, out, ref, what: str, magnitude: float, dtype: torch.dtype) -> str | None:
+    """The refusal reason when `out` (the kernel's) differs from `ref` (the module's) on the
+    past-limits input, naming the limits the module names; None when they agree or when `ref`
+    is not finite (a half-precision overflow at that scale cannot be judged)."""
+    if not isinstance(ref, torch.Tensor) or not torch.isfinite(ref).all():
+        return None
+    err, limit = rel_err(out, ref), bound(dtype)
+    if err <= limit:
+        return None
+    named = ", ".join(f"{v:g}" for v in limits(module))
+    why = f" (it names a limit of {named}: a clamp the kernel does not apply)" if named else ""
+    return (f"output differs from {what} with gate/up pre-activations up to {magnitude:g} in {dtype}: "
+            f"relative error {err:.2e} > {limit:.1e}{why}")
+
+
 def randn(shape, dtype: torch.dtype, device, scale: float = 1.0) -> torch.Tensor:
     """Random normal values made in float32 and rounded to dtype (the probe's inputs)."""
     return (torch.randn(shape, device=device) * scale).to(dtype)

@@ -219,10 +219,10 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
     if errors[best] > limit:
         return (f"output differs from every reading of the MoE experts (layout, gate/up order, "
                 f"{'/'.join(a for a, _, _ in acts)}) in {act_dtype}: closest relative error {errors[best]:.2e} > {limit:.1e}")
-    return _past_limits(module, best, act_dtype, experts, limit)
+    return _past_limits(module, best, act_dtype, experts)
 
 
-def _past_limits(module, plan: ExpertsPlan, act_dtype, experts: int, bound: float):
+def _past_limits(module, plan: ExpertsPlan, act_dtype, experts: int):
     """`plan` when the op still reproduces the module with gate/up pre-activations driven past every
     clamp it names (DeepSeek V4's experts clamp at `limit` without gpt-oss's alpha), else the reason."""
     device = probe.module_device(module)
@@ -242,14 +242,8 @@ def _past_limits(module, plan: ExpertsPlan, act_dtype, experts: int, bound: floa
         args = (far, index, weights) if plan.style == ROUTED else (far,)
         ref = sites.call_inner(module, *args)
         out = run(module, plan, far, index, weights)
-    if isinstance(ref, torch.Tensor) and torch.isfinite(ref).all():
-        err = probe.rel_err(out, ref)
-        if err > bound:
-            named = ", ".join(f"{v:g}" for v in probe.limits(module))
-            why = f" (it names a limit of {named}: a clamp the op's {plan.activation} does not apply)" if named else ""
-            return (f"output differs from the MoE experts with gate/up pre-activations up to {magnitude:g} in "
-                    f"{act_dtype}: relative error {err:.2e} > {bound:.1e}{why}")
-    return plan
+    return probe.past_limits_refusal(module, out, ref, f"the MoE experts ({plan.activation})", magnitude,
+                                     act_dtype) or plan
 
 
 # --- the swapped forward -----------------------------------------------------------------------

@@ -161,14 +161,7 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
         ref = module(far)
         probe.seeded()
         out = forward_for(plan, stock_without_triton=False)(module, far)
-    if torch.isfinite(ref).all():
-        err = probe.rel_err(out, ref)
-        if err > limit:
-            named = ", ".join(f"{v:g}" for v in probe.limits(module))
-            why = f" (it names a limit of {named}: a clamp the kernel does not apply)" if named else ""
-            return (f"output differs from down({act}(gate) * up) with pre-activations up to {magnitude:g} in "
-                    f"{act_dtype}: relative error {err:.2e} > {limit:.1e}{why}")
-    return plan
+    return probe.past_limits_refusal(module, out, ref, f"down({act}(gate) * up)", magnitude, act_dtype) or plan
 
 
 _forwards: dict[tuple, object] = {}
