@@ -251,7 +251,7 @@ class _Walk:
         config = getattr(module, "config", None)
         act_fn = mlp.activation(module)
         structure = (found[0], found[1], found[2], type(act_fn), getattr(act_fn, "approximate", None),
-                     getattr(module, "alpha", None), getattr(module, "limit", None),
+                     getattr(module, "alpha", None), *(getattr(module, n, None) for n in experts.LIMIT_ATTRIBUTES),
                      getattr(config, "_experts_implementation", None))
         self.probe_and_swap(where, experts.OP, module, structure,
                             lambda: experts.probe_verdict(module, self.dtype, found),

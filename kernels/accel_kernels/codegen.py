@@ -95,6 +95,7 @@ class MoeModel:
     transposed: bool = False  # gate_up [E, H, 2I] used as x @ w (gpt-oss)
     interleaved: bool = False  # gate, up = gate_up[..., ::2], gate_up[..., 1::2]
     bias: bool = False
+    limit: float = float("inf")  # the clamped SwiGLU's bound (DeepSeek V4, GLM-5-next); gpt-oss's is 7
 
 
 MOE_MODELS = {
@@ -102,6 +103,7 @@ MOE_MODELS = {
     "gpt-oss-20b": MoeModel(2880, 2880, 32, 4, "gpt_oss", transposed=True, interleaved=True, bias=True),
     "Mixtral-8x7B": MoeModel(4096, 14336, 8, 2),
     "DeepSeek-V2-Lite": MoeModel(2048, 1408, 64, 6),  # DeepSeek-V3's experts at a lite size
+    "DeepSeek-V4": MoeModel(4096, 2048, 256, 6, limit=10.0),  # the clamped SwiGLU at its config's defaults
 }
 # a training step and one decoded token (a tile list mostly of experts without rows)
 MOE_TOKENS = (4096, 1)
@@ -215,7 +217,8 @@ def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = Tr
     variants = [(None, (True,) * 6 + (False,) * 4)] + [(adapters, (True, True) + (False,) * 4 + (True,) * 4)] * lora
     for adapter, needs in variants:
         params = moe_experts._Params(gate_up, down, *biases, *(adapter or (None,) * 4), 2.0, model.transposed,
-                                     model.interleaved, act, 1.702, 7.0, dtype)
+                                     model.interleaved, act, 1.702, 7.0 if model.activation == "gpt_oss" else model.limit,
+                                     dtype)
         moe_experts._forward_triton(hidden, weights, order, offsets, params)
         moe_experts._backward_triton(grad, hidden, weights, order, offsets, params, needs)
 

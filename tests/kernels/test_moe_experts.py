@@ -21,8 +21,13 @@ from accel_kernels import moe_experts
 # --------------------------------------------------------------------------------------------
 
 
-def act_eager(gate, up, activation, alpha=1.702, limit=7.0):
+def act_eager(gate, up, activation, alpha=1.702, limit=None):
+    if activation != "gpt_oss" and limit is not None and limit != float("inf"):
+        # DeepSeek V4's and GLM-5-next's _apply_gate: the clamped SwiGLU
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
     if activation == "gpt_oss":
+        limit = 7.0 if limit is None else limit
         gate = gate.clamp(min=None, max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -34,7 +39,7 @@ def act_eager(gate, up, activation, alpha=1.702, limit=7.0):
 
 
 def experts_eager(hidden, index, weights, gate_up, down, gate_up_bias=None, down_bias=None, *, transposed=False,
-                  interleaved=False, activation="silu", lora=None, alpha=1.702, limit=7.0):
+                  interleaved=False, activation="silu", lora=None, alpha=1.702, limit=None):
     """The per-expert loop of transformers' eager experts; LoRA merged into the weight (PEFT's
     ParamWrapper: W + scaling * B @ A)."""
     E = gate_up.shape[0]
@@ -207,6 +212,39 @@ def test_gpt_oss_layout_matches_float64(device):
     gate_up_out = inputs[0] @ inputs[3][0]
     assert (gate_up_out[:, ::2] > 7.0).any() and (gate_up_out[:, 1::2].abs() > 7.0).any()
     check(*inputs, transposed=True, interleaved=True, activation="gpt_oss", alpha=1.702, limit=7.0)
+
+
+def past_the_limit(inputs, limit, *, transposed=False, interleaved=False):
+    """The fraction of gate and up pre-activations past the clamped SwiGLU's bound."""
+    hidden, index, _, gate_up = inputs[:4]
+    gu = torch.stack([hidden @ gate_up[e] if transposed else hidden @ gate_up[e].t() for e in range(gate_up.shape[0])])
+    rows = torch.nn.functional.one_hot(index, gate_up.shape[0]).sum(1).t().bool()  # [E, T]: routed pairs
+    gu = gu[rows]
+    gate, up = (gu[:, ::2], gu[:, 1::2]) if interleaved else gu.chunk(2, dim=-1)
+    return float(((gate > limit).sum() + (up.abs() > limit).sum()) / gu.numel())
+
+
+@pytest.mark.parametrize("path", ["triton", "twin"])
+def test_the_clamped_swiglu_matches_float64_past_its_limit(device, monkeypatch, path):
+    # DeepSeek V4 / GLM-5-next: silu(gate.clamp(max=10)) * up.clamp(-10, 10), about 1% past 10;
+    # without the clamp in the epilogue and its zero gradient where it clamps, the gradients differ
+    if path == "twin":
+        monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
+    inputs = make(T=24, H=32, I=16, E=4, K=2, device=device, scale=3.9)
+    assert 0.003 <= past_the_limit(inputs, 10.0) <= 0.03
+    check(*inputs, activation="silu", limit=10.0, expect_triton=path == "triton")
+
+
+def test_the_clamped_swiglu_with_gelu_and_interleaved(device):
+    inputs = make(T=24, H=32, I=16, E=4, K=2, transposed=True, device=device, scale=3.9)
+    assert 0.003 <= past_the_limit(inputs, 10.0, transposed=True, interleaved=True) <= 0.05
+    check(*inputs, transposed=True, interleaved=True, activation="gelu", limit=10.0)
+
+
+def test_without_a_limit_nothing_is_clamped(device):
+    inputs = make(T=6, H=32, I=16, E=4, K=2, device=device, scale=30.0)
+    assert past_the_limit(inputs, 7.0) > 0.1  # gpt-oss's default bound, which silu must not take
+    check(*inputs, activation="silu")
 
 
 @pytest.mark.slow  # interpreted Triton: over 2 s

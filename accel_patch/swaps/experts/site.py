@@ -14,9 +14,13 @@ Proved by numbers (`probe_verdict`): the module's own forward, whatever
 `config._experts_implementation` it runs (grouped_mm, eager, batched_mm), against the op on
 random tokens routed so that one expert gets none, for every reading the shapes allow: the
 layout (`[E, 2I, H]` with F.linear, or `[E, H, 2I]` with `x @ W`), gate/up as halves or
-interleaved (gpt-oss), the activation the module names (SiLU, GELU, tanh-GELU) or gpt-oss's
-clamped GLU with the module's `alpha` and `limit`. The reading within the dtype's bound is the
-plan; none within it is a refusal that says how far the closest one was.
+interleaved (gpt-oss), the activation the module names (SiLU, GELU, tanh-GELU; each of them when
+it names none, as GLM-5-next's forward calls F.silu), clamped or not at the bound it holds
+(`limit` or `swiglu_limit`: DeepSeek V4, GLM-5-next), or gpt-oss's clamped GLU with its `alpha`
+and `limit`. Each reading runs twice: at unit scale and with the tokens scaled so that the gate/up
+pre-activations reach PAST_LIMIT times the bound (UNBOUNDED_REACH without one), so a clamp the
+plan misses, declared or not, is a difference the probe sees. The reading within the dtype's bound
+at both is the plan; none within it is a refusal that says how far the closest one was.
 
 Decided at every call and counted in `calls["experts"]` (`forward`): "fused", "fused (LoRA)"
 (PEFT's LoRA on the experts' parameters as split LoRA, adapters.py), with ", tiled" when the call
@@ -128,18 +132,67 @@ def _layouts(gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[bool, int,
     return found
 
 
+#: Attributes holding a SwiGLU clamp's bound: gpt-oss's and DeepSeek V4's `limit`, GLM-5-next's.
+LIMIT_ATTRIBUTES = ("limit", "swiglu_limit")
+#: The activations tried when the module holds none (its forward calls one, as GLM-5-next's F.silu).
+KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return None
+    return float(value)
+
+
+def limit_of(module) -> float | None:
+    """The clamp bound the module holds (its first finite positive LIMIT_ATTRIBUTES), or None."""
+    return next((v for v in (_number(getattr(module, n, None)) for n in LIMIT_ATTRIBUTES) if v is not None), None)
+
+
 def _activations(module) -> tuple[list[tuple[str, float, float]], str | None]:
-    """(activation, alpha, limit) readings to try, and the declared activation's own name."""
+    """(activation, alpha, limit) readings to try (limit inf: no clamp), and the declared
+    activation's own name. A held clamp bound adds the clamped reading of each activation (the
+    probe, past the bound, tells which one the forward computes)."""
     tried, own_name = [], None
     act = mlp.activation(module)
     if act is not None:
         own_name, kernel_act = mlp.declared_activation(act)
-        if kernel_act is not None:
-            tried.append((kernel_act, 1.702, 7.0))
-    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
-    if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and math.isfinite(limit):
-        tried.append(("gpt_oss", float(alpha), float(limit)))
+        kernels = (kernel_act,) if kernel_act is not None else ()
+    else:
+        kernels = KERNEL_ACTIVATIONS
+    limit = limit_of(module)
+    for kernel_act in kernels:
+        tried.append((kernel_act, 1.702, math.inf))
+        if limit is not None:
+            tried.append((kernel_act, 1.702, limit))
+    alpha = _number(getattr(module, "alpha", None))
+    if alpha is not None and limit is not None:
+        tried.append(("gpt_oss", alpha, limit))
     return tried, own_name
+
+
+#: How far past the largest clamp bound the second probe's pre-activations reach (the largest
+#: |gate/up| over the probe's rows, as a multiple of the bound), and where they reach when the
+#: module holds no bound (a clamp the forward hides shows up to there).
+PAST_LIMIT, UNBOUNDED_REACH = 4.0, 40.0
+
+
+def _reach_scale(module, names, biases, transposed, hidden, index, reach: float) -> float:
+    """The factor on `hidden` that makes the largest |gate/up| pre-activation of the routed rows
+    about `reach` (one GEMM per routed expert, on the probe's few rows)."""
+    gate_up = module._parameters[names[0]].detach().float()
+    bias = module._parameters[biases[0]].detach().float() if biases else None
+    x = hidden.detach().float()
+    top = 0.0
+    for e in torch.unique(index).tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            continue
+        rows = x[(index == e).any(dim=-1)]
+        pre = rows @ gate_up[e] if transposed else rows @ gate_up[e].t()
+        top = max(top, float(pre.abs().max()))
+    if bias is not None:
+        top += float(bias.abs().max())
+    return reach / top if top > 0 and math.isfinite(top) else 1.0
 
 
 def routes(tokens: int, top_k: int, experts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +234,8 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
                 f"[E, H, I] nor [E, H, 2I] / [E, I, H]")
     acts, own_name = _activations(module)
     if not acts:
-        return f"MoE experts' activation {own_name} has no kernel (SiLU, GELU, tanh-GELU, gpt-oss's clamped GLU)"
+        return (f"MoE experts' activation {own_name} has no kernel (SiLU, GELU, tanh-GELU, each optionally "
+                f"clamped, gpt-oss's clamped GLU)")
     device = probe.module_device(module)
     experts = gate_up.shape[0]
     hints_t, hints_i = getattr(module, "is_transposed", None), getattr(module, "is_concatenated", None)
@@ -190,60 +244,43 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
         for transposed, hidden_size, _ in layouts:
             if style == ROUTED:
                 top_k = min(2, experts)
-                hidden = probe.randn((7, hidden_size), act_dtype, device).requires_grad_()
+                unit = probe.randn((7, hidden_size), act_dtype, device)
                 index, weights = routes(7, top_k, experts, device)
                 weights = weights.to(act_dtype)
-                args = (hidden, index, weights)
             else:
-                hidden = probe.randn((experts * 3, hidden_size), act_dtype, device).requires_grad_()
-                index, weights = dense_routes(hidden, experts)
-                args = (hidden,)
-            try:
-                ref = sites.call_inner(module, *args)
-            except Exception as exc:
-                return f"module's own forward failed on a {act_dtype} probe: {type(exc).__name__}: {exc}"
-            if not isinstance(ref, torch.Tensor):
-                return f"module returns {type(ref).__name__}, not a tensor"
-            # the layout and order the class declares first: a tie (a symmetric probe) keeps them
-            orders = sorted((False, True), key=lambda i: i == bool(hints_i) if hints_i is not None else i)
-            for interleaved in orders:
-                for act, alpha, limit in acts:
-                    plan = ExpertsPlan(style, names, biases, transposed, interleaved, act, alpha, limit)
-                    out = run(module, plan, hidden, index, weights)
-                    if out.dtype != ref.dtype:
-                        errors[plan] = float("inf")
-                        continue
-                    errors[plan] = probe.rel_err(out, ref)
-    best = min(errors, key=lambda p: (errors[p], p.transposed != bool(hints_t)))
+                unit = probe.randn((experts * 3, hidden_size), act_dtype, device)
+                index, weights = dense_routes(unit, experts)
+            # once at unit scale, once with pre-activations past every clamp bound (or far out)
+            bound_at = max((lim for _, _, lim in acts if math.isfinite(lim)), default=None)
+            reach = PAST_LIMIT * bound_at if bound_at is not None else UNBOUNDED_REACH
+            scale = _reach_scale(module, names, biases, transposed, unit, index, reach)
+            for hidden in (unit, (unit.float() * scale).to(act_dtype)):
+                hidden = hidden.requires_grad_()
+                args = (hidden, index, weights) if style == ROUTED else (hidden,)
+                try:
+                    ref = sites.call_inner(module, *args)
+                except Exception as exc:
+                    return f"module's own forward failed on a {act_dtype} probe: {type(exc).__name__}: {exc}"
+                if not isinstance(ref, torch.Tensor):
+                    return f"module returns {type(ref).__name__}, not a tensor"
+                # the layout and order the class declares first: a tie (a symmetric probe) keeps them
+                orders = sorted((False, True), key=lambda i: i == bool(hints_i) if hints_i is not None else i)
+                for interleaved in orders:
+                    for act, alpha, limit in acts:
+                        plan = ExpertsPlan(style, names, biases, transposed, interleaved, act, alpha, limit)
+                        out = run(module, plan, hidden, index, weights)
+                        err = float("inf") if out.dtype != ref.dtype else probe.rel_err(out, ref)
+                        errors[plan] = max(errors.get(plan, 0.0), err)
+    # a tie keeps the declared layout, then the unclamped reading
+    best = min(errors, key=lambda p: (errors[p], p.transposed != bool(hints_t), math.isfinite(p.limit)))
     limit = probe.bound(act_dtype)
     if errors[best] > limit:
-        return (f"output differs from every reading of the MoE experts (layout, gate/up order, "
-                f"{'/'.join(a for a, _, _ in acts)}) in {act_dtype}: closest relative error {errors[best]:.2e} > {limit:.1e}")
-    return _past_limits(module, best, act_dtype, experts)
-
-
-def _past_limits(module, plan: ExpertsPlan, act_dtype, experts: int):
-    """`plan` when the op still reproduces the module with gate/up pre-activations driven past every
-    clamp it names (DeepSeek V4's experts clamp at `limit` without gpt-oss's alpha), else the reason."""
-    device = probe.module_device(module)
-    gate_up = adapters.base(module, plan.names[0]).detach()
-    with probe.probing(module):
-        if plan.style == ROUTED:
-            hidden = probe.randn((7, gate_up.shape[1] if plan.transposed else gate_up.shape[2]), act_dtype, device)
-            index, weights = routes(7, min(2, experts), experts, device)
-            weights = weights.to(act_dtype)
-        else:
-            hidden = probe.randn((experts * 3, gate_up.shape[1] if plan.transposed else gate_up.shape[2]),
-                                 act_dtype, device)
-            index, weights = dense_routes(hidden, experts)
-        pre = torch.einsum("th,ehi->tei" if plan.transposed else "th,eih->tei", hidden.float(), gate_up.float())
-        magnitude = probe.reach(module)
-        far = probe.past_limits(hidden, pre, magnitude)
-        args = (far, index, weights) if plan.style == ROUTED else (far,)
-        ref = sites.call_inner(module, *args)
-        out = run(module, plan, far, index, weights)
-    return probe.past_limits_refusal(module, out, ref, f"the MoE experts ({plan.activation})", magnitude,
-                                     act_dtype) or plan
+        readings = "/".join(dict.fromkeys(a + (f" clamped at {lim:g}" if math.isfinite(lim) and a != "gpt_oss" else "")
+                                          for a, _, lim in acts))
+        return (f"output differs from every reading of the MoE experts (layout, gate/up order, {readings}; probed "
+                f"at unit scale and with pre-activations reaching {reach:g}) in {act_dtype}: closest relative "
+                f"error {errors[best]:.2e} > {limit:.1e}")
+    return best
 
 
 # --- the swapped forward -----------------------------------------------------------------------

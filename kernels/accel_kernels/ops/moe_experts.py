@@ -11,7 +11,9 @@ interleaved (gate = [..., ::2], up = [..., 1::2], gpt-oss); biases [E, 2I] and [
 Activations: "silu" (silu(gate) * up), "gelu" (erf) and "gelu_tanh" (gelu(gate) * up), and
 "gpt_oss": gate = gate.clamp(max=limit), up = up.clamp(-limit, limit),
 (up + 1) * gate * sigmoid(alpha * gate), with the clamps' zero gradient where they clamp (inclusive
-bounds, as torch's clamp). An expert id < 0 or >= E means "no expert" (transformers' masks use E):
+bounds, as torch's clamp). A finite `limit` with another activation is the clamped SwiGLU of
+DeepSeek V4 and GLM-5-next: gate.clamp(max=limit) and up.clamp(-limit, limit) before act(gate) * up,
+the same clamps and gradients, in the same epilogue. An expert id < 0 or >= E means "no expert" (transformers' masks use E):
 that slot adds nothing and gets a zero routing-weight gradient.
 
 How. The T*K (token, slot) pairs are sorted by expert once (a stable argsort of the flattened
@@ -80,6 +82,7 @@ torch >= 2.9 on CPU, feature-detected per call) and a loop over the experts else
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -130,8 +133,9 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @jit
-def _glu(g, u, alpha, limit, ACT: tl.constexpr):
-    """(act(g, u), d/dg, d/du) for fp32 gate and up; the forward uses only the first."""
+def _glu(g, u, alpha, limit, ACT: tl.constexpr, CLAMP: tl.constexpr):
+    """(act(g, u), d/dg, d/du) for fp32 gate and up; the forward uses only the first. CLAMP: gate
+    and up clamped at limit first (ACT != 3), the clamps' gradient 0 where they clamp."""
     if ACT == 3:  # gpt-oss: clamp, then (up + 1) * glu(gate); the clamps' gradient is 0 where they clamp
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
@@ -140,6 +144,13 @@ def _glu(g, u, alpha, limit, ACT: tl.constexpr):
         h = (uc + 1.0) * glu
         dg = tl.where(g <= limit, (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)), 0.0)
         du = tl.where((u >= -limit) & (u <= limit), glu, 0.0)
+    elif CLAMP:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        a, da = _act_and_grad(gc, ACT)
+        h = a * uc
+        dg = tl.where(g <= limit, uc * da, 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), a, 0.0)
     else:
         a, da = _act_and_grad(g, ACT)
         h = a * u
@@ -213,7 +224,7 @@ def _moe_gate_up_kernel(
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
     stride_lam, stride_lar, stride_lbe, stride_lbr, stride_lbn, stride_hm, stride_dhm, stride_dgm, stride_dwn,
     lora_scale, alpha, limit,
-    ACT: tl.constexpr, FORWARD: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
+    ACT: tl.constexpr, CLAMP: tl.constexpr, FORWARD: tl.constexpr, HAS_BIAS: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
     CT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -268,7 +279,7 @@ def _moe_gate_up_kernel(
         b_base = bias_ptr + e64 * stride_be
         acc_g += _to(tl.load(b_base + gate_cols * stride_bn, mask=col_mask, other=0.0), CT).to(tl.float32)[None, :]
         acc_u += _to(tl.load(b_base + up_cols * stride_bn, mask=col_mask, other=0.0), CT).to(tl.float32)[None, :]
-    h, dg, du = _glu(acc_g, acc_u, alpha, limit, ACT)
+    h, dg, du = _glu(acc_g, acc_u, alpha, limit, ACT, CLAMP)
     h = _to(h, CT)  # what the down GEMM reads
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)
@@ -488,7 +499,7 @@ def _gate_up(hidden, r: _Routing, p: "_Params", xa, *, dh=None) -> tuple:
         *(xa.stride() if xa is not None else (0, 0)), *(lb.stride() if lb is not None else (0, 0, 0)),
         h.stride(0), dh.stride(0) if dh is not None else 0, dgu.stride(0), dw.stride(0) if not forward else 0,
         float(p.scaling), float(p.alpha), float(p.limit),
-        ACT=p.act, FORWARD=forward, HAS_BIAS=bias is not None, LORA=xa is not None, R=_rank_block(rank),
+        ACT=p.act, CLAMP=p.clamp, FORWARD=forward, HAS_BIAS=bias is not None, LORA=xa is not None, R=_rank_block(rank),
         BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(H, GATE_UP_BLOCK_K),
         **dict(_meta(p.ct), **({} if forward or not p.interleaved else {"num_warps": GATE_UP_BACKWARD_INTERLEAVED_WARPS})))
     return (h,) if forward else (h, dgu, dw)
@@ -732,8 +743,16 @@ class _Params:
         self.gu_a, self.gu_b, self.d_a, self.d_b = gu_a, gu_b, d_a, d_b
         self.scaling, self.transposed, self.interleaved = scaling, transposed, interleaved
         self.act, self.alpha, self.limit, self.ct = act, alpha, limit, compute_dtype
+        self.clamp = act != GPT_OSS and math.isfinite(limit)  # the clamped SwiGLU (gpt-oss clamps always)
         self.num_experts = gate_up.shape[0]
         self.intermediate = down.shape[1] if transposed else down.shape[2]
+
+    @property
+    def unclamped(self) -> "_Params":
+        """These parameters without the SwiGLU clamp (its gradient is applied around them)."""
+        other = object.__new__(_Params)
+        other.__dict__.update(self.__dict__, clamp=False)
+        return other
 
     def in_out(self, w: torch.Tensor) -> torch.Tensor:
         """gate_up or down as [E, in, out]."""
@@ -787,6 +806,8 @@ def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int], en
 
 def _act_torch(gate, up, p: _Params):
     """act(gate, up) on fp32 (or float64) gate and up."""
+    if p.clamp:
+        gate, up = gate.clamp(max=p.limit), up.clamp(-p.limit, p.limit)
     if p.act == GPT_OSS:
         g, u = gate.clamp(max=p.limit), up.clamp(-p.limit, p.limit)
         return (u + 1) * g * torch.sigmoid(p.alpha * g)
@@ -799,6 +820,10 @@ def _act_torch(gate, up, p: _Params):
 
 def _act_backward_torch(gate, up, dh, p: _Params):
     """(dgate, dup) for upstream dh, fp32 (or float64)."""
+    if p.clamp:  # the clamps' gradient: 0 where they clamp (inclusive bounds, as torch's clamp)
+        gate_in, up_in = gate, up
+        dgate, dup = _act_backward_torch(gate.clamp(max=p.limit), up.clamp(-p.limit, p.limit), dh, p.unclamped)
+        return dgate * (gate_in <= p.limit), dup * ((up_in >= -p.limit) & (up_in <= p.limit))
     if p.act == SILU:  # aten's fused SiLU gradient, as stock's autograd takes it
         return torch.ops.aten.silu_backward(dh * up, gate), dh * torch.nn.functional.silu(gate)
     if p.act == GPT_OSS:
@@ -982,8 +1007,12 @@ def _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bia
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     for name, value in (("alpha", alpha), ("limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise ValueError(f"{name} must be a float, got {value!r}")
+    if activation == "gpt_oss" and not math.isfinite(limit):
+        raise ValueError(f"limit must be finite for activation 'gpt_oss', got {limit!r}")
+    if limit <= 0:
+        raise ValueError(f"limit must be positive (the clamp's bound), got {limit!r}")
     if gate_up.dim() != 3:
         raise ValueError(f"gate_up must have 3 dimensions (experts, ...), got shape {tuple(gate_up.shape)}")
     experts = gate_up.shape[0]
@@ -1059,7 +1088,7 @@ def _lora_parts(lora, experts: int, size: int, inter: int, device) -> tuple:
 def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
-                activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, lora: dict | None = None,
+                activation: str = "silu", alpha: float = 1.702, limit: float | None = None, lora: dict | None = None,
                 autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The experts of a MoE layer: [T, H] in hidden's dtype, sum_k w[t, k] * expert_e(x_t).
 
@@ -1068,7 +1097,8 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     (transposed=True, `x @ w`); down [E, H, I] or [E, I, H] likewise; gate_up_bias [E, 2I] and
     down_bias [E, H] optional. interleaved: gate and up alternate along 2I (gpt-oss) instead of
     being its two halves. activation "silu", "gelu", "gelu_tanh" or "gpt_oss" (alpha, limit: its
-    clamped GLU). lora: None or {"gate_up": (A [E, r, H], B [E, 2I, r]) or None, "down": (A [E, r,
+    clamped GLU; limit None is 7.0 there). limit with another activation: gate clamped at max=limit
+    and up at [-limit, limit] before it (None or inf: no clamp). lora: None or {"gate_up": (A [E, r, H], B [E, 2I, r]) or None, "down": (A [E, r,
     I], B [E, H, r]) or None, "scaling": float}, any strides. autocast_dtype: the autocast dtype in
     force at the caller (None: off; read it outside, e.g. `_library.autocast_dtype(device_type)`).
     The module docstring says which casts happen and what is saved for backward.
@@ -1077,6 +1107,8 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     only if it requires grad); first order only. Raises ValueError naming the argument for a
     wrong shape, dtype, device or option.
     """
+    if limit is None:
+        limit = 7.0 if activation == "gpt_oss" else math.inf
     _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, transposed,
                   interleaved, activation, alpha, limit, lora, autocast_dtype)
     inter = down.shape[1] if transposed else down.shape[2]
