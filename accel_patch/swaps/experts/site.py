@@ -132,8 +132,9 @@ def _layouts(gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[bool, int,
     return found
 
 
-#: Attributes holding a SwiGLU clamp's bound: gpt-oss's and DeepSeek V4's `limit`, GLM-5-next's.
-LIMIT_ATTRIBUTES = ("limit", "swiglu_limit")
+#: Attributes holding a SwiGLU clamp's bound (gpt-oss's and DeepSeek V4's `limit`, GLM-5-next's
+#: `swiglu_limit`): the one table the dense probe reads too.
+LIMIT_ATTRIBUTES = families.LIMIT_ATTRIBUTES
 #: The activations tried when the module holds none (its forward calls one, as GLM-5-next's F.silu).
 KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 

@@ -3,7 +3,6 @@ pre-activations past it (the small random inputs of the first probe stay far bel
 with wrong gradients; an unclamped module of the same shape still swaps."""
 from __future__ import annotations
 
-import copy
 import types
 
 import pytest

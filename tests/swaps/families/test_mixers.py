@@ -43,7 +43,7 @@ def test_the_report_names_each_mixer_and_what_runs_there(config_name):
     assert mixer in report.mixers, report.mixers
     n, what = report.mixers[mixer]
     assert n == 1 and f"torch reference, no {dist} (pip install {dist})" in what, what
-    assert f"mixer  " in str(report) and mixer in str(report)
+    assert "mixer  " in str(report) and mixer in str(report)
     assert "mixers 1: torch reference" in report.short() and len(report.short()) <= 100
 
 
