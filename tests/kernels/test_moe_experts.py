@@ -454,3 +454,24 @@ def test_bad_inputs_name_the_argument(device):
                                                                "scaling": 1.0})
     with pytest.raises(ValueError, match="lora must be None or a dict"):
         moe_experts(hidden, index, weights, gate_up, down, lora={"scaling": 1.0, "up": None})
+
+
+def test_a_grouped_mm_that_refuses_a_kind_of_operands_is_tried_once_not_per_call(monkeypatch):
+    # an unsupported set-up pays one raised error; every later call of that kind goes to the loop
+    calls = []
+
+    def refusing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("grouped_mm: not supported here")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refusing, raising=False)
+    monkeypatch.setattr(moe_module, "_GROUPED_MM", {})
+    counts = [3, 0, 5]
+    ends = torch.tensor([3, 3, 8], dtype=torch.int32)
+    x, w = torch.randn(8, 16), torch.randn(3, 16, 32)
+    want = torch.cat([x[:3] @ w[0], x[3:] @ w[2]])
+    for _ in range(3):
+        assert torch.allclose(moe_module._grouped(x, w, counts, ends), want)
+        grad = moe_module._grouped_weight_grad(x, x[:, :4], counts, ends)
+        assert torch.allclose(grad[2], x[3:].t() @ x[3:, :4]) and not grad[1].any()
+    assert len(calls) == 2  # once for the product, once for the weight gradient

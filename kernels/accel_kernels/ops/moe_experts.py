@@ -763,22 +763,41 @@ def _compute_dtype(hidden: torch.Tensor, autocast: Optional[torch.dtype]) -> tor
     return autocast if autocast is not None and hidden.dtype != torch.float64 else hidden.dtype
 
 
-# Whether torch._grouped_mm took operands of a (device type, dtype) before: it wants 16-byte strides
-# and float32/bf16/fp16 (torch >= 2.9 on CPU); a loop over the experts does the rest.
+# Whether torch._grouped_mm takes operands of a (device type, dtype, 16-byte aligned) kind: it wants
+# 16-byte strides and float32/bf16/fp16 (torch >= 2.9 on CPU). The first failure of a kind is
+# recorded, so an unsupported set-up pays one raised error, not one per call; a loop over the
+# experts does the rest.
 _GROUPED_MM: dict = {}
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Every operand starts on 16 bytes and steps 16-byte multiples along its non-unit strides."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((st * size) % 16 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1):
+            return False
+    return True
+
+
+def _grouped_mm_or_none(key, *args, **kwargs):
+    """torch._grouped_mm(*args) where operands of this kind were not refused before, else None."""
+    if not hasattr(torch, "_grouped_mm") or not _GROUPED_MM.get(key, True):
+        return None
+    try:
+        out = torch._grouped_mm(*args, **kwargs)
+    except (RuntimeError, NotImplementedError, TypeError):
+        _GROUPED_MM[key] = False
+        return None
+    _GROUPED_MM[key] = True
+    return out
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: list[int], ends: torch.Tensor) -> torch.Tensor:
     """rows of expert e (x sorted by expert, counts[e] rows each) times w[e] ([E, in, out])."""
-    key = (x.device.type, x.dtype)
-    if hasattr(torch, "_grouped_mm") and _GROUPED_MM.get(key, True) and x.shape[0]:
-        try:
-            out = torch._grouped_mm(x, w, offs=ends)
-            _GROUPED_MM[key] = True
+    if x.shape[0]:
+        out = _grouped_mm_or_none((x.device.type, x.dtype, _aligned(x, w)), x, w, offs=ends)
+        if out is not None:
             return out
-        except (RuntimeError, NotImplementedError, TypeError):
-            if key not in _GROUPED_MM:
-                _GROUPED_MM[key] = x.dtype in (torch.float32, torch.bfloat16, torch.float16)  # strides: retry
     parts = [xe @ w[e] for e, xe in enumerate(torch.split(x, counts)) if counts[e]]
     return torch.cat(parts) if parts else x.new_zeros((0, w.shape[2]))
 
@@ -786,15 +805,12 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, counts: list[int], ends: torch.Te
 def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int], ends: torch.Tensor) -> torch.Tensor:
     """[E, p, q]: a_e^T b_e for the rows of each expert (zeros for an expert without rows), fp32."""
     a, b = a.float(), b.float()
-    key = (a.device.type, "weight_grad")
-    if hasattr(torch, "_grouped_mm") and _GROUPED_MM.get(key, True) and a.shape[0]:
-        try:
-            out = torch._grouped_mm(a.t(), b, offs=ends)
-            _GROUPED_MM[key] = True
+    if a.shape[0]:
+        at = a.t()
+        out = _grouped_mm_or_none((a.device.type, "weight_grad", _aligned(at, b)), at, b, offs=ends)
+        if out is not None:
             # an expert without rows: grouped_mm leaves its block as it finds it
             return out.masked_fill_((ends.diff(prepend=ends.new_zeros(1)) == 0)[:, None, None], 0.0)
-        except (RuntimeError, NotImplementedError, TypeError):
-            pass
     out = a.new_zeros((len(counts), a.shape[1], b.shape[1]))
     start = 0
     for e, c in enumerate(counts):
