@@ -17,7 +17,8 @@ head; on CPU without Triton (the kernel's plain-torch twin) the logits must also
 run stock, so the adapter trains; a `modules_to_save` copy of the head is fused with the copy's own
 weight. Evaluation, calls without labels, and `generate` run the stock forward; a training call
 without labels that builds a graph is counted (NO_LABELS), since the caller's own loss then runs
-on the full logits. While torch.compile traces the call, the head returns
+on the full logits; one with labels and `return_dict=False` too (TUPLE_OUTPUT): its tuple holds
+the full logits. While torch.compile traces the call, the head returns
 compiled_loss.LogitsStandIn instead (the same rules and head call, read from deferred.py; dynamo
 traces it, it cannot trace the tensor subclass).
 
@@ -42,6 +43,9 @@ OP = sites.LOSS_OP  # "fused_linear_cross_entropy"
 #: loss runs on them (TRL's ORPO and CPO take log_softmax over them), so the fused loss did not run:
 #: a fall-back, logged, and the swap line does not claim the loss (report.SwapReport.short).
 NO_LABELS = "stock head: a training call without labels (the caller's own loss on the full logits)"
+#: A training call with labels and `return_dict=False`: the tuple holds the full logits in their
+#: place, so they are computed whatever the loss does and the call runs stock, counted as such.
+TUPLE_OUTPUT = "stock head: return_dict=False (the tuple output holds the full logits)"
 
 
 def _without_deferred(output):
@@ -97,12 +101,13 @@ def _small_on_cpu(leaf, labels) -> bool:
 def forward(self, *args, **kwargs):
     """The swapped model forward: the model's own forward, with the head deferred when it pays."""
     state = self.__dict__.get(sites.STATE_ATTR)
-    labels = None
-    if (state is None or OP not in state.ops or not self.training or kwargs.get("return_dict") is False
-            or torch.jit.is_tracing() or (labels := _labels(self, args, kwargs)) is None):
-        if (labels is None and state is not None and OP in state.ops and self.training and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
-            state.count_call(NO_LABELS)  # the caller computes its loss from the full logits (ORPO, CPO)
+    if state is None or OP not in state.ops or not self.training or torch.jit.is_tracing():
+        return sites.call_inner(self, *args, **kwargs)
+    labels = _labels(self, args, kwargs)
+    tuple_output = kwargs.get("return_dict") is False
+    if labels is None or tuple_output:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # a graph the caller's loss uses
+            state.count_call(TUPLE_OUTPUT if labels is not None else NO_LABELS)
         return sites.call_inner(self, *args, **kwargs)
     leaf, why = head_plan(self.get_output_embeddings())
     if leaf is not None and _small_on_cpu(leaf, labels):

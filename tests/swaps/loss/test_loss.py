@@ -101,6 +101,10 @@ def test_a_tuple_output_keeps_the_logits_in_place(models):
     a, b = stock(**batch, return_dict=False), twin(**batch, return_dict=False)
     assert isinstance(b, tuple) and len(a) == len(b)
     assert torch.allclose(a[1], b[1], rtol=0, atol=1e-5)
+    # counted as what it is, not as a call without labels
+    from accel_patch.swaps.loss import site
+
+    assert calls(twin) == {site.TUPLE_OUTPUT: 1}
 
 
 def test_a_custom_loss_that_needs_the_logits_gets_the_real_ones():
