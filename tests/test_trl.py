@@ -84,6 +84,31 @@ def test_a_trl_whose_head_has_another_shape_is_skipped_with_the_reason():
     assert "FusedCausalLMOutput" in trl_fused_head.patch.check(types.SimpleNamespace(add_fused_lm_head=same))
 
 
+@pytest.mark.slow  # imports TRL
+def test_a_reference_model_gets_its_own_trainers_ops_never_the_last_trainers():
+    """TRL installs a trainer's policy head, then its reference model's: the reference model is
+    swapped with that policy's ops; a later trainer's reference model is not given them."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+
+    class Trainer:  # a TRL trainer's set-up calls, policy first
+        def __init__(self, policy, ref=None):
+            trl_utils.add_fused_lm_head(policy)
+            if ref is not None:
+                trl_utils.add_fused_lm_head(ref)
+
+    sft_policy = tiny_llama()
+    accel_patch.swap_kernels(sft_policy, ops=["rms_norm"])  # a trainer with no reference model
+    dpo_policy, dpo_ref = tiny_llama(), tiny_llama()
+    accel_patch.swap_kernels(dpo_policy, ops=["rms_norm", "glu"])
+    Trainer(sft_policy)
+    Trainer(dpo_policy, dpo_ref)
+    assert set(report_of(dpo_ref).swapped) == {"rms_norm", "glu"}
+    lone_ref = tiny_llama()
+    Trainer(sft_policy)
+    trl_utils.add_fused_lm_head(lone_ref)  # another caller's model: the environment's ops, not SFT's
+    assert "glu" in report_of(lone_ref).swapped and "rope" in report_of(lone_ref).swapped
+
+
 # --- the head, field by field ---------------------------------------------------------------------
 
 

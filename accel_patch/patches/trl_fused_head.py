@@ -73,7 +73,8 @@ class TrlFusedHeadPatch(registry.Patch):
         super().__init__()
         self.output_class = None
         self.wrapped = None  # the FunctionWrapper now in trl.trainer.utils
-        self.last_ops = None  # the ops of the last model TRL gave a head: the reference model gets the same
+        # (the trainer that installed it, its policy's ops): that trainer's reference model gets the same
+        self.last_ops = None
 
     def check(self, module) -> str | None:
         import inspect
@@ -147,8 +148,12 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
     from ..swaps.ops import ops_from_env
 
     state = model.__dict__.get(sites.STATE_ATTR)
+    trainer = _calling_trainer()
     if state is None:  # the reference model: the callback never sees it
-        ops = patch.last_ops if patch.last_ops is not None else ops_from_env()
+        ops = ops_from_env()
+        if patch.last_ops is not None and trainer is not None and patch.last_ops[0]() is trainer:
+            ops = patch.last_ops[1]  # its own trainer's policy's ops, never another trainer's
+        patch.last_ops = None
         if ops == ():
             return
         swap_kernels(model, ops)
@@ -156,7 +161,7 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
         if state is None:
             return
     else:
-        patch.last_ops = tuple(sorted(state.ops))
+        patch.last_ops = (_weak(trainer), tuple(sorted(state.ops)))
     trl_forward = model.__dict__.get("forward")
     if trl_forward is None:
         return
@@ -177,6 +182,31 @@ def _after_trl(patch: TrlFusedHeadPatch, model, temperature, cast_lm_head_to_fp3
                                                            cast_lm_head_to_fp32, outputs), model)
     state.head = OURS
     _log().info("accel_patch: %s: %s (TRL's add_fused_lm_head, outputs %s)", type(model).__name__, OURS, outputs)
+
+
+def _calling_trainer():
+    """The object whose method called `add_fused_lm_head` (TRL's trainer: it installs the policy's
+    head, then its reference model's), or None: the first frame outside accel-patch and wrapt."""
+    import os
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(package + os.sep) and f"{os.sep}wrapt{os.sep}" not in filename:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+def _weak(obj):
+    """A weak reference to `obj` (a function returning None when there is none)."""
+    import weakref
+
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: None
 
 
 def _refusal(model, reason: str):
