@@ -113,3 +113,26 @@ def test_settings_left_without_this_environments_hook_are_reported_plainly(site,
     assert "accel-patch config --yes" in text and "accel-patch config --remove" in text
     shown = config_entry.describe()
     assert not shown["configured"] and shown["settings"] and not shown["hook_installed"]
+
+
+def test_environments_sharing_the_settings_are_named_by_config_env_and_remove(site, tmp_path, monkeypatch, capsys):
+    """The settings live per accelerate folder, a hook per environment: a second environment's
+    config adds its hook to the list; --remove in it names the first environment's hook it left."""
+    first, _, _ = site
+    assert cli.main(["config", "--yes"]) == 0
+    second = tmp_path / "other-env" / "site-packages"
+    second.mkdir(parents=True)
+    monkeypatch.setattr(config_entry, "hook_path", lambda: second / config_entry.HOOK_NAME)
+    monkeypatch.setattr(config_entry, "_record_file", lambda: None)
+    assert cli.main(["config", "--yes"]) == 0
+    out = capsys.readouterr().out
+    first_hook = str(first / config_entry.HOOK_NAME)
+    assert "shared with the other environments" in out and first_hook in out
+    assert config_entry.describe()["other_environments"] == [first_hook]
+    assert cli.main(["env"]) == 0
+    assert f"also read by the start-up hook {first_hook}" in capsys.readouterr().out
+    assert cli.main(["config", "--remove"]) == 0
+    out = capsys.readouterr().out
+    assert "still installed" in out and first_hook in out and str(second / config_entry.HOOK_NAME) in out
+    assert (first / config_entry.HOOK_NAME).exists()  # another environment's files are never deleted
+    assert not config_entry.environments_path().exists()

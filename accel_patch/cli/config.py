@@ -30,8 +30,14 @@ def run(args) -> int:
         print(json.dumps(entry, indent=1))
         return 0
     if args.remove:
-        removed = config_entry.remove(args.config_file)
+        removed, others = config_entry.remove(args.config_file)
+        print(f"environment {sys.prefix}")
         print("\n".join(f"removed {p}" for p in removed) or "nothing to remove: accel-patch was not configured here")
+        if others:
+            print("the start-up hooks of other environments written for these settings are still installed; "
+                  "they load nothing without the settings (remove each with that environment's "
+                  "`accel-patch config --remove`):")
+            print("\n".join(f"  {h}" for h in others))
         return 0
     if args.yes:
         settings = dict(config_entry.DEFAULTS)
@@ -45,7 +51,11 @@ def run(args) -> int:
     path, hook = config_entry.write(settings, args.config_file)
     print(f"accel-patch config written:\n  settings  {path}  ("
           + ", ".join(f"{k}: {v}" for k, v in settings.items()) + ")")
-    print(f"  start-up  {hook}  (loads accel-patch at every Python start of this environment: python, "
-          f"torchrun, accelerate launch; nothing when the settings say enabled: false)")
+    print(f"  start-up  {hook}  (loads accel-patch at every Python start of this environment, {sys.prefix}: "
+          f"python, torchrun, accelerate launch; nothing when the settings say enabled: false)")
+    others = [h for h in config_entry.environments(args.config_file) if h != str(hook)]
+    if others:
+        print("  the settings are shared with the other environments whose hooks read them:\n"
+              + "\n".join(f"    {h}" for h in others))
     print(f"accelerate's own config in {path.parent} is not touched. Undo: accel-patch config --remove")
     return 0

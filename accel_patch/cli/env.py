@@ -58,7 +58,10 @@ def print_report(report: dict) -> None:
     else:
         found = "empty: the defaults" if entry.get("settings_file_exists") else "absent"
     print(f"  settings   {entry['config_file']} ({found})")
-    print(f"  start-up   {entry['hook_file']} ({'installed' if entry['hook_installed'] else 'absent'})")
+    print(f"  start-up   {entry['hook_file']} ({'installed' if entry['hook_installed'] else 'absent'}; "
+          f"this environment: {entry['this_environment']})")
+    for hook in entry.get("other_environments") or ():
+        print(f"  also read by the start-up hook {hook}")
     print(f"  this process: {entry['this_process']}")
     if entry["advice"]:
         print(f"  {entry['advice']}")

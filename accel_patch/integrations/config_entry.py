@@ -11,6 +11,12 @@ Two files, never accelerate's own (unknown keys in accelerate's config make `acc
   added to accel-patch's RECORD, so `pip uninstall accel-patch` removes it with the package.
 
 `--remove` deletes both (and the RECORD line); nothing of accel-patch then runs at start-up.
+
+The settings are shared by every environment that reads the same accelerate folder; each hook
+belongs to one environment. So the folder also keeps `accel_patch_environments.txt`, the hooks
+written for these settings, one path per line: `env`, `config --show` and `--remove` name the
+environments they touch and those they leave (a hook left in another environment loads nothing
+once the settings are gone, and says so in that environment's `accel-patch env`).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from . import startup_gate
 
 CONFIG_NAME = startup_gate.CONFIG_NAME
 HOOK_NAME = "accel_patch_startup.pth"
+ENVIRONMENTS_NAME = "accel_patch_environments.txt"
 DISTRIBUTION = "accel-patch"
 DEFAULTS = {"enabled": "true", "kernels": "all", "callback": "true"}
 KERNEL_OPS = families.OPS
@@ -38,6 +45,28 @@ def accelerate_config_dir(config_file: str | None = None, environ=None) -> Path:
 
 def config_path(config_file: str | None = None, environ=None) -> Path:
     return accelerate_config_dir(config_file, environ) / CONFIG_NAME
+
+
+def environments_path(config_file: str | None = None) -> Path:
+    """The list of the start-up hooks written for the settings of this accelerate folder."""
+    return accelerate_config_dir(config_file) / ENVIRONMENTS_NAME
+
+
+def environments(config_file: str | None = None) -> list[str]:
+    """The hooks written for these settings that are still installed, this environment's included."""
+    try:
+        lines = environments_path(config_file).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [line for line in dict.fromkeys(l.strip() for l in lines) if line and Path(line).is_file()]
+
+
+def _list_environments(hooks: list[str], config_file: str | None) -> None:
+    path = environments_path(config_file)
+    if hooks:
+        path.write_text("".join(f"{h}\n" for h in hooks), encoding="utf-8")
+    elif path.exists():
+        path.unlink()
 
 
 def _distribution():
@@ -97,18 +126,23 @@ def write(settings: dict, config_file: str | None = None) -> tuple[Path, Path]:
         extra.append(str(path))
     hook.write_text(_hook_line(extra), encoding="utf-8")
     _record(hook, add=True)
+    _list_environments([*(h for h in environments(config_file) if h != str(hook)), str(hook)], config_file)
     return path, hook
 
 
-def remove(config_file: str | None = None) -> list[Path]:
-    """Delete the settings file and the start-up hook; returns what was deleted."""
+def remove(config_file: str | None = None) -> tuple[list[Path], list[str]]:
+    """Delete the settings file and this environment's start-up hook; returns (what was deleted,
+    the hooks of other environments written for these settings that are still installed)."""
+    hook = hook_path()
+    others = [h for h in environments(config_file) if h != str(hook)]
     removed = []
-    for path in (config_path(config_file), hook_path()):
+    for path in (config_path(config_file), hook):
         if path.exists():
             path.unlink()
             removed.append(path)
-    _record(hook_path(), add=False)
-    return removed
+    _record(hook, add=False)
+    _list_environments([], config_file)  # the settings are gone: no hook is written for them any more
+    return removed, others
 
 
 def _record(hook: Path, add: bool) -> None:
@@ -166,6 +200,8 @@ def describe(config_file: str | None = None) -> dict:
         "settings_problem": problem,
         "hook_file": str(hook) if hook else None,
         "hook_installed": hook_exists,
+        "this_environment": sys.prefix,
+        "other_environments": [h for h in environments(config_file) if h != str(hook)],
         "this_process": getattr(sys, "accel_patch_startup", "no start-up hook ran in this process"),
     }
 
