@@ -21,7 +21,8 @@ def rows_by(rows):
 @pytest.mark.slow  # over 1.5 s: the quick loop keeps to one minute
 def test_kernels_pass_on_both_cpu_paths():
     rows = rows_by(check.check_kernels(CPU))
-    for op in ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy"):
+    for op in ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "moe_experts",
+               "moe_experts_gpt_oss"):
         for path in ("cpu triton (interpreter)", "cpu torch twin"):
             assert rows[(op, path)].ok, rows[(op, path)]
 
@@ -38,6 +39,19 @@ def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
     assert not broken.ok and "exceeds 1e-05 against float64" in broken.detail and broken.figure.startswith("rel err")
     assert rows[("rms_norm", "cpu torch twin")].ok  # the twin is right: the row says which path is wrong
     assert check.main(parts=("kernels",)) == 1
+
+
+@pytest.mark.slow  # interpreted Triton
+def test_the_gpt_oss_experts_row_fails_when_the_clamp_or_the_lora_is_wrong(monkeypatch):
+    import accel_kernels
+    from accel_kernels.bench import catalogue
+
+    monkeypatch.setattr(catalogue, "OPS", {"moe_experts_gpt_oss": catalogue.OPS["moe_experts_gpt_oss"]})
+    real = accel_kernels.moe_experts
+    for broken in (dict(limit=30.0), dict(lora=None)):  # a clamp past the probe's values; LoRA dropped
+        monkeypatch.setattr(accel_kernels, "moe_experts", lambda *a, **k: real(*a, **{**k, **broken}))
+        rows = check.check_kernels(CPU)
+        assert rows and not any(r.ok for r in rows), (broken, rows)
 
 
 @pytest.mark.slow  # over 2 s: the model rows of the check

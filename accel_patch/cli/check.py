@@ -3,7 +3,8 @@
 Three parts, one table, exit code 0 only if every row passes:
 
 - kernels: every accel_kernels op, forward and gradients, against its eager formula run in float64,
-  at a small shape, on each local device and on each path an op takes there (Triton on a GPU;
+  at a small shape (the experts twice: Qwen3-MoE's layout, and gpt-oss's transposed, interleaved,
+  biased layout past its clamp with PEFT's split LoRA on both projections), on each local device and on each path an op takes there (Triton on a GPU;
   on the CPU the plain-torch twin, and the Triton kernels themselves when they run under Triton's
   interpreter, which `accel-patch check` turns on when the machine has no GPU);
 - models: for each family it knows, a tiny random model is swapped (the probe decides) and one
@@ -47,6 +48,10 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                                          "output_router_logits": True}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.5}),
+    # the experts' other path: transposed, interleaved gate/up, biases, the clamped GLU
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                                       "sliding_window": 8,
+                                                       "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 

@@ -210,5 +210,69 @@ MOE_EXPERTS = Op(
     bytes_moved=None,  # matmul-bound
 )
 
+# --- moe_experts, gpt-oss's path: transposed [E, H, 2I], gate/up interleaved, biases, its clamped
+# GLU driven past the clamp, and PEFT's split LoRA on both projections (base weights frozen) ---
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
+def _make_gpt_oss_moe(device, dtype, tokens, hidden, intermediate, experts, top_k, rank):
+    index = torch.topk(torch.randn(tokens, experts, device=device), top_k, dim=-1).indices
+    # gate_up scaled so that about 1 pre-activation in 10 passes the clamp (|x| > 7)
+    gate_up = (torch.randn(experts, hidden, 2 * intermediate, device=device) * 4.0 / math.sqrt(hidden)).to(dtype)
+    down = (torch.randn(experts, intermediate, hidden, device=device) / math.sqrt(intermediate)).to(dtype)
+    inputs = [_randn(tokens, hidden, device=device, dtype=dtype), index,
+              torch.rand(tokens, top_k, device=device).to(dtype).requires_grad_(), gate_up, down,
+              (torch.randn(experts, 2 * intermediate, device=device) * 0.3).to(dtype).requires_grad_(),
+              (torch.randn(experts, hidden, device=device) * 0.3).to(dtype).requires_grad_()]
+    for fan_in, fan_out in ((hidden, 2 * intermediate), (intermediate, hidden)):  # PEFT's lora_A, lora_B weights
+        inputs.append((torch.randn(rank * experts, fan_in, device=device) / math.sqrt(fan_in)).to(dtype).requires_grad_())
+        inputs.append((torch.randn(fan_out, rank * experts, device=device) * 0.3).to(dtype).requires_grad_())
+    return inputs
+
+
+def _lora_views(a_w, b_w, experts):
+    """PEFT's ParamWrapper weights as the op takes them: A [E, r, in], B [E, out, r] (a strided view)."""
+    return a_w.view(experts, -1, a_w.shape[1]), b_w.view(b_w.shape[0], -1, experts).permute(2, 0, 1)
+
+
+def _ours_gpt_oss_moe(x, index, w, gate_up, down, gu_bias, d_bias, gu_a, gu_b, d_a, d_b):
+    experts = gate_up.shape[0]
+    lora = {"gate_up": _lora_views(gu_a, gu_b, experts), "down": _lora_views(d_a, d_b, experts), "scaling": 2.0}
+    return accel_kernels.moe_experts(x, index, w, gate_up, down, gu_bias, d_bias, transposed=True, interleaved=True,
+                                     activation="gpt_oss", alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT, lora=lora)
+
+
+def _eager_gpt_oss_moe(x, index, w, gate_up, down, gu_bias, d_bias, gu_a, gu_b, d_a, d_b):
+    """transformers' GptOssExperts loop on the weights PEFT's LoRA merges into (W + scaling * B @ A)."""
+    experts = gate_up.shape[0]
+    a, b = _lora_views(gu_a, gu_b, experts)
+    gate_up = gate_up + 2.0 * (b @ a).transpose(1, 2)
+    a, b = _lora_views(d_a, d_b, experts)
+    down = down + 2.0 * (b @ a).transpose(1, 2)
+    out = torch.zeros_like(x)
+    for e in range(experts):
+        token, slot = torch.where(index == e)
+        if token.numel() == 0:
+            continue
+        gu = x[token] @ gate_up[e] + gu_bias[e]
+        gate = gu[..., ::2].clamp(max=GPT_OSS_LIMIT)
+        up = gu[..., 1::2].clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+        y = ((up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA))) @ down[e] + d_bias[e]
+        out = out.index_add(0, token, (y * w[token, slot, None]).to(x.dtype))
+    return out
+
+
+MOE_EXPERTS_GPT_OSS = Op(
+    shapes={"gpu": dict(tokens=4096, hidden=2880, intermediate=2880, experts=32, top_k=4, rank=16),  # gpt-oss-20b
+            "cpu": dict(tokens=256, hidden=128, intermediate=64, experts=8, top_k=4, rank=8),
+            "check": dict(tokens=16, hidden=32, intermediate=16, experts=4, top_k=2, rank=4)},
+    make=_make_gpt_oss_moe,
+    eager=_eager_gpt_oss_moe,
+    ours=_ours_gpt_oss_moe,
+    liger=None,
+    bytes_moved=None,  # matmul-bound
+)
+
 OPS = {"rms_norm": RMS_NORM, "swiglu": SWIGLU, "geglu": GEGLU, "rope": ROPE,
-       "cross_entropy": CROSS_ENTROPY, "fused_linear_cross_entropy": FLCE, "moe_experts": MOE_EXPERTS}
+       "cross_entropy": CROSS_ENTROPY, "fused_linear_cross_entropy": FLCE, "moe_experts": MOE_EXPERTS,
+       "moe_experts_gpt_oss": MOE_EXPERTS_GPT_OSS}
