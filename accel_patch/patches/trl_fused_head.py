@@ -210,19 +210,11 @@ def _weak(obj):
 
 
 def _refusal(model, reason: str):
+    from ..swaps import sites
     from ..swaps.loss.site import OP
     from ..swaps.report import Refusal
 
-    return Refusal(_head_name(model), OP, reason)
-
-
-def _head_name(model) -> str:
-    """The LM head's qualified name in `model` (the location of a row about it), "lm_head" if not found."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for name, module in model.named_modules():
-        if module is head and name:
-            return name
-    return "lm_head"
+    return Refusal(sites.head_name(model, "lm_head"), OP, reason)
 
 
 def _our_head(patch, model, trl_forward, temperature, fp32, outputs):
@@ -269,6 +261,7 @@ def _logit_scale(config) -> float:
 
 def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temperature) -> str | None:
     """None when accel-patch's head runs this call; "" for a plain call (TRL passes it on); else why not."""
+    from ..swaps import sites
     from ..swaps.loss.head import head_plan
     from ..swaps.loss.site import OP
 
@@ -289,7 +282,7 @@ def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temper
     if leaf is None:
         return why
     for p in (leaf.weight, leaf.bias):
-        if p is not None and (hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or hasattr(p, "device_mesh")):
+        if p is not None and (hasattr(p, "ds_id") or sites.is_dtensor(p)):
             return "a sharded or partitioned head weight (FSDP2 DTensor, DeepSpeed ZeRO-3): TRL gathers it"
     return None
 

@@ -86,11 +86,6 @@ class _Walk:
     def refuse(self, where: str, op: str, reason: str) -> None:
         self.state.refused.append(Refusal(where or type(self.model).__name__, op, reason))
 
-    def head_name(self) -> str:
-        """The LM head's qualified name (where a row about the loss is located), else the model's class."""
-        head = self.model.get_output_embeddings()
-        return next((n for n, m in self.model.named_modules() if m is head and n), type(self.model).__name__)
-
     def swapped(self, op: str, module, func) -> None:
         sites.install(self.state, module, sites.signed(func, type(module), op))
         self.state.counts[op] = self.state.counts.get(op, 0) + 1
@@ -322,7 +317,7 @@ class _Walk:
                 verdict = _verdict(key, lambda: loss.probe_verdict(model))
                 reason = None if verdict is True else verdict
         if reason:
-            self.refuse(self.head_name(), loss.OP, reason)
+            self.refuse(sites.head_name(self.model), loss.OP, reason)
         else:
             self.swapped(loss.OP, model, loss.forward)
             compiled_loss.prepare(self.state, leaf)  # the head's forward while torch.compile traces

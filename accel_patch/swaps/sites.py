@@ -25,6 +25,8 @@ from _thread import RLock
 
 import torch
 
+from .report import COMPILED
+
 #: Attribute of the swapped model (the transformers model, under any PEFT wrapper) holding its SwapState.
 STATE_ATTR = "_accel_patch_swap_state"
 #: Instance attribute that keeps a forward which was already bound on the instance before the swap
@@ -174,11 +176,83 @@ def install(state: SwapState, module, func, inner_attr: str = INNER_ATTR) -> Non
     state.set(module, slot, types.MethodType(func, module))
 
 
+# --- the questions every room asks, answered once -----------------------------------------------
+
 def compiling() -> bool:
     """Whether dynamo (or the JIT tracer) is tracing this call: the per-call sites stand aside or
-    count per trace there."""
+    count per trace there, and nothing reads a tensor's storage (it is not traceable)."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling()) or torch.jit.is_tracing()
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a torch.distributed DTensor (FSDP2, tensor or expert parallel). By class name:
+    asking imports nothing of torch.distributed."""
+    return type(t).__name__ == "DTensor"
+
+
+def storage_freed(t: torch.Tensor) -> bool:
+    """Whether `t` holds fewer bytes than its view needs (a sharding engine freed or released it).
+    False while compiling: a compiled graph reads the parameter dynamo guards on."""
+    if compiling():
+        return False
+    needed = (t.storage_offset() + t.numel()) * t.element_size()
+    return t.numel() == 0 or t.untyped_storage().nbytes() < needed
+
+
+def autocast_available(device_type: str) -> bool:
+    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))
+    return available(device_type)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype in force for `device_type`, None when autocast is off there (or a device
+    type autocast does not know)."""
+    if not autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
+    """(device type, enabled, dtype or None): the autocast state a later computation replays."""
+    dtype = autocast_dtype(device_type)
+    return device_type, dtype is not None, dtype
+
+
+def count_into(calls: dict, op: str, outcome: str) -> None:
+    """One call of `op` with `outcome` in a model's call table (SwapState.calls)."""
+    per_op = calls.setdefault(op, {})
+    per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+def count(site, outcome: str, *before) -> None:
+    """`site.count(*before, outcome)` for one call; while dynamo traces, once per compiled graph,
+    as "compiled: <outcome>": what the graph computes at every call of it (a change that would
+    give another outcome fails a guard and is traced, and counted, anew)."""
+    if compiling():
+        _count_traced(site, before, outcome)
+    else:
+        site.count(*before, outcome)
+
+
+@torch.compiler.assume_constant_result
+def _count_traced(site, before: tuple, outcome: str) -> bool:
+    """Dynamo runs this at trace time and keeps only its result, so the count is one per compiled
+    graph, not per call; its only guard is the site's identity (the site lives as long as the swap)."""
+    site.count(*before, COMPILED + outcome)
+    return True
+
+
+def head_name(model, default: str | None = None) -> str:
+    """The LM head's qualified name in `model` (where a row about the loss is located); else
+    `default`, else the model's class name."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is not None:
+        for name, module in model.named_modules():
+            if module is head and name:
+                return name
+    return default or type(model).__name__
 
 
 def is_swapped(module) -> bool:

@@ -35,7 +35,7 @@ from collections import namedtuple
 
 import torch
 
-from .. import families, probe, report, sites
+from .. import families, probe, sites
 from ..layers import mlp, tiled_mlp
 from . import adapters
 
@@ -66,8 +66,7 @@ class Site:
         self.requested, self.holders = requested, tuple(holders)
 
     def count(self, outcome: str) -> None:
-        per_op = self.calls.setdefault(OP, {})
-        per_op[outcome] = per_op.get(outcome, 0) + 1
+        sites.count_into(self.calls, OP, outcome)
 
 
 # --- candidate ---------------------------------------------------------------------------------
@@ -102,7 +101,7 @@ def candidate(module):
         if any(n in own for group in families.EXPERTS_NAMES for n in group):
             return "MoE experts with 3-D parameters but no gate (up and down only): the op computes a GLU"
         return None
-    if any(_is_dtensor(own[n]) for n in names):  # the probe needs the whole weights
+    if any(sites.is_dtensor(own[n]) for n in names):  # the probe needs the whole weights
         return f"MoE experts' {names[0]} is a {type(own[names[0]]).__name__} (sharded already): swap before sharding"
     if getattr(module, "has_gate", True) is False:
         return "MoE experts without a gate (has_gate=False): the op computes a GLU"
@@ -286,37 +285,12 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
 
 # --- the swapped forward -----------------------------------------------------------------------
 
-@torch.compiler.assume_constant_result
-def _count_traced(site: Site, outcome: str) -> bool:
-    """Count a call while dynamo traces it: once per compiled graph (the LoRA sites' rule)."""
-    site.count(report.COMPILED + outcome)
-    return True
-
-
-def _count(site: Site, outcome: str) -> None:
-    if sites.compiling():
-        _count_traced(site, outcome)
-    else:
-        site.count(outcome)
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def _inputs(site: Site, args, kwargs):
     names = site.arg_names
     if len(args) > len(names) or any(k not in names for k in kwargs):
         return None
     values = list(args) + [kwargs.get(n) for n in names[len(args):]]
     return values if all(isinstance(v, torch.Tensor) for v in values) else None
-
-
-def _autocast_dtype(t: torch.Tensor):
-    device_type = t.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
 
 
 def decide_lora(module, plan: ExpertsPlan):
@@ -363,32 +337,32 @@ def forward(self, *args, **kwargs):
         return sites.call_inner(self, *args, **kwargs)
     values = _inputs(site, args, kwargs)
     if values is None:
-        _count(site, "the module's forward: arguments other than its tensors")
+        sites.count(site, "the module's forward: arguments other than its tensors")
         return sites.call_inner(self, *args, **kwargs)
     plan = site.plan
     hidden = values[0]
     if hidden.dim() != 2:
-        _count(site, f"the module's forward: hidden of {hidden.dim()} dimensions")
+        sites.count(site, f"the module's forward: hidden of {hidden.dim()} dimensions")
         return sites.call_inner(self, *args, **kwargs)
-    if _is_dtensor(hidden) or any(_is_dtensor(adapters.base(self, n)) for n in plan.names):
-        _count(site, "stood aside: DTensor experts (FSDP2, tensor or expert parallel): the module's forward")
+    if sites.is_dtensor(hidden) or any(sites.is_dtensor(adapters.base(self, n)) for n in plan.names):
+        sites.count(site, "stood aside: DTensor experts (FSDP2, tensor or expert parallel): the module's forward")
         return sites.call_inner(self, *args, **kwargs)
     if getattr(self, "_is_expert_parallel", False):
-        _count(site, "stood aside: expert parallel: the module's forward")
+        sites.count(site, "stood aside: expert parallel: the module's forward")
         return sites.call_inner(self, *args, **kwargs)
     lora = decide_lora(self, plan)
     if isinstance(lora, str):
-        _count(site, f"PEFT's forward: {lora}")
+        sites.count(site, f"PEFT's forward: {lora}")
         return sites.call_inner(self, *args, **kwargs)
     experts = adapters.base(self, plan.names[0]).shape[0]
     if plan.style == ROUTED:
         index, weights = values[1], values[2]
     else:
         index, weights = dense_routes(hidden, experts)
-    autocast_dtype = _autocast_dtype(hidden)
+    autocast_dtype = sites.autocast_dtype(hidden.device.type)
     chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None)) if on]
-    _count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
+    sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:
         return run(self, plan, hidden, index, weights, lora, autocast_dtype)
     outs = [run(self, plan, hidden[i:i + chunk], index[i:i + chunk], weights[i:i + chunk], lora, autocast_dtype)

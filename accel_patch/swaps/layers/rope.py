@@ -80,8 +80,7 @@ class Site:
         self.calls, self.name = calls, name
 
     def count(self, outcome: str) -> None:
-        per_op = self.calls.setdefault(OP, {})
-        per_op[outcome] = per_op.get(outcome, 0) + 1
+        sites.count_into(self.calls, OP, outcome)
 
 
 
@@ -118,14 +117,10 @@ class Gate:
         self.traced = _Depth()
 
     def counter(self):
-        return self.traced if _compiling() else self.local
+        return self.traced if sites.compiling() else self.local
 
     def is_open(self) -> bool:
         return self.counter().depth > 0
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
 
 
 _gates: dict[tuple[str, str], Gate] = {}

@@ -89,8 +89,7 @@ class Site:
         return getattr(nearest, CHECKPOINT_FLAG, False) is True and nearest.training
 
     def count(self, outcome: str) -> None:
-        per_op = self.calls.setdefault(OP, {})
-        per_op[outcome] = per_op.get(outcome, 0) + 1
+        sites.count_into(self.calls, OP, outcome)
 
 
 def checkpoint_holders(model, where: str) -> list:
@@ -118,10 +117,6 @@ def call_inner(module, *args, **kwargs):
     return sites.call_kept(INNER_ATTR, module, *args, **kwargs)
 
 
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def decide(site: Site, module, x) -> str | None:
     """None when this call is tiled, else the reason the forward beneath runs."""
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
@@ -135,7 +130,7 @@ def decide(site: Site, module, x) -> str | None:
         return EVAL
     if not site.requested and not site.checkpointed():
         return NO_CHECKPOINTING
-    if _is_dtensor(x) or any(_is_dtensor(p) for p in module.parameters()):
+    if sites.is_dtensor(x) or any(sites.is_dtensor(p) for p in module.parameters()):
         return "DTensor input or parameters: the module's forward"
     return None
 
@@ -208,7 +203,7 @@ def _autocast_state(device: torch.device):
     """The autocast settings to replay in backward: (device type, enabled, dtype) of the input's
     device and of the CPU, and the cache flag."""
     types = [device.type] if device.type == "cpu" else [device.type, "cpu"]
-    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types], torch.is_autocast_cache_enabled()
+    return [sites.autocast_state(t) for t in types], torch.is_autocast_cache_enabled()
 
 
 class _TiledFunction(torch.autograd.Function):

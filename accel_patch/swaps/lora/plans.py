@@ -8,6 +8,7 @@ from collections import namedtuple
 import torch
 
 from .. import families
+from ..sites import autocast_dtype
 from ..layers import mlp
 
 MLP_OP, QKV_OP, O_OP = "lora_mlp", "lora_qkv", "lora_o"
@@ -86,16 +87,6 @@ def _hooked(m) -> bool:
 _AUTOCASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts (not float64)
 
 
-def autocast_available(device_type: str) -> bool:
-    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))
-    return available(device_type)
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The autocast dtype in force for `device_type`, None when autocast is off there."""
-    if not autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
 
 
 def _dropout_p(dropout) -> float | str:

@@ -9,7 +9,8 @@ import torch
 from .. import probe
 from ..layers import mlp
 from .functions import fused_linears, fused_mlp
-from .plans import Proj, _compute_4bit, _is_lora_layer, autocast_available, base_kind
+from ..sites import autocast_available
+from .plans import Proj, _compute_4bit, _is_lora_layer, base_kind
 
 PROBE_RANK = 4
 

@@ -55,8 +55,7 @@ class Site:
         self.torch_glu = glu_plan is not None and act_fn is not None and torch_act_matches(act_fn, glu_plan.act)
 
     def count(self, op: str, outcome: str) -> None:
-        per_op = self.calls.setdefault(op, {})
-        per_op[outcome] = per_op.get(outcome, 0) + 1
+        sites.count_into(self.calls, op, outcome)
 
 
 def torch_act_matches(act_fn, act: str) -> bool:
@@ -90,20 +89,8 @@ def _glu_path(module, site: Site, x: torch.Tensor) -> str | None:
     return GLU_TORCH if site.torch_glu else None
 
 
-@torch.compiler.assume_constant_result
-def _count_traced(site: Site, op: str, outcome: str) -> bool:
-    """Count a call while dynamo traces it: dynamo runs this at trace time and keeps only its
-    result, so the count is one per compiled graph, not per call; its only guard is the site's
-    identity (the site lives as long as the swap)."""
-    site.count(op, COMPILED + outcome)
-    return True
-
-
 def _count(site: Site, op: str, outcome: str) -> None:
-    if sites.compiling():
-        _count_traced(site, op, outcome)
-    else:
-        site.count(op, outcome)
+    sites.count(site, outcome, op)  # once per compiled graph while dynamo traces
 
 
 def call_inner(module, *args, **kwargs):

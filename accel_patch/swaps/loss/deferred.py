@@ -33,9 +33,7 @@ class _Head:
 
     def __init__(self, hidden, weight, bias, state=None) -> None:
         self.hidden, self.weight, self.bias, self.state = hidden, weight, bias, state
-        device_type = hidden.device.type
-        enabled = torch.is_autocast_enabled(device_type)
-        self.autocast = (device_type, enabled, torch.get_autocast_dtype(device_type) if enabled else None)
+        self.autocast = sites.autocast_state(hidden.device.type)
         self._real = None
 
     @property
@@ -359,8 +357,8 @@ def fused_loss(me: Deferred, target, ignore_index: int, reduction: str):
     head = me._head
     device_type, enabled, cast_to = head.autocast
     h, w, b = me._hidden, head.weight, head.bias
-    compiling = _compiling()  # storage is not traceable: a compiled graph reads the parameter dynamo guards on
-    if w.dim() != 2 or (not compiling and w.untyped_storage().nbytes() < (w.storage_offset() + w.numel()) * w.element_size()):
+    compiling = sites.compiling()  # a compiled graph takes every row (static shapes) and reads no storage
+    if w.dim() != 2 or sites.storage_freed(w):
         # A sharding engine freed or released it after the head's forward: never read it.
         raise RuntimeError(f"accel_patch: the LM head's weight {tuple(w.shape)} lost its storage before "
                            "the fused loss ran (a sharding engine released it); please report this")
@@ -413,11 +411,6 @@ def all_rows(hidden, target):
     cost their share of the matmul. Returns (hidden, target, None): nothing to scatter back.
     """
     return hidden, target, None
-
-
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
 
 
 _HANDLERS = {

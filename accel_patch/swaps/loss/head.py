@@ -35,10 +35,6 @@ import torch
 from .. import sites
 from .deferred import DeferredLogits, deferred_head
 
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
-
-
 def _fsdp2_kept_whole(module) -> bool:
     """True when `module` is in an FSDP2 unit that keeps its parameters unsharded from its forward
     until backward (reshard_after_forward=False, or the root's default). Reads FSDP2's state:
@@ -61,8 +57,8 @@ def _plain_linear(module) -> bool:
     if not isinstance(module, torch.nn.Linear) or type(module).forward is not torch.nn.Linear.forward:
         return False
     plain = (torch.nn.Parameter, torch.Tensor)
-    weight_ok = type(module.weight) in plain or (_is_dtensor(module.weight) and _fsdp2_kept_whole(module))
-    return weight_ok and (module.bias is None or type(module.bias) in plain or _is_dtensor(module.bias))
+    weight_ok = type(module.weight) in plain or (sites.is_dtensor(module.weight) and _fsdp2_kept_whole(module))
+    return weight_ok and (module.bias is None or type(module.bias) in plain or sites.is_dtensor(module.bias))
 
 
 def head_leaf(head):
@@ -86,17 +82,13 @@ def _sharded(weight, module=None) -> str | None:
     if hasattr(weight, "ds_id"):
         return ("LM head weight is a DeepSpeed ZeRO-3 partition (released outside the head's forward; "
                 "stock head, which ZeRO-3 gathers)")
-    if _is_dtensor(weight):
+    if sites.is_dtensor(weight):
         if module is not None and _fsdp2_kept_whole(module):
             return None  # unsharded by the head's own forward and kept until backward
         return ("LM head weight is an FSDP2 shard (DTensor) that its unit reshards right after the "
                 "head's forward, before the loss; stock head")
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and compiler.is_compiling():
-        return None  # storage is not traceable; a compiled graph reads the parameter dynamo guards on
     try:
-        needed = (weight.storage_offset() + weight.numel()) * weight.element_size()
-        if weight.numel() == 0 or weight.untyped_storage().nbytes() < needed:
+        if sites.storage_freed(weight):
             return "LM head weight has no storage here (freed by a sharding engine); stock head"
     except (RuntimeError, NotImplementedError):
         return f"LM head weight of type {type(weight).__name__} has no readable storage; stock head"

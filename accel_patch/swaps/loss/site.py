@@ -106,13 +106,13 @@ def forward(self, *args, **kwargs):
     labels = _labels(self, args, kwargs)
     tuple_output = kwargs.get("return_dict") is False
     if labels is None or tuple_output:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # a graph the caller's loss uses
+        if torch.is_grad_enabled() and not sites.compiling():  # a graph the caller's loss uses
             state.count_call(TUPLE_OUTPUT if labels is not None else NO_LABELS)
         return sites.call_inner(self, *args, **kwargs)
     leaf, why = head_plan(self.get_output_embeddings())
     if leaf is not None and _small_on_cpu(leaf, labels):
         leaf, why = None, "small logits on CPU without Triton (stock is faster there)"
-    if torch.compiler.is_compiling():  # dynamo traces this call: compiled_loss.py
+    if sites.compiling():  # dynamo traces this call: compiled_loss.py
         if leaf is None:
             return sites.call_inner(self, *args, **kwargs)
         return compiled_loss.fused_call(self, leaf, args, kwargs)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import sites
 from .deferred import labelled_rows
 
 #: Float32 logits one metric chunk may hold (the pass also makes one or two temporaries of that size).
@@ -36,10 +37,8 @@ def _compute_inputs(hidden, weight, bias, fp32: bool):
     device_type = hidden.device.type
     if fp32:
         cast = torch.float32
-    elif torch.is_autocast_enabled(device_type):
-        cast = torch.get_autocast_dtype(device_type)
     else:
-        cast = weight.dtype
+        cast = sites.autocast_dtype(device_type) or weight.dtype
     if hidden.dtype != cast:
         hidden = hidden.to(cast)
     if weight.dtype != cast:
