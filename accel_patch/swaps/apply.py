@@ -9,6 +9,7 @@ model itself. Everything refused is recorded with its reason; nothing is swapped
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +72,38 @@ def _verdict(key, run):
     return probe.cache.get_or_probe(key, guarded)
 
 
+class SiteKind(NamedTuple):
+    """One kind of site the walk swaps into modules: a room (layers/, experts/, lora/) and this
+    registration. `step` names the `_Walk` method that tests one module as a candidate, probes it and
+    installs the forward; `on_top` kinds go on top of whatever forward the module runs (another
+    kind's included); restore deletes `site_attr` (the site's call-time data) with the forward and
+    puts back the one kept in `inner_attr`."""
+
+    ops: tuple[str, ...]
+    step: str
+    on_top: bool
+    site_attr: str | None
+    inner_attr: str
+
+
+#: The kinds, in the order the walk tries them on each module (a LoRA site goes on top of glu or
+#: rope, installed just before it: swaps/lora/ says which wins; the tiled MLP on top of glu and
+#: lora_mlp: it tiles whatever runs beneath). The LM head and loss is one site, the model itself
+#: (`_Walk.loss`), swapped after the walk.
+KINDS = (
+    SiteKind((experts.OP,), "experts", False, experts.SITE_ATTR, sites.INNER_ATTR),
+    SiteKind((norms.OP,), "norm", False, None, sites.INNER_ATTR),
+    SiteKind((mlp.OP,), "glu", False, None, sites.INNER_ATTR),
+    SiteKind((rope.OP,), "rope", False, rope.SITE_ATTR, sites.INNER_ATTR),
+    SiteKind(lora.OPS, "lora", True, lora.SITE_ATTR, lora.INNER_ATTR),
+    SiteKind((tiled_mlp.OP,), "tiled", True, tiled_mlp.SITE_ATTR, tiled_mlp.INNER_ATTR),
+)
+#: op -> its kind (what restore undoes for a forward marked with that op).
+KIND_OF = {op: kind for kind in KINDS for op in kind.ops}
+#: A site with no weights to probe on.
+META = "no materialized weights (meta device): nothing to probe"
+
+
 class _Walk:
     """One swap call over one model."""
 
@@ -86,55 +119,62 @@ class _Walk:
     def refuse(self, where: str, op: str, reason: str) -> None:
         self.state.refused.append(Refusal(where or type(self.model).__name__, op, reason))
 
-    def swapped(self, op: str, module, func) -> None:
-        sites.install(self.state, module, sites.signed(func, type(module), op))
-        self.state.counts[op] = self.state.counts.get(op, 0) + 1
-        self.new += 1
+    def counted(self, ops, new: bool = True) -> None:
+        """A site installed (new) or extended for `ops`: each op counts it once."""
+        for op in ops:
+            self.state.counts[op] = self.state.counts.get(op, 0) + 1
+        self.new += new
 
-    def probe_and_swap(self, where: str, op: str, module, structure: tuple, run, forward) -> None:
-        """Swap `forward(verdict)` into `module` if the probe `run` (cached per op, class,
-        activation dtype, device type and `structure`) gives a verdict; else refuse with its reason."""
+    def materialized(self, where: str, ops, module):
+        """The device of `module`'s weights; None (each op refused) when it has none to probe on."""
         device = probe.module_device(module)
         if device is None or device.type == "meta":
-            self.refuse(where, op, "no materialized weights (meta device): nothing to probe")
+            for op in ops:
+                self.refuse(where, op, META)
+            return None
+        return device
+
+    def swapped(self, op: str, module, func) -> None:
+        sites.install(self.state, module, sites.signed(func, type(module), op))
+        self.counted((op,))
+
+    def probe_and_swap(self, where: str, op: str, module, structure: tuple, run, forward, install=None) -> None:
+        """Swap `forward(verdict)` into `module` if the probe `run` (cached per op, class,
+        activation dtype, device type and `structure`) gives a verdict; else refuse with its reason.
+        A site with call-time data installs itself: `install(verdict)` instead."""
+        device = self.materialized(where, (op,), module)
+        if device is None:
             return
         verdict = _verdict((op, type(module), self.dtype, device.type, structure), run)
         if isinstance(verdict, str):
             self.refuse(where, op, verdict)
-        elif op == experts.OP:  # a site with call-time data (its plan, the model's call counts)
-            plan, arg_names = forward(verdict)
-            experts.install(self.state, module, sites.signed(experts.forward, type(module), op),
-                            experts.Site(plan, arg_names, self.state.calls, self.tiled_requested,
-                                         tiled_mlp.checkpoint_holders(self.model, where)))
-            self.state.counts[op] = self.state.counts.get(op, 0) + 1
-            self.new += 1
+        elif install is not None:
+            install(verdict)
+            self.counted((op,))
         else:
             self.swapped(op, module, forward(verdict))
 
     def run(self) -> None:
-        lora_ops = [op for op in lora.OPS if op in self.todo]
+        kinds = [(kind, [op for op in kind.ops if op in self.todo]) for kind in KINDS]
+        kinds = [(kind, ops) for kind, ops in kinds if ops]
         for where, module in list(self.model.named_modules()):
             if module is self.model:
                 continue
-            if not sites.is_swapped(module):
-                for op, step in ((experts.OP, self.experts), (norms.OP, self.norm), (mlp.OP, self.glu),
-                                 (rope.OP, self.rope)):
-                    if op in self.todo:
-                        self.guarded(where, op, step, module)
-            if lora_ops:  # on top of glu / rope, installed just before (swaps/lora/: which wins)
-                self.lora(where, module, lora_ops)
-            if tiled_mlp.OP in self.todo:  # on top of glu and lora_mlp: it tiles whatever runs beneath
-                self.tiled(where, module)
-        if "fused_linear_cross_entropy" in self.todo:
+            swapped_before = sites.is_swapped(module)  # a kernel swap of an earlier call: only on-top kinds
+            for kind, ops in kinds:
+                if kind.on_top or not swapped_before:
+                    self.guarded(where, ops, getattr(self, kind.step), module)
+        if loss.OP in self.todo:
             self.loss()
 
-    def guarded(self, where, op, step, module) -> None:
+    def guarded(self, where, ops, step, module) -> None:
         """Run one site's step; a read that raises (a per-layer configuration attribute, a module
         property) refuses that site with the error, never the swap."""
         try:
-            step(where, module)
+            step(where, module, ops)
         except Exception as exc:
-            self.refuse(where, op, f"reading this site raised {type(exc).__name__}: {exc}")
+            for op in ops:
+                self.refuse(where, op, f"reading this site raised {type(exc).__name__}: {exc}")
 
     def lora(self, where, module, ops) -> None:
         there = lora.op_of(module)
@@ -149,7 +189,7 @@ class _Walk:
                 if op not in site.ops and (op == lora.MLP_OP) == (there == lora.MLP_OP):
                     if op != lora.O_OP or site.names[1] is not None:
                         site.ops.add(op)
-                        self.state.counts[op] = self.state.counts.get(op, 0) + 1
+                        self.counted((op,), new=False)
             return
         if lora.MLP_OP in ops:
             found = lora.mlp_candidate(module)
@@ -192,10 +232,8 @@ class _Walk:
     def probe_and_install(self, where, ops, module, structure, run, forward) -> None:
         """probe_and_swap for a LoRA site: `forward(verdict)` gives (function, Site); the site
         goes on top of what the module runs now and counts once per op it serves."""
-        device = probe.module_device(module)
-        if device is None or device.type == "meta":
-            for op in ops:
-                self.refuse(where, op, "no materialized weights (meta device): nothing to probe")
+        device = self.materialized(where, ops, module)
+        if device is None:
             return
         verdict = _verdict((ops[0], type(module), self.dtype, device.type, structure), run)
         if isinstance(verdict, str):
@@ -204,11 +242,9 @@ class _Walk:
             return
         func, site = forward(verdict)
         lora.install(self.state, module, sites.signed(func, type(module), ops[0]), site)
-        for op in ops:
-            self.state.counts[op] = self.state.counts.get(op, 0) + 1
-        self.new += 1
+        self.counted(ops)
 
-    def tiled(self, where, module) -> None:
+    def tiled(self, where, module, ops=(tiled_mlp.OP,)) -> None:
         if tiled_mlp.op_of(module) == tiled_mlp.OP:
             return
         found = tiled_mlp.candidate(module)
@@ -217,9 +253,8 @@ class _Walk:
         if found is None or isinstance(found, str):
             return
         names = mlp.candidate(module)[0]
-        device = probe.module_device(module)
-        if device is None or device.type == "meta":
-            self.refuse(where, tiled_mlp.OP, "no materialized weights (meta device): nothing to probe")
+        device = self.materialized(where, ops, module)
+        if device is None:
             return
         beneath = tiled_mlp.op_of(module)  # the forward it tiles: stock, glu's or a LoRA site's
         key = (tiled_mlp.OP, type(module), self.dtype, device.type, (names, beneath, lora.structure(module, names)))
@@ -229,8 +264,7 @@ class _Walk:
             return
         tiled_mlp.install(self.state, module, tiled_mlp.Site(*found, self.state.calls, self.tiled_requested,
                                                              tiled_mlp.checkpoint_holders(self.model, where)))
-        self.state.counts[tiled_mlp.OP] = self.state.counts.get(tiled_mlp.OP, 0) + 1
-        self.new += 1
+        self.counted(ops)
 
     def candidate(self, where, op, found):
         """A candidate test's answer: what it found, else None (a reason is recorded as a refusal)."""
@@ -239,7 +273,7 @@ class _Walk:
             return None
         return found
 
-    def experts(self, where, module) -> None:
+    def experts(self, where, module, ops=(experts.OP,)) -> None:
         found = self.candidate(where, experts.OP, experts.candidate(module))
         if found is None:
             return
@@ -248,11 +282,15 @@ class _Walk:
         structure = (found[0], found[1], found[2], type(act_fn), getattr(act_fn, "approximate", None),
                      getattr(module, "alpha", None), *(getattr(module, n, None) for n in experts.LIMIT_ATTRIBUTES),
                      getattr(config, "_experts_implementation", None))
-        self.probe_and_swap(where, experts.OP, module, structure,
-                            lambda: experts.probe_verdict(module, self.dtype, found),
-                            lambda plan: (plan, found[3]))
+        def install(plan):  # a site with call-time data: its plan, the model's call counts
+            experts.install(self.state, module, sites.signed(experts.forward, type(module), experts.OP),
+                            experts.Site(plan, found[3], self.state.calls, self.tiled_requested,
+                                         tiled_mlp.checkpoint_holders(self.model, where)))
 
-    def norm(self, where, module) -> None:
+        self.probe_and_swap(where, experts.OP, module, structure,
+                            lambda: experts.probe_verdict(module, self.dtype, found), None, install)
+
+    def norm(self, where, module, ops=(norms.OP,)) -> None:
         eps_attr = norms.candidate(module)
         if eps_attr is None:
             reason = norms.refusal(module)
@@ -262,7 +300,7 @@ class _Walk:
         self.probe_and_swap(where, norms.OP, module, (eps_attr,),
                             lambda: norms.probe_verdict(module, self.dtype, eps_attr), norms.forward_for)
 
-    def glu(self, where, module) -> None:
+    def glu(self, where, module, ops=(mlp.OP,)) -> None:
         found = self.candidate(where, mlp.OP, mlp.candidate(module))
         if found is None:
             return
@@ -271,7 +309,7 @@ class _Walk:
         self.probe_and_swap(where, mlp.OP, module, (names, type(act_fn), getattr(act_fn, "approximate", None)),
                             lambda: mlp.probe_verdict(module, self.dtype, names, act), mlp.forward_for)
 
-    def rope(self, where, module) -> None:
+    def rope(self, where, module, ops=(rope.OP,)) -> None:
         reason = rope.interleaved_refusal(module, self.config)
         if reason:
             self.refuse(where, rope.OP, reason)
@@ -311,7 +349,7 @@ class _Walk:
             leaf = loss.head_leaf(model.get_output_embeddings())
             device = leaf.weight.device
             if device.type == "meta":
-                reason = "no materialized weights (meta device): nothing to probe"
+                reason = META
             else:
                 key = (loss.OP, type(leaf), leaf.weight.dtype, device.type, leaf.bias is not None)
                 verdict = _verdict(key, lambda: loss.probe_verdict(model))
@@ -418,20 +456,10 @@ def _restore(target) -> list[str]:
                 op = getattr(getattr(bound, "__func__", None), sites.MARK, None)
                 if op is None:
                     break
-                if op in lora.OPS:
-                    module.__dict__.pop(lora.SITE_ATTR, None)
-                    inner = module.__dict__.pop(lora.INNER_ATTR, None)
-                elif op == tiled_mlp.OP:
-                    module.__dict__.pop(tiled_mlp.SITE_ATTR, None)
-                    inner = module.__dict__.pop(tiled_mlp.INNER_ATTR, None)
-                elif op == experts.OP:
-                    module.__dict__.pop(experts.SITE_ATTR, None)
-                    inner = module.__dict__.pop(sites.INNER_ATTR, None)
-                elif op == rope.OP:
-                    module.__dict__.pop(rope.SITE_ATTR, None)
-                    inner = module.__dict__.pop(sites.INNER_ATTR, None)
-                else:
-                    inner = module.__dict__.pop(sites.INNER_ATTR, None)
+                kind = KIND_OF.get(op)  # the loss site (the model's forward) keeps sites.INNER_ATTR
+                if kind is not None and kind.site_attr is not None:
+                    module.__dict__.pop(kind.site_attr, None)
+                inner = module.__dict__.pop(kind.inner_attr if kind is not None else sites.INNER_ATTR, None)
                 if inner is not None:
                     module.__dict__[slot] = inner
                 else:
