@@ -9,6 +9,9 @@ Three parts, one table, exit code 0 only if every row passes:
   interpreter, which `accel-patch check` turns on when the machine has no GPU);
 - models: for each family it knows, a tiny random model is swapped (the probe decides) and one
   padded training step must equal stock's (loss within 1e-5, every gradient within 1e-4);
+- mixers: what runs in the linear-attention and SSM mixers of the families this transformers has
+  (no accel-patch op: the package transformers found, or its torch reference, and how to get the
+  kernel), one row per package; information, never a failure;
 - launch: the topology, accelerate decision and device map this process would get;
 - codegen (only when asked: `--parts codegen`, about 2 minutes on 2 cores): every Triton launch the
   kernels make at real model shapes, compiled ahead of time for sm_80 and sm_90a (no GPU needed),
@@ -23,7 +26,7 @@ import os
 import time
 from collections import namedtuple
 
-PARTS = ("kernels", "models", "launch")  # the default
+PARTS = ("kernels", "models", "mixers", "launch")  # the default
 ALL_PARTS = PARTS + ("codegen",)
 
 KERNEL_BOUND = 1e-5  # float32 against float64: as the kernel tests
@@ -196,6 +199,23 @@ def check_models(device, families=None) -> list[Row]:
     return rows
 
 
+def check_mixers() -> list[Row]:
+    """One row per package transformers falls back from in its mixers: which families, what runs."""
+    from ..swaps.layers import mixers
+
+    try:
+        found = mixers.kinds()
+    except Exception as exc:  # information only: a layout we cannot read is said, never a failure
+        return [Row("mixers", "mixers", "-", True, "not read", f"{type(exc).__name__}: {exc}")]
+    rows = []
+    for package, (families, what) in found.items():
+        dist = mixers.DISTRIBUTIONS.get(package, package)
+        figure = "torch reference" if what.startswith("torch reference") else what.split(":")[0]
+        shown = ", ".join(families[:6]) + (f" and {len(families) - 6} more" if len(families) > 6 else "")
+        rows.append(Row("mixers", dist, "-", True, figure, f"{what}; {len(families)} families: {shown}"))
+    return rows or [Row("mixers", "mixers", "-", True, "none", "this transformers has no mixer families")]
+
+
 def check_launch() -> list[Row]:
     """The decisions this process would get: what `accel-patch env` reports."""
     from ..core.accelerate_decision import FSDP1_WITHOUT_ACCELERATOR
@@ -261,6 +281,8 @@ def collect(parts=PARTS) -> list[Row]:
         rows += check_kernels(devices)
     if "models" in parts:
         rows += check_models(devices[-1])  # the accelerator when there is one
+    if "mixers" in parts:
+        rows += check_mixers()
     if "launch" in parts:
         rows += check_launch()
     if "codegen" in parts:

@@ -11,7 +11,9 @@ guessed from what is installed.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
 import sys
 
 #: Packages transformers falls back from -> the pip distribution that brings the kernel.
@@ -83,4 +85,47 @@ def census(model) -> dict[str, tuple[int, str]]:
         if known[cls]:
             n, _ = found.get(cls.__name__, (0, known[cls]))
             found[cls.__name__] = (n + 1, known[cls])
+    return found
+
+
+#: A decorated mixer function in a modeling file: (the package it falls back from, the function's name).
+_DECORATED = re.compile(r'@use_kernel_func_from_hub_with_fallback\(\s*"\w+",\s*"(\w+)"[^)]*\)\s*\n'
+                        r'(?:\s*@[^\n]*\n)*\s*def (\w+)')
+
+
+def kinds() -> dict[str, tuple[list[str], str]]:
+    """Package transformers falls back from -> (the model families whose mixers use it, what runs
+    there now), for this transformers: the families found in its modeling files' decorators, what
+    runs read from the wrapper of the first family (transformers decides per package, at import:
+    every family gets the same)."""
+    import transformers.models as models
+    from pathlib import Path
+
+    families: dict[str, dict[str, list[str]]] = {}  # package -> family -> decorated function names
+    for path in sorted(Path(models.__file__).parent.glob("*/modeling_*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for package, func_name in _DECORATED.findall(text):
+            families.setdefault(package, {}).setdefault(path.parent.name, []).append(func_name)
+    found = {}
+    for package, by_family in sorted(families.items()):
+        dist = DISTRIBUTIONS.get(package, package)
+        family, names = next(iter(by_family.items()))
+        what = f"not read: transformers.models.{family} did not import"
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except Exception:
+            module = None
+        if module is not None:
+            read = [_fallback_parts(module.__dict__.get(n)) for n in dict.fromkeys(names)]
+            read = [r for r in read if r is not None]
+            if read and all(impl is ref for _, _, impl, ref in read):
+                what = f"torch reference, no {dist} (pip install {dist})"
+            elif read:
+                what = f"{dist}'s kernels"
+            else:
+                what = "not read: no fallback wrapper found"
+        found[package] = (sorted(by_family), what)
     return found

@@ -3,6 +3,7 @@ what transformers runs in it (its torch reference, or the package's kernels), re
 transformers' own fallback wrappers."""
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 
@@ -79,3 +80,24 @@ def test_a_mixer_whose_package_transformers_found_is_named_with_that_package():
         assert mixers.what_runs(torch.nn.Linear(2, 2)) is None
     finally:
         del sys.modules[package.__name__], sys.modules[family.__name__]
+
+
+@pytest.mark.slow  # reads every modeling file of transformers and imports a few
+def test_check_names_each_mixer_package_its_families_and_what_runs():
+    from transformers.integrations import hub_kernels
+
+    if not hasattr(hub_kernels, "use_kernel_func_from_hub_with_fallback"):
+        pytest.skip("transformers has no kernel fallback wrappers")
+    from accel_patch.cli import check
+
+    rows = {r.name: r for r in check.check_mixers()}
+    for config_name, (_, dist, _) in HYBRIDS.items():
+        if not hasattr(transformers, config_name):
+            continue
+        row = rows[dist]
+        assert row.part == "mixers" and row.ok  # information, never a failure
+        expected = "torch reference" if importlib.util.find_spec(
+            {v: k for k, v in mixers.DISTRIBUTIONS.items()}[dist]) is None else f"{dist}'s kernels"
+        assert row.figure == expected and (f"pip install {dist}" in row.detail) == (expected == "torch reference")
+    families = mixers.kinds()["fla"][0]
+    assert {"qwen3_next", "kimi_linear"} <= set(families), families
