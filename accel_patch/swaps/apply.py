@@ -221,7 +221,7 @@ class _Walk:
             self.refuse(where, tiled_mlp.OP, found)
         if found is None or isinstance(found, str):
             return
-        names = mlp.candidate(module)[0]
+        names = tiled_mlp.projections(module)
         device = probe.module_device(module)
         if device is None or device.type == "meta":
             self.refuse(where, tiled_mlp.OP, "no materialized weights (meta device): nothing to probe")

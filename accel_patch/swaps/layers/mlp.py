@@ -1,7 +1,10 @@
 """Gated-MLP sites: `down(act(gate(x)) * up(x))`, split or with one fused `gate_up` projection.
 
-A module is a candidate by its children (families.GLU_SPLIT_NAMES / GLU_FUSED_NAMES) and its
-activation attribute. The activation must say what it is (families.ACTIVATION_NAMES) and the
+A module is a candidate by its children (families.GLU_SPLIT_NAMES / GLU_FUSED_NAMES: Llama's
+gate/up/down, Phi3's gate_up_proj, Granite's shared MLP's `input_linear` / `output_linear`) and its
+activation attribute. A non-gated MLP, `down(act(up(x)))` (families.MLP_PLAIN_NAMES: Nemotron-H's
+ReLU², Apertus's xIELU), is refused with its form named: the GLU kernels do not compute it (the
+tiled MLP tiles it, layers/tiled_mlp.py). The activation must say what it is (families.ACTIVATION_NAMES) and the
 probe checks that it computes that, in float32; then the whole module runs against the swapped
 forward in the activation dtype (for a fused projection, both halves' orders are tried). The
 projections are still called as modules, so LoRA and 4-bit layers keep working inside.
@@ -55,12 +58,40 @@ def declared_activation(act) -> tuple[str, str | None]:
     return name, families.ACTIVATION_NAMES.get(name.lower())
 
 
-def _names(module) -> tuple[str, ...] | None:
+def _linear_like(proj) -> bool:
+    """A projection the site can call on rows: a 2-D weight (plain, LoRA-wrapped, 4-bit) or none it
+    can see; not experts held as a module with a 3-D weight (JetMoE's `input_linear`)."""
+    weight = getattr(proj, "weight", None)
+    return not isinstance(weight, torch.Tensor) or weight.dim() == 2
+
+
+def _find(module, tables) -> tuple[str, ...] | None:
     children = dict(module.named_children())
-    for names in families.GLU_SPLIT_NAMES + families.GLU_FUSED_NAMES:
-        if all(isinstance(children.get(n), torch.nn.Module) for n in names):
+    for names in tables:
+        if all(isinstance(children.get(n), torch.nn.Module) and _linear_like(children[n]) for n in names):
             return names
     return None
+
+
+def _names(module) -> tuple[str, ...] | None:
+    return _find(module, families.GLU_SPLIT_NAMES + families.GLU_FUSED_NAMES)
+
+
+def plain_names(module) -> tuple[str, ...] | None:
+    """(up, down) of a non-gated MLP `down(act(up(x)))` (families.MLP_PLAIN_NAMES: Nemotron-H's
+    ReLU², Apertus's xIELU), or None: a gated MLP, MoE experts or anything else."""
+    if _expert_parameters(module) or _names(module) is not None:
+        return None
+    return _find(module, families.MLP_PLAIN_NAMES)
+
+
+def plain_refusal(module, names: tuple[str, ...]) -> str:
+    """Why a non-gated MLP gets no GLU kernel, naming its form and activation."""
+    act = activation(module)
+    own_name = declared_activation(act)[0] if act is not None else "act"
+    up, down = names
+    return (f"non-gated MLP {down}({own_name}({up}(x))): no fused kernel for this form (the GLU kernels "
+            f"compute act(gate) * up); the tiled MLP tiles it")
 
 
 def _expert_parameters(module) -> bool:
@@ -76,7 +107,8 @@ def candidate(module) -> tuple[tuple[str, ...], str] | str | None:
         return None  # MoE experts: the experts site's (swaps/experts/)
     names = _names(module)
     if names is None:
-        return None
+        plain = plain_names(module)
+        return plain_refusal(module, plain) if plain is not None else None
     act = activation(module)
     if act is None:
         return ("gated projections but no activation attribute (" + "/".join(families.ACTIVATION_ATTRIBUTES) +
