@@ -268,7 +268,7 @@ class _Walk:
                             lambda: norms.probe_verdict(module, self.dtype, eps_attr), norms.forward_for)
 
     def glu(self, where, module) -> None:
-        found = self.candidate(where, mlp.OP, mlp.candidate(module))
+        found = self.candidate(where, mlp.OP, mlp.site_candidate(module))
         if found is None:
             return
         names, act = found

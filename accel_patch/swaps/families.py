@@ -38,8 +38,12 @@ GLU_SPLIT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 #: finds the order.
 GLU_FUSED_NAMES = (("gate_up_proj", "down_proj"), ("input_linear", "output_linear"))
 #: (up, down) child names of a non-gated MLP, `down(act(up(x)))` (Nemotron-H's ReLU², Apertus's
-#: xIELU). The tiled MLP tiles it; the GLU kernel does not apply (refused, naming the form).
+#: xIELU). The tiled MLP tiles it; glu runs the activations of PLAIN_ACTIVATION_NAMES in a kernel
+#: and refuses the others, naming the form.
 MLP_PLAIN_NAMES = (("up_proj", "down_proj"),)
+#: A non-gated MLP's activation, by class or function name (lower case) -> its kernel ("relu2":
+#: accel_kernels.relu_squared). The probe then checks that it computes that.
+PLAIN_ACTIVATION_NAMES = {"relusquaredactivation": "relu2", "relu2": "relu2", "relu_squared": "relu2"}
 #: Attribute that holds the MLP's activation (Granite's shared MLP: `activation`).
 ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act", "activation")
 #: torch.nn.functional activations a gated MLP may call in its forward instead of holding one

@@ -6,9 +6,12 @@ Candidate, by structure (`candidate`): 3-D `gate_up_proj` and `down_proj` parame
 (families.EXPERTS_NAMES), optional 2-D biases, and a forward called either as transformers'
 `use_experts_implementation` classes are, `(hidden [T, H], top_k_index [T, K], top_k_weights
 [T, K])`, or as Llama4's experts are, `(hidden [E * T, H])` with every expert applied to its own
-block of rows (the router's scores already multiplied in). Separate 3-D gate/up parameters, an
-experts class without a gate, one with a norm after each expert, experts sharded already (DTensor
-parameters at swap time: FSDP2 before the swap) are refused with the reason.
+block of rows (the router's scores already multiplied in). A gate_up holding more experts than
+down has identity ("zero") experts past down's (LongCat-Flash): the op runs the experts with
+weights and the site adds each zero slot's token times its weight (`run`). Separate 3-D gate/up
+parameters, experts without a gate (Nemotron-H's non-gated ReLU² experts, named with their form),
+one with a norm after each expert, experts sharded already (DTensor parameters at swap time: FSDP2
+before the swap) are refused with the reason.
 
 Proved by numbers (`probe_verdict`): the module's own forward, whatever
 `config._experts_implementation` it runs (grouped_mm, eager, batched_mm), against the op on

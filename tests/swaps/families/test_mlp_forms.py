@@ -1,6 +1,7 @@
 """MLP and experts forms of the 2026 families, built from their own config classes: Granite's
-shared MLP (`input_linear` fused gate+up, `output_linear`) runs the GLU kernel; the non-gated MLPs
-(Nemotron-H's ReLU², Apertus's xIELU) are tiled and refused by the GLU site with their form named;
+shared MLP (`input_linear` fused gate+up, `output_linear`) runs the GLU kernel; Nemotron-H's
+non-gated ReLU² MLP runs the ReLU² kernel; both non-gated MLPs (and Apertus's xIELU, refused by
+the glu site with its form named) are tiled;
 LongCat-Flash's identity "zero" experts run on the experts op; Nemotron-H's non-gated experts are
 refused with their form named. Each swap is checked against stock on a forward and backward, and
 the kernel is seen to run (launches, `report.calls`), not only the numbers."""
@@ -92,10 +93,9 @@ def test_experts_held_as_modules_with_3d_weights_are_no_gated_mlp():
     assert mlp.candidate(moe) is None and tiled_mlp.candidate(moe) is None
 
 
+NEMOTRON_H = dict(intermediate_size=48, head_dim=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1)
 NON_GATED = {
-    "NemotronHConfig": ("ReLUSquaredActivation", dict(
-        intermediate_size=48, head_dim=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
-        hybrid_override_pattern="*-")),
+    "NemotronHConfig": ("ReLUSquaredActivation", dict(NEMOTRON_H, hybrid_override_pattern="*-")),
     "ApertusConfig": ("XIELUActivation", dict(intermediate_size=48, num_hidden_layers=1)),
 }
 
@@ -107,23 +107,49 @@ def tile_everything(monkeypatch):
     monkeypatch.setattr(tiled_mlp, "chunk_tokens", lambda hidden, intermediate: 4)
 
 
+def test_nemotron_hs_relu2_mlp_runs_the_relu_squared_kernel_and_trains_as_stock():
+    stock, ours = build("NemotronHConfig", **NON_GATED["NemotronHConfig"][1])
+    report = accel_patch.swap_kernels(ours, ops=["glu"])
+    assert report.swapped == {"glu": 1}, report
+    assert not report.refused, report.refused
+    with _launch.recording() as launched:
+        assert_same_step(stock, ours, batch())
+    assert launched.count("_relu_squared_forward_kernel") == 1, launched
+    assert launched.count("_relu_squared_backward_kernel") == 1, launched
+
+
+def test_a_relu2_mlp_whose_activation_computes_something_else_is_refused():
+    """The name says ReLU², the numbers decide: an activation named so that computes relu(x) is refused."""
+    stock, ours = build("NemotronHConfig", **NON_GATED["NemotronHConfig"][1])
+    [module] = [m for n, m in ours.named_modules() if n.endswith("mixer") and hasattr(m, "up_proj")]
+    module.act_fn.forward = torch.relu
+    report = accel_patch.swap_kernels(ours, ops=["glu"])
+    [refusal] = [r for r in report.refused if r.op == "glu"]
+    assert "ReLUSquaredActivation does not compute relu2" in refusal.reason, refusal
+
+
 @pytest.mark.parametrize("config_name", sorted(NON_GATED))
-def test_a_non_gated_mlp_is_tiled_and_refused_by_the_glu_site_with_its_form(tile_everything, config_name):
+def test_a_non_gated_mlp_is_tiled_and_trains_as_stock(tile_everything, config_name):
     act, kwargs = NON_GATED[config_name]
     stock, ours = build(config_name, **kwargs)
     report = accel_patch.swap_kernels(ours, ops=["glu", "tiled_mlp"])
-    assert report.swapped == {"tiled_mlp": 1}, report
-    [refusal] = [r for r in report.refused if r.op == "glu"]
-    assert refusal.reason.startswith(f"non-gated MLP down_proj({act}(up_proj(x))): no fused kernel"), refusal
-    grads = assert_same_step(stock, ours, batch(tokens=9))  # 18 tokens: chunks of 4, ..., 4 and 2
+    if act == "ReLUSquaredActivation":  # the ReLU² kernel runs in each chunk
+        assert report.swapped == {"glu": 1, "tiled_mlp": 1}, report
+    else:  # no kernel for xIELU: refused with the form named, tiled all the same
+        assert report.swapped == {"tiled_mlp": 1}, report
+        [refusal] = [r for r in report.refused if r.op == "glu"]
+        assert refusal.reason.startswith(f"non-gated MLP down_proj({act}(up_proj(x))): no fused kernel"), refusal
+    with _launch.recording() as launched:
+        grads = assert_same_step(stock, ours, batch(tokens=9))  # 18 tokens: chunks of 4, ..., 4 and 2
     assert accel_patch.report(ours).calls["tiled_mlp"] == {tiled_mlp.TILED: 1}
-    if act == "XIELUActivation":  # the activation's own parameters train through the chunks
+    if act == "ReLUSquaredActivation":  # 5 chunks forward, 5 recomputed in backward
+        assert launched.count("_relu_squared_forward_kernel") == 10, launched
+    else:  # the activation's own parameters train through the chunks
         assert any(n.endswith("act_fn.alpha_p") for n in grads), sorted(grads)
 
 
 def test_nemotron_hs_non_gated_experts_are_refused_with_their_form():
-    stock, ours = build("NemotronHConfig", intermediate_size=48, head_dim=16, mamba_num_heads=4, mamba_head_dim=8,
-                        ssm_state_size=8, n_groups=1, n_routed_experts=4, num_experts_per_tok=2,
+    stock, ours = build("NemotronHConfig", **NEMOTRON_H, n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, hybrid_override_pattern="E")
     report = accel_patch.swap_kernels(ours, ops=["experts"])
     [refusal] = [r for r in report.refused if r.op == "experts"]
