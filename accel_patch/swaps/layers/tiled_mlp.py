@@ -1,4 +1,5 @@
-"""The tiled MLP: an MLP (gated, or non-gated `down(act(up(x)))`) computed over chunks of tokens, so that its working set is one chunk's.
+"""The tiled MLP: an MLP (gated, or non-gated `down(act(up(x)))`) computed over chunks of tokens,
+so that its working set is one chunk's.
 
     forward:  out[rows] = mlp(x[rows]) for each chunk, without grad: nothing of a chunk is kept
     backward: for each chunk, mlp(x[rows]) again with grad, then its gradients for dout[rows]:

@@ -159,7 +159,8 @@ def test_nemotron_hs_non_gated_experts_are_refused_with_their_form():
 
 
 LONGCAT = dict(ffn_hidden_size=48, expert_ffn_hidden_size=16, num_layers=1, n_routed_experts=4, zero_expert_num=2,
-               moe_topk=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)
+               moe_topk=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+               v_head_dim=8, head_dim=8)
 
 
 @pytest.mark.slow  # the experts op interpreted, forward and backward: ~3 s
@@ -197,3 +198,21 @@ def test_zero_experts_the_op_cannot_take_are_refused_with_the_reason():
     found = experts.candidate(module)
     verdict = experts.probe_verdict(module, torch.float32, found)
     assert isinstance(verdict, str) and "identity (zero) experts" in verdict, verdict
+
+
+@pytest.mark.slow  # PEFT's LoRA on the experts, the op interpreted: ~4 s
+def test_longcat_flashs_zero_experts_with_lora_on_the_experts_train_as_stock_peft():
+    """PEFT's factors for gate_up hold the zero experts too: the op reads the routed experts' only."""
+    peft = pytest.importorskip("peft")
+    stock, ours = build("LongcatFlashConfig", **LONGCAT)
+    config = dict(r=2, lora_alpha=4, target_modules=[], lora_dropout=0.0, init_lora_weights=False,
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    models = []
+    for model in (stock, ours):
+        torch.manual_seed(3)
+        models.append(peft.get_peft_model(model, peft.LoraConfig(**config)))
+    report = accel_patch.swap_kernels(models[1], ops=["experts"])
+    assert report.swapped == {"experts": 1}, report
+    grads = assert_same_step(*models, batch(tokens=12))
+    assert any("lora_A" in n for n in grads), sorted(grads)
+    assert accel_patch.report(models[1]).calls["experts"] == {"fused (LoRA)": 1}
