@@ -92,8 +92,8 @@ def plain_refusal(module, names: tuple[str, ...]) -> str:
     act = activation(module)
     own_name = declared_activation(act)[0] if act is not None else "act"
     up, down = names
-    return (f"non-gated MLP {down}({own_name}({up}(x))): no fused kernel for this form (the GLU kernels "
-            f"compute act(gate) * up; the non-gated one ReLU²); the tiled MLP tiles it")
+    return (f"non-gated MLP {down}({own_name}({up}(x))): no fused kernel for this form (the GLU kernels and the "
+            f"fused LoRA MLP compute act(gate) * up; glu's one non-gated kernel is ReLU²); the tiled MLP tiles it")
 
 
 def site_candidate(module):
