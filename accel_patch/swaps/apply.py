@@ -252,7 +252,7 @@ class _Walk:
             self.refuse(where, tiled_mlp.OP, found)
         if found is None or isinstance(found, str):
             return
-        names = mlp.candidate(module)[0]
+        names = tiled_mlp.projections(module)
         device = self.materialized(where, ops, module)
         if device is None:
             return
@@ -301,7 +301,7 @@ class _Walk:
                             lambda: norms.probe_verdict(module, self.dtype, eps_attr), norms.forward_for)
 
     def glu(self, where, module, ops=(mlp.OP,)) -> None:
-        found = self.candidate(where, mlp.OP, mlp.candidate(module))
+        found = self.candidate(where, mlp.OP, mlp.site_candidate(module))
         if found is None:
             return
         names, act = found

@@ -33,10 +33,19 @@ NORM_VARIANTS = (("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("none", 0.0), 
 # --- gated MLP -----------------------------------------------------------------------------
 #: (gate, up, down) child names of a split gated MLP.
 GLU_SPLIT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-#: (fused gate+up, down) child names of a fused gated MLP (Phi3, GLM); the probe finds the order.
-GLU_FUSED_NAMES = (("gate_up_proj", "down_proj"),)
-#: Attribute that holds the MLP's activation.
-ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act")
+#: (fused gate+up, down) child names of a fused gated MLP (Phi3, GLM; Granite's shared MLP in
+#: GraniteMoeShared / GraniteMoeHybrid / Granite 4: `input_linear`, `output_linear`); the probe
+#: finds the order.
+GLU_FUSED_NAMES = (("gate_up_proj", "down_proj"), ("input_linear", "output_linear"))
+#: (up, down) child names of a non-gated MLP, `down(act(up(x)))` (Nemotron-H's ReLU², Apertus's
+#: xIELU). The tiled MLP tiles it; glu runs the activations of PLAIN_ACTIVATION_NAMES in a kernel
+#: and refuses the others, naming the form.
+MLP_PLAIN_NAMES = (("up_proj", "down_proj"),)
+#: A non-gated MLP's activation, by class or function name (lower case) -> its kernel ("relu2":
+#: accel_kernels.relu_squared). The probe then checks that it computes that.
+PLAIN_ACTIVATION_NAMES = {"relusquaredactivation": "relu2", "relu2": "relu2", "relu_squared": "relu2"}
+#: Attribute that holds the MLP's activation (Granite's shared MLP: `activation`).
+ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act", "activation")
 #: torch.nn.functional activations a gated MLP may call in its forward instead of holding one
 #: (LFM2, LFM3: `F.silu(self.w1(x)) * self.w3(x)`).
 INLINE_ACTIVATIONS = ("silu", "gelu")

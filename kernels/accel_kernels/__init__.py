@@ -1,7 +1,7 @@
 """accel_kernels: Triton kernels for LLM fine-tuning, each with a hand-written backward and a
 plain-torch twin of the same math.
 
-    from accel_kernels import rms_norm, rope, swiglu, geglu, cross_entropy, fused_linear_cross_entropy, moe_experts
+    from accel_kernels import rms_norm, rope, swiglu, geglu, relu_squared, cross_entropy, fused_linear_cross_entropy, moe_experts
 
 Importing this package patches nothing. It imports torch and, when it can, triton; never
 accel_patch, transformers or accelerate. Without triton (it is installed on Linux only) every op
@@ -57,6 +57,8 @@ from .ops.geglu import geglu
 from .ops.moe_experts import moe_experts
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope
+from .ops.relu_squared import relu_squared
 from .ops.swiglu import swiglu
 
-__all__ = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "moe_experts", "rms_norm", "rope", "swiglu"]
+__all__ = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "moe_experts", "relu_squared", "rms_norm", "rope",
+           "swiglu"]

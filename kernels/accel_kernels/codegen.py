@@ -162,7 +162,7 @@ def _sized_for(target: Target):
 
 def _drive(model: Model, dtype: torch.dtype, tokens: int):
     """Run every op's host functions, forward and backward, at the model's shapes (meta tensors)."""
-    from .ops import _glu, cross_entropy, fused_linear_cross_entropy, rms_norm, rope
+    from .ops import _glu, cross_entropy, fused_linear_cross_entropy, relu_squared, rms_norm, rope
 
     casting, offset = model.norm
     norms = [(tokens, model.hidden)] + ([(tokens * model.heads, model.head_dim)] if model.qk_norm else [])
@@ -183,6 +183,8 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int):
     act = _glu.ACTIVATIONS[model.activation]
     _glu._forward_triton(gate, up, act)
     _glu._backward_triton(torch.empty_like(gate), gate, up, act)
+    relu_squared._forward_triton(up)  # Nemotron-H's non-gated MLP: the same elementwise shapes
+    relu_squared._backward_triton(torch.empty_like(up), up)
     labels = _meta((tokens,), torch.int64)
     loss, lse = _meta((tokens,), torch.float32), _meta((tokens,), torch.float32)
     logits = _meta((1, tokens + 1, model.vocab), dtype)[:, :-1]  # shifted logits: two row strides

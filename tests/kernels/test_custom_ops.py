@@ -74,6 +74,12 @@ def glu_cases(dtype, path):
         yield ops.glu_backward, (torch.randn(3, 70).to(dtype), gate.detach(), up.detach(), activation, path)
 
 
+def relu_squared_cases(dtype, path):
+    x = _t(3, 70, dtype=dtype)
+    yield ops.relu_squared, (x, path)
+    yield ops.relu_squared_backward, (torch.randn(3, 70).to(dtype), x.detach(), path)
+
+
 def cross_entropy_cases(dtype, path):
     logits = _t(2, 3, 50, dtype=dtype)
     labels = torch.tensor([[1, -100, 7], [49, 0, 3]])
@@ -125,10 +131,12 @@ def moe_experts_cases(dtype, path):
 
 
 CASES = {
-    "rms_norm": rms_norm_cases, "rope": rope_cases, "glu": glu_cases, "cross_entropy": cross_entropy_cases,
+    "rms_norm": rms_norm_cases, "rope": rope_cases, "glu": glu_cases, "relu_squared": relu_squared_cases,
+    "cross_entropy": cross_entropy_cases,
     "fused_linear_cross_entropy": fused_linear_cross_entropy_cases, "moe_experts": moe_experts_cases,
 }
-EVERY_OP = {"rms_norm", "rms_norm_backward", "rope", "rope_backward", "glu", "glu_backward", "cross_entropy",
+EVERY_OP = {"rms_norm", "rms_norm_backward", "rope", "rope_backward", "glu", "glu_backward", "relu_squared",
+            "relu_squared_backward", "cross_entropy",
             "cross_entropy_backward", "fused_linear_cross_entropy", "fused_linear_cross_entropy_backward",
             "moe_experts", "moe_experts_backward"}
 
@@ -230,6 +238,7 @@ def public_calls():
         "rope": (lambda q, k: accel_kernels.rope(q, k, cos, sin), [_t(2, 4, 3, 8), _t(2, 2, 3, 8)]),
         "swiglu": (accel_kernels.swiglu, [_t(3, 70), _t(3, 70)]),
         "geglu": (lambda g, u: accel_kernels.geglu(g, u, approximate="tanh"), [_t(3, 70), _t(3, 70)]),
+        "relu_squared": (accel_kernels.relu_squared, [_t(3, 70)]),
         "cross_entropy": (lambda z: accel_kernels.cross_entropy(z, labels, softcap=5.0), [_t(2, 3, 50)]),
         "fused_linear_cross_entropy": (
             lambda h, w: accel_kernels.fused_linear_cross_entropy(h, w, labels, reduction="sum", chunk_size=4),

@@ -65,6 +65,7 @@ def run_every_path(device, monkeypatch):
     gate, up = leaf(2, 30), leaf(2, 30)
     accel_kernels.swiglu(gate, up).sum().backward()
     accel_kernels.geglu(gate, up, approximate="tanh").sum().backward()
+    accel_kernels.relu_squared(up).sum().backward()
     labels = torch.tensor([1, 7, -100, 3], device=device)
     accel_kernels.cross_entropy(leaf(4, 20), labels).backward()
     h, weight = leaf(4, 8), leaf(20, 8)

@@ -17,7 +17,7 @@ import accel_kernels
 import accel_kernels._dispatch as dispatch
 from _checks import FP32_BOUND
 
-OPS = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "moe_experts", "rms_norm", "rope", "swiglu"]
+OPS = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "moe_experts", "relu_squared", "rms_norm", "rope", "swiglu"]
 
 
 def run_python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
@@ -61,6 +61,7 @@ CASES = {  # op: (ours, eager, inputs)
              [torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(1, 5, 8), torch.randn(1, 5, 8)]),
     "swiglu": (ak.swiglu, lambda g, u: F.silu(g) * u, [torch.randn(4, 24), torch.randn(4, 24)]),
     "geglu": (ak.geglu, lambda g, u: F.gelu(g) * u, [torch.randn(4, 24), torch.randn(4, 24)]),
+    "relu_squared": (ak.relu_squared, lambda x: torch.relu(x) ** 2, [torch.randn(4, 24)]),
     "cross_entropy": (lambda z: ak.cross_entropy(z, labels), lambda z: F.cross_entropy(z, labels),
                       [torch.randn(4, 10)]),
     "fused_linear_cross_entropy": (
@@ -173,6 +174,7 @@ def _valid_arguments(device="cpu") -> dict:
                                           cos=torch.randn(1, 3, 4), sin=torch.randn(1, 3, 4))),
         "swiglu": (accel_kernels.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),
         "geglu": (accel_kernels.geglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),
+        "relu_squared": (accel_kernels.relu_squared, dict(x=torch.randn(3, 8))),
         "cross_entropy": (accel_kernels.cross_entropy, dict(logits=torch.randn(3, 5), labels=labels)),
         "fused_linear_cross_entropy": (accel_kernels.fused_linear_cross_entropy,
                                        dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), labels=labels,

@@ -6,9 +6,12 @@ Candidate, by structure (`candidate`): 3-D `gate_up_proj` and `down_proj` parame
 (families.EXPERTS_NAMES), optional 2-D biases, and a forward called either as transformers'
 `use_experts_implementation` classes are, `(hidden [T, H], top_k_index [T, K], top_k_weights
 [T, K])`, or as Llama4's experts are, `(hidden [E * T, H])` with every expert applied to its own
-block of rows (the router's scores already multiplied in). Separate 3-D gate/up parameters, an
-experts class without a gate, one with a norm after each expert, experts sharded already (DTensor
-parameters at swap time: FSDP2 before the swap) are refused with the reason.
+block of rows (the router's scores already multiplied in). A gate_up holding more experts than
+down has identity ("zero") experts past down's (LongCat-Flash): the op runs the experts with
+weights and the site adds each zero slot's token times its weight (`run`). Separate 3-D gate/up
+parameters, experts without a gate (Nemotron-H's non-gated ReLU² experts, named with their form),
+one with a norm after each expert, experts sharded already (DTensor parameters at swap time: FSDP2
+before the swap) are refused with the reason.
 
 Proved by numbers (`probe_verdict`): the module's own forward, whatever
 `config._experts_implementation` it runs (grouped_mm, eager, batched_mm), against the op on
@@ -47,10 +50,13 @@ FUSED = "fused"
 ROUTED, DENSE = "routed", "dense"  # the call styles: (hidden, top_k_index, top_k_weights) / (hidden) per expert
 
 
-class ExpertsPlan(namedtuple("ExpertsPlan", "style names biases transposed interleaved activation alpha limit")):
+class ExpertsPlan(namedtuple("ExpertsPlan", "style names biases transposed interleaved activation alpha limit routed",
+                             defaults=(None,))):
     """style: ROUTED or DENSE; names: (gate_up, down); biases: (gate_up bias, down bias) names or
     None; transposed: weights used as `x @ W` ([E, H, 2I]); interleaved: gate = [..., ::2];
-    activation: "silu" | "gelu" | "gelu_tanh" | "gpt_oss" (with alpha and limit)."""
+    activation: "silu" | "gelu" | "gelu_tanh" | "gpt_oss" (with alpha and limit); routed: None,
+    or the number of experts with weights when gate_up holds more (LongCat-Flash's identity "zero"
+    experts: ids from `routed` up to gate_up's count return their token, times its weight)."""
 
     __slots__ = ()
 
@@ -99,7 +105,11 @@ def candidate(module):
         if split is not None:
             return "MoE experts with separate 3-D gate and up parameters: the op takes one gate_up"
         if any(n in own for group in families.EXPERTS_NAMES for n in group):
-            return "MoE experts with 3-D parameters but no gate (up and down only): the op computes a GLU"
+            act = mlp.activation(module)
+            act_name = mlp.declared_activation(act)[0] if act is not None else "act"
+            up = next((n for n in own if n != "down_proj"), "up")
+            return (f"non-gated MoE experts, down_proj({act_name}({up}(x))) with 3-D {'/'.join(own)} (Nemotron-H's "
+                    f"ReLU² experts): the op computes a GLU, act(gate) * up")
         return None
     if any(sites.is_dtensor(own[n]) for n in names):  # the probe needs the whole weights
         return f"MoE experts' {names[0]} is a {type(own[names[0]]).__name__} (sharded already): swap before sharding"
@@ -177,15 +187,15 @@ def _activations(module) -> tuple[list[tuple[str, float, float]], str | None]:
 PAST_LIMIT, UNBOUNDED_REACH = 4.0, 40.0
 
 
-def _reach_scale(module, names, biases, transposed, hidden, index, reach: float) -> float:
+def _reach_scale(module, names, biases, transposed, hidden, index, reach: float, routed: int | None = None) -> float:
     """The factor on `hidden` that makes the largest |gate/up| pre-activation of the routed rows
-    about `reach` (one GEMM per routed expert, on the probe's few rows)."""
+    about `reach` (one GEMM per routed expert with weights, on the probe's few rows)."""
     gate_up = module._parameters[names[0]].detach().float()
     bias = module._parameters[biases[0]].detach().float() if biases else None
     x = hidden.detach().float()
     top = 0.0
     for e in torch.unique(index).tolist():
-        if not 0 <= e < gate_up.shape[0]:
+        if not 0 <= e < (routed or gate_up.shape[0]):  # a zero expert's rows of gate_up are never read
             continue
         rows = x[(index == e).any(dim=-1)]
         pre = rows @ gate_up[e] if transposed else rows @ gate_up[e].t()
@@ -212,9 +222,21 @@ def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_d
 
     gate_up, down = (adapters.base(module, n) for n in plan.names)
     gu_bias, d_bias = (adapters.base(module, n) for n in plan.biases) if plan.biases else (None, None)
-    return moe_experts(hidden, index, weights, gate_up, down, gu_bias, d_bias, transposed=plan.transposed,
-                       interleaved=plan.interleaved, activation=plan.activation, alpha=plan.alpha, limit=plan.limit,
-                       lora=lora, autocast_dtype=autocast_dtype)
+    routed, total = plan.routed, gate_up.shape[0]
+    if routed is not None:  # the experts with weights; the op takes ids >= routed as "no expert"
+        gate_up = gate_up[:routed]
+        gu_bias = gu_bias[:routed] if gu_bias is not None else None
+        if lora is not None and lora.get("gate_up") is not None:
+            lora = dict(lora, gate_up=tuple(t[:routed] for t in lora["gate_up"]))
+    out = moe_experts(hidden, index, weights, gate_up, down, gu_bias, d_bias, transposed=plan.transposed,
+                      interleaved=plan.interleaved, activation=plan.activation, alpha=plan.alpha, limit=plan.limit,
+                      lora=lora, autocast_dtype=autocast_dtype)
+    if routed is None:
+        return out
+    # identity ("zero") experts: each returns its token, times the slot's routing weight (plain
+    # torch: autograd gives hidden's and the weights' gradients for those slots)
+    zero = (index >= routed) & (index < total)
+    return out + (hidden * (weights * zero).sum(-1, keepdim=True)).to(out.dtype)
 
 
 def dense_routes(hidden: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,6 +260,11 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
                 f"clamped, gpt-oss's clamped GLU)")
     device = probe.module_device(module)
     experts = gate_up.shape[0]
+    # gate_up holding more experts than down: identity ("zero") experts past down's (LongCat-Flash)
+    routed = down.shape[0] if down.shape[0] < experts else None
+    if down.shape[0] > experts or (routed is not None and style != ROUTED):
+        return (f"MoE experts' {names[0]} holds {experts} experts and {names[1]} {down.shape[0]}: only a routed "
+                f"forward with identity (zero) experts past {names[1]}'s is in the op")
     hints_t, hints_i = getattr(module, "is_transposed", None), getattr(module, "is_concatenated", None)
     errors = {}
     with probe.probing(module):
@@ -246,6 +273,8 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
                 top_k = min(2, experts)
                 unit = probe.randn((7, hidden_size), act_dtype, device)
                 index, weights = routes(7, top_k, experts, device)
+                if routed is not None and not bool((index >= routed).any()):  # a zero expert is probed too
+                    index[0, 0] = routed
                 weights = weights.to(act_dtype)
             else:
                 unit = probe.randn((experts * 3, hidden_size), act_dtype, device)
@@ -253,7 +282,7 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
             # once at unit scale, once with pre-activations past every clamp bound (or far out)
             bound_at = max((lim for _, _, lim in acts if math.isfinite(lim)), default=None)
             reach = PAST_LIMIT * bound_at if bound_at is not None else UNBOUNDED_REACH
-            scale = _reach_scale(module, names, biases, transposed, unit, index, reach)
+            scale = _reach_scale(module, names, biases, transposed, unit, index, reach, routed)
             for hidden in (unit, (unit.float() * scale).to(act_dtype)):
                 hidden = hidden.requires_grad_()
                 args = (hidden, index, weights) if style == ROUTED else (hidden,)
@@ -267,7 +296,7 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
                 orders = sorted((False, True), key=lambda i: i == bool(hints_i) if hints_i is not None else i)
                 for interleaved in orders:
                     for act, alpha, limit in acts:
-                        plan = ExpertsPlan(style, names, biases, transposed, interleaved, act, alpha, limit)
+                        plan = ExpertsPlan(style, names, biases, transposed, interleaved, act, alpha, limit, routed)
                         out = run(module, plan, hidden, index, weights)
                         err = float("inf") if out.dtype != ref.dtype else probe.rel_err(out, ref)
                         errors[plan] = max(errors.get(plan, 0.0), err)

@@ -1,7 +1,11 @@
 """Gated-MLP sites: `down(act(gate(x)) * up(x))`, split or with one fused `gate_up` projection.
 
-A module is a candidate by its children (families.GLU_SPLIT_NAMES / GLU_FUSED_NAMES) and its
-activation attribute. The activation must say what it is (families.ACTIVATION_NAMES) and the
+A module is a candidate by its children (families.GLU_SPLIT_NAMES / GLU_FUSED_NAMES: Llama's
+gate/up/down, Phi3's gate_up_proj, Granite's shared MLP's `input_linear` / `output_linear`) and its
+activation attribute. A non-gated MLP, `down(act(up(x)))` (families.MLP_PLAIN_NAMES), runs the
+ReLU² kernel where its activation says it is ReLU² (Nemotron-H: families.PLAIN_ACTIVATION_NAMES,
+`site_candidate`); any other (Apertus's xIELU) is refused with its form named (the tiled MLP tiles
+it, layers/tiled_mlp.py). The activation must say what it is (families.ACTIVATION_NAMES) and the
 probe checks that it computes that, in float32; then the whole module runs against the swapped
 forward in the activation dtype (for a fused projection, both halves' orders are tried). The
 projections are still called as modules, so LoRA and 4-bit layers keep working inside.
@@ -25,8 +29,9 @@ OP = "glu"
 
 
 class GluPlan(namedtuple("GluPlan", "names act order")):
-    """names: (gate, up, down) or (gate_up, down); act: "silu" | "gelu" | "gelu_tanh";
-    order: for a fused projection, "gate_up" (gate first) or "up_gate"."""
+    """names: (gate, up, down) or (gate_up, down), or (up, down) for act "relu2" (non-gated:
+    `down(relu(up(x))²)`); act: "silu" | "gelu" | "gelu_tanh" | "relu2"; order: for a fused
+    projection, "gate_up" (gate first) or "up_gate"; "plain" for the non-gated form."""
 
     __slots__ = ()
 
@@ -55,12 +60,57 @@ def declared_activation(act) -> tuple[str, str | None]:
     return name, families.ACTIVATION_NAMES.get(name.lower())
 
 
-def _names(module) -> tuple[str, ...] | None:
+def _linear_like(proj) -> bool:
+    """A projection the site can call on rows: a 2-D weight (plain, LoRA-wrapped, 4-bit) or none it
+    can see; not experts held as a module with a 3-D weight (JetMoE's `input_linear`)."""
+    weight = getattr(proj, "weight", None)
+    return not isinstance(weight, torch.Tensor) or weight.dim() == 2
+
+
+def _find(module, tables) -> tuple[str, ...] | None:
     children = dict(module.named_children())
-    for names in families.GLU_SPLIT_NAMES + families.GLU_FUSED_NAMES:
-        if all(isinstance(children.get(n), torch.nn.Module) for n in names):
+    for names in tables:
+        if all(isinstance(children.get(n), torch.nn.Module) and _linear_like(children[n]) for n in names):
             return names
     return None
+
+
+def _names(module) -> tuple[str, ...] | None:
+    return _find(module, families.GLU_SPLIT_NAMES + families.GLU_FUSED_NAMES)
+
+
+def plain_names(module) -> tuple[str, ...] | None:
+    """(up, down) of a non-gated MLP `down(act(up(x)))` (families.MLP_PLAIN_NAMES: Nemotron-H's
+    ReLU², Apertus's xIELU), or None: a gated MLP, MoE experts or anything else."""
+    if _expert_parameters(module) or _names(module) is not None:
+        return None
+    return _find(module, families.MLP_PLAIN_NAMES)
+
+
+def plain_refusal(module, names: tuple[str, ...]) -> str:
+    """Why a non-gated MLP gets no gated-MLP kernel, naming its form and activation."""
+    act = activation(module)
+    own_name = declared_activation(act)[0] if act is not None else "act"
+    up, down = names
+    return (f"non-gated MLP {down}({own_name}({up}(x))): no fused kernel for this form (the GLU kernels and the "
+            f"fused LoRA MLP compute act(gate) * up; glu's one non-gated kernel is ReLU²); the tiled MLP tiles it")
+
+
+def site_candidate(module):
+    """The glu site's candidate: `candidate`'s answer, except that a non-gated MLP whose activation
+    says it is one of families.PLAIN_ACTIVATION_NAMES is a candidate ((up, down), "relu2"); the
+    fused LoRA MLP keeps `candidate` (it computes a GLU only)."""
+    found = candidate(module)
+    plain = plain_names(module) if isinstance(found, str) else None
+    act = activation(module) if plain is not None else None
+    if act is None:
+        return found
+    kernel_act = families.PLAIN_ACTIVATION_NAMES.get(declared_activation(act)[0].lower())
+    if kernel_act is None:
+        return found
+    if sites.single_input(type(module)) is None:
+        return "forward takes more than one input"
+    return plain, kernel_act
 
 
 def _expert_parameters(module) -> bool:
@@ -76,7 +126,8 @@ def candidate(module) -> tuple[tuple[str, ...], str] | str | None:
         return None  # MoE experts: the experts site's (swaps/experts/)
     names = _names(module)
     if names is None:
-        return None
+        plain = plain_names(module)
+        return plain_refusal(module, plain) if plain is not None else None
     act = activation(module)
     if act is None:
         return ("gated projections but no activation attribute (" + "/".join(families.ACTIVATION_ATTRIBUTES) +
@@ -93,6 +144,7 @@ _REFERENCE = {
     "silu": lambda t: t * torch.sigmoid(t),
     "gelu": lambda t: 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0))),
     "gelu_tanh": lambda t: 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t ** 3))),
+    "relu2": lambda t: torch.relu(t) ** 2,
 }
 
 
@@ -135,7 +187,7 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
             ref = module(x)
         except Exception as exc:
             return f"module's own forward failed on a {act_dtype} probe: {type(exc).__name__}: {exc}"
-        orders = ("gate_up", "up_gate") if len(names) == 2 else ("gate_up",)
+        orders = ("plain",) if act == "relu2" else ("gate_up", "up_gate") if len(names) == 2 else ("gate_up",)
         errors = {}
         for order in orders:
             probe.seeded()
@@ -147,7 +199,7 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
     order = min(errors, key=errors.get)
     limit = probe.bound(act_dtype)
     if errors[order] > limit:
-        return (f"output differs from down({act}(gate) * up) in {act_dtype}: relative error "
+        return (f"output differs from {_form(act)} in {act_dtype}: relative error "
                 f"{errors[order]:.2e} > {limit:.1e}")
     plan = GluPlan(names, act, order)
     # The same function where it can differ: pre-activations driven past every clamp the module or
@@ -161,7 +213,11 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
         ref = module(far)
         probe.seeded()
         out = forward_for(plan, stock_without_triton=False)(module, far)
-    return probe.past_limits_refusal(module, out, ref, f"down({act}(gate) * up)", magnitude, act_dtype) or plan
+    return probe.past_limits_refusal(module, out, ref, _form(act), magnitude, act_dtype) or plan
+
+
+def _form(act: str) -> str:
+    return "down(relu(up)²)" if act == "relu2" else f"down({act}(gate) * up)"
 
 
 _forwards: dict[tuple, object] = {}
@@ -177,7 +233,17 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
         from accel_kernels import _dispatch
 
         names, act, order = plan
-        if len(names) == 3:
+        if act == "relu2":
+            from accel_kernels import relu_squared
+
+            up_name, down_name = names
+
+            def forward(self, *args, **kwargs):
+                x = sites.the_input(args, kwargs)
+                if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
+                    return sites.call_inner(self, *args, **kwargs)
+                return getattr(self, down_name)(relu_squared(getattr(self, up_name)(x)))
+        elif len(names) == 3:
             gate_name, up_name, down_name = names
 
             def forward(self, *args, **kwargs):

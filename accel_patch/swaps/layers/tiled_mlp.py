@@ -1,4 +1,5 @@
-"""The tiled MLP: a gated MLP computed over chunks of tokens, so that its working set is one chunk's.
+"""The tiled MLP: an MLP (gated, or non-gated `down(act(up(x)))`) computed over chunks of tokens,
+so that its working set is one chunk's.
 
     forward:  out[rows] = mlp(x[rows]) for each chunk, without grad: nothing of a chunk is kept
     backward: for each chunk, mlp(x[rows]) again with grad, then its gradients for dout[rows]:
@@ -290,13 +291,31 @@ class _replayed_autocast:
 # --------------------------------------------------------------------------------------------
 
 
-def candidate(module):
-    """(hidden, intermediate) widths of a gated MLP the tiled site can run (the input widths of its
-    first and its down projection), a refusal reason, or None."""
+def projections(module) -> tuple[str, ...] | None:
+    """The MLP's projection names, first to down: a gated MLP's (mlp.candidate) or a non-gated
+    one's (up, down), or None."""
+    plain = mlp.plain_names(module)
+    if plain is not None:
+        return plain
     found = mlp.candidate(module)
-    if found is None or isinstance(found, str):
-        return found
-    names = found[0]
+    return None if found is None or isinstance(found, str) else found[0]
+
+
+def candidate(module):
+    """(hidden, intermediate) widths of an MLP the tiled site can run (the input widths of its
+    first and its down projection), a refusal reason, or None. Gated MLPs as the glu site finds
+    them, and non-gated ones, `down(act(up(x)))` (Nemotron-H's ReLU², Apertus's xIELU, whose
+    activation's own parameters train through the chunks like the projections'): the tiled
+    function only calls the forward beneath on rows, so any activation is the module's own."""
+    names = mlp.plain_names(module)
+    if names is not None:
+        if sites.single_input(type(module)) is None:
+            return "non-gated MLP whose forward takes more than one input"
+    else:
+        found = mlp.candidate(module)
+        if found is None or isinstance(found, str):
+            return found
+        names = found[0]
     widths = (mlp._in_features(module, names[0]), mlp._in_features(module, names[-1]))
     for name, width in zip((names[0], names[-1]), widths):
         if width is None:
