@@ -159,12 +159,6 @@ def test_every_module_lives_in_a_room_and_imports_run_downward():
     assert violations(edges) == []
 
 
-def test_every_room_says_what_lives_there_and_what_it_may_import():
-    for room in ROOMS:
-        doc = ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text(encoding="utf-8")))
-        assert doc and "import" in doc, f"accel_patch/{room}/__init__.py has no docstring naming its imports"
-
-
 def test_an_upward_import_or_a_circle_is_caught():
     # The checker itself, on the real sources with one line added: it must go red.
     sources, _ = package_graph()
@@ -224,11 +218,7 @@ def test_swaps_keeps_the_walk_and_the_shared_machinery_at_the_top_and_sites_in_r
     tops = sorted(p.name for p in SWAPS.glob("*.py"))
     assert len(tops) <= SWAPS_MAX_TOP_MODULES, f"swaps/ has {len(tops)} top modules: {tops}"
     assert {p.stem for p in SWAPS.glob("*.py")} - {"__init__"} <= SWAPS_TOP, tops
-    rooms = sorted(p.parent.name for p in SWAPS.glob("*/__init__.py"))
-    assert rooms, "swaps/ has no rooms"
-    for room in rooms:
-        doc = ast.get_docstring(ast.parse((SWAPS / room / "__init__.py").read_text(encoding="utf-8")))
-        assert doc and "import" in doc, f"accel_patch/swaps/{room}/__init__.py has no docstring naming its imports"
+    assert sorted(p.parent.name for p in SWAPS.glob("*/__init__.py")), "swaps/ has no rooms"
     _, edges = package_graph()
     assert swaps_violations(edges) == []
 

@@ -303,14 +303,10 @@ def test_quick_twin_with_an_empty_expert_between_others(device, monkeypatch, pat
 
 
 @pytest.mark.slow  # interpreted Triton: over 2 s
-@pytest.mark.parametrize("routing", ["one", "empty"])
-def test_imbalanced_routing(device, routing):
-    hidden, index, *rest = make(T=21, E=4, K=2, routing=routing, device=device)
-    counts = torch.bincount(index.flatten(), minlength=4)
-    if routing == "one":
-        assert counts[1] == 21
-    else:
-        assert counts[0] == 0 and counts[3] == 0
+def test_every_token_to_one_expert(device):
+    # (empty experts: the quick Mixtral-layout case; token counts off the block: every case's T)
+    hidden, index, *rest = make(T=21, E=4, K=2, routing="one", device=device)
+    assert torch.bincount(index.flatten(), minlength=4)[1] == 21
     check(hidden, index, *rest)
 
 
@@ -321,9 +317,8 @@ def test_top_k_1_and_8(device, k, E):
 
 
 @pytest.mark.slow  # interpreted Triton: over 2 s
-@pytest.mark.parametrize("T", [1, 37])
-def test_decode_and_off_block_token_counts(device, T):
-    check(*make(T=T, E=4, K=2, device=device))
+def test_a_decode_step_of_one_token(device):
+    check(*make(T=1, E=4, K=2, device=device))
 
 
 @pytest.mark.slow  # interpreted Triton: over 2 s
@@ -420,18 +415,6 @@ def test_saves_only_x_routing_and_the_sort(device):
 # --------------------------------------------------------------------------------------------
 # Paths and checks
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow  # interpreted Triton: over 2 s
-def test_twin_uses_grouped_mm_where_it_can(device, monkeypatch):
-    if device.type != "cpu" or not hasattr(torch, "_grouped_mm"):
-        pytest.skip("torch._grouped_mm on CPU tensors")
-    calls = []
-    real = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
-    check(*make(device=device), expect_triton=False)
-    assert calls
 
 
 def test_bad_inputs_name_the_argument(device):

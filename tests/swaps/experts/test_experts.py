@@ -19,9 +19,6 @@ from accel_patch.swaps.layers import tiled_mlp
 from _models import padded_batch, rel, training_step
 from _moe_models import FAMILIES, build, experts_modules, pair
 
-QUICK = set()  # the kernels run interpreted (qwen3_moe's step: 3 s): every case is slow
-
-
 def on_the_twin(monkeypatch):
     """Run the op's plain-torch twin (same saved tensors, same hand-written backward) instead of the
     interpreted kernel: for tests of the site's decisions (tiling), not of the kernel, whose
@@ -46,14 +43,37 @@ def assert_step_equals(stock, twin, loss_bound=1e-5, grad_bound=1e-4):
     return grads0, grads1
 
 
-@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)])
-def test_every_experts_module_is_swapped_and_a_float32_step_equals_stock(family):
+#: The kernel configurations the families reach, one family each: the standard layout (SiLU, halves,
+#: no bias: Mixtral, and the Qwen, OLMoE, DeepSeek, GLM, Granite families), gpt-oss's (transposed,
+#: interleaved, biased, its clamped GLU), Llama 4's (transposed halves, top-1).
+KERNEL_CONFIGURATIONS = ("mixtral", "gpt_oss", "llama4")
+
+
+def swapped_pair(family):
     stock, twin = pair(family)
     report = swap_kernels(twin)
     modules = experts_modules(twin)
     assert modules and report.swapped.get(experts.OP) == len(modules), report
     assert all(sites.is_swapped(m) for m in modules.values())
     assert not [r for r in report.refused if r.op == experts.OP or "xperts" in r.where], report
+    return stock, twin, modules
+
+
+@pytest.mark.parametrize("family", [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(FAMILIES)])
+def test_every_experts_module_is_swapped_and_a_float32_step_on_the_twin_equals_stock(family, monkeypatch):
+    # the site's plan (layout, gate/up order, activation, routing) for every family, on the op's
+    # plain-torch twin: the kernel's parity per configuration is the next test's
+    stock, twin, modules = swapped_pair(family)
+    on_the_twin(monkeypatch)
+    assert_step_equals(stock, twin)
+    assert experts_calls(twin) == {"fused": len(modules)}
+
+
+@pytest.mark.slow  # interpreted Triton: about 3 s a step
+@pytest.mark.parametrize("family", KERNEL_CONFIGURATIONS)
+def test_each_kernel_configuration_runs_interpreted_and_a_float32_step_equals_stock(family):
+    stock, twin, modules = swapped_pair(family)
     from accel_kernels import _launch
 
     with _launch.recording() as launched:

@@ -24,6 +24,7 @@ TRANSFORMS = [
     lambda z: z[:, :-1, :].contiguous(),           # a shift on the logits
     lambda z: z[..., 1:, :],
     lambda z: z.to("cpu").reshape(-1, 50),          # a move to its own device: nothing to do
+    lambda z: z.to(torch.float32).reshape(-1, 50),
 ]
 
 
@@ -44,7 +45,9 @@ def test_both_carriers_keep_the_same_operations_deferred_with_the_stock_loss(tra
     y[3] = -100
     for z, state in carriers(h, w, b):
         out = transform(z)
-        assert type(out) is type(z)
+        assert type(out) is type(z) and not z._head.computed
+        if state is not None:
+            assert state.loss_calls == {}  # nothing counted before the loss runs
         n = out.shape[:-1].numel()
         fused = F.cross_entropy(out.reshape(-1, 50), y[:n])
         assert not z._head.computed  # the fused kernel ran: the logits were never built
@@ -60,11 +63,13 @@ def test_both_carriers_keep_the_same_operations_deferred_with_the_stock_loss(tra
 
 @pytest.mark.parametrize("op", [
     lambda z: z + 1.0, lambda z: 1.0 - z, lambda z: z.softmax(-1), lambda z: z[..., :10], lambda z: z * z,
-    lambda z: torch.tanh(torch.tanh(z)), lambda z: z.to(torch.int32),
+    lambda z: torch.tanh(torch.tanh(z)), lambda z: z.to(torch.int32), lambda z: z.sum(),
 ])
 def test_both_carriers_compute_the_real_logits_for_any_other_operation(op):
     h, w = torch.randn(2, 3, 8), torch.randn(20, 8)
-    for z, _ in carriers(h, w, None):
+    for z, state in carriers(h, w, None):
         out = op(z)
         assert not isinstance(out, (DeferredLogits, LogitsStandIn)) and z._head.computed
         assert torch.equal(out, op(F.linear(h, w)))
+        if state is not None:  # the eager carrier counts why the logits were computed
+            assert len(state.loss_calls) == 1 and next(iter(state.loss_calls)).startswith("logits computed for")
