@@ -203,6 +203,43 @@ def test_our_head_gives_what_trls_head_gives(case, kernel_rows):
 
 
 @pytest.mark.slow
+def test_a_moe_model_with_the_router_loss_runs_our_head_with_trls_aux_loss():
+    """TRL turns on the router's auxiliary loss for MoE models: our head returns it beside the
+    log-probs (the loss includes it as TRL's does), so ours runs in training passes too, counted."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def qwen3_moe():
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            output_router_logits=True, router_aux_loss_coef=0.5, pad_token_id=0))
+
+    model = qwen3_moe()
+    accel_patch.swap_kernels(model)
+    trl_utils.add_fused_lm_head(model, outputs=SFT_OUTPUTS)
+    with stock_accel_patch():
+        twin = qwen3_moe()
+        trl_utils.add_fused_lm_head(twin, outputs=SFT_OUTPUTS)  # TRL's head alone
+    ids = torch.randint(4, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for m in (model, twin):
+        m.train()
+        out = m(input_ids=ids, labels=ids, fused_lm_head=True)
+        out.loss.backward()
+        outs.append((out, m.lm_head.weight.grad.clone(), m.model.layers[0].mlp.gate.weight.grad.clone()))
+    (ours, ours_head, ours_router), (trls, trls_head, trls_router) = outs
+    assert accel_patch.report(model).calls["fused_linear_cross_entropy"] == {trl_fused_head.FUSED_CALL: 1}
+    assert ours.aux_loss is not None and trls.aux_loss is not None
+    torch.testing.assert_close(ours.aux_loss, trls.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.loss, trls.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_router, trls_router, rtol=1e-4, atol=1e-6)  # the aux loss trains the router
+    torch.testing.assert_close(ours_head, trls_head, rtol=1e-4, atol=1e-6)
+    assert "LM head: ours" in accel_patch.report(model).short()
+
+
+@pytest.mark.slow
 def test_a_reference_pass_under_no_grad_keeps_nothing_and_is_counted_as_ours():
     trl_utils = pytest.importorskip("trl.trainer.utils")
     model = tiny_llama()

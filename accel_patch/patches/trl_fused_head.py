@@ -8,7 +8,8 @@ forward, so the loss swapped into the model's head would never run. After TRL's 
 
 1. Swaps the kernels into a model TRL gives a head that has none yet: the reference model, which
    the Trainer callback never sees (DPO, KTO and GRPO keep it in `trainer.ref_model`). It gets the
-   ops of the model TRL gave a head just before it (the policy), else ACCEL_PATCH_KERNELS'. Stock
+   ops of its own trainer's policy (the trainer whose set-up installs both heads), else
+   ACCEL_PATCH_KERNELS'. Stock
    policy and reference then compute the same function again (DPO's step-1 rewards are 0).
 2. Where TRL asks for fields our head gives (KNOWN_OUTPUTS: log_probs always; entropy,
    log_sum_sq_probs, mean_logits, is_top1 as asked: SFT, DPO, KTO, GRPO, RLOO and the reference
@@ -20,8 +21,9 @@ forward, so the loss swapped into the model's head would never run. After TRL's 
    Under no_grad (reference passes) nothing is kept; evaluation mode runs ours too, so policy and
    reference always run the same head. Everything else goes to TRL's head: a model without the
    swapped fused loss (or restored), a LoRA adapter on the head, FSDP2 (DTensor) or ZeRO-3
-   (partitioned) head weights, MoE router logits (TRL adds their aux loss), a temperature together
-   with soft-capping; each call counted in the swap state.
+   (partitioned) head weights, a temperature together with soft-capping; each call counted in the
+   swap state. MoE router logits run ours: the backbone returns them and our head adds the
+   load-balancing loss TRL's adds, as `aux_loss`.
 3. A field our head does not give keeps TRL's head: the swap report lists fused_linear_cross_entropy
    as refused (located at the LM head) with that reason, and says which head runs ("LM head:
    TRL's"), so the report and the first training log never claim a loss that does not run.
@@ -274,8 +276,8 @@ def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temper
         return "no fused loss swapped into the model"
     if (labels if shift_labels is None else shift_labels) is None:
         return "no labels"
-    if kwargs.get("output_router_logits") or getattr(model.config.get_text_config(), "output_router_logits", False):
-        return "MoE router logits (TRL adds their auxiliary loss)"
+    if _router_loss(model, kwargs) and "aux_loss" not in getattr(patch.output_class, "__dataclass_fields__", {}):
+        return "MoE router logits (this TRL's output has no aux_loss field)"
     if softcap is not None and temperature != 1.0:
         return "a temperature together with logit soft-capping"
     leaf, why = head_plan(model.get_output_embeddings())
@@ -295,6 +297,9 @@ def _fused_call(patch, model, args, kwargs, labels, shift_labels, num_items_in_b
     from ..swaps.loss.token_logprobs import token_logprobs
 
     kwargs["use_cache"] = False
+    router = _router_loss(model, kwargs)
+    if router:  # as TRL's head and the model's own forward: the router logits the config asks for
+        kwargs.setdefault("output_router_logits", True)
     backbone = model.base_model(*args, **kwargs)
     hidden = backbone.last_hidden_state
     if shift_labels is None:
@@ -308,8 +313,32 @@ def _fused_call(patch, model, args, kwargs, labels, shift_labels, num_items_in_b
     mask = labels != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / torch.as_tensor(count, device=mask.device)
+    extra = {}
+    if router:
+        config = model.config.get_text_config()
+        aux_loss = _load_balancing_loss(model, config, backbone.router_logits, kwargs.get("attention_mask"))
+        loss = loss + getattr(config, "router_aux_loss_coef", 0.0) * aux_loss.to(loss.device)
+        extra["aux_loss"] = aux_loss
     model.__dict__[_state_attr()].count_call(FUSED_CALL if torch.is_grad_enabled() else FUSED_NO_GRAD)
-    return patch.output_class(loss=loss, label_mask=mask, **fields)
+    return patch.output_class(loss=loss, label_mask=mask, **fields, **extra)
+
+
+def _router_loss(model, kwargs) -> bool:
+    """Whether this call adds an MoE router's load-balancing loss (asked for, or the config's default)."""
+    asked = kwargs.get("output_router_logits")
+    if asked is not None:
+        return bool(asked)
+    return bool(getattr(model.config.get_text_config(), "output_router_logits", False))
+
+
+def _load_balancing_loss(model, config, router_logits, attention_mask):
+    """The auxiliary loss TRL's head adds (trl 1.16: Mixtral's load_balancing_loss_func, the one every
+    MoE family of transformers uses), on the router logits the backbone returned."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    experts = next((v for v in (getattr(config, "num_experts", None), getattr(config, "num_local_experts", None),
+                                getattr(model, "num_experts", None)) if v), None)
+    return load_balancing_loss_func(router_logits, experts, config.num_experts_per_tok, attention_mask)
 
 
 patch = TrlFusedHeadPatch()

@@ -141,17 +141,34 @@ class SwapReport:
             line += "; waiting for LoRA adapters: " + ", ".join(
                 f"{op} {n}" for op, n in sorted(self.waiting.items(), key=_op_order))
         if self.head:
-            line += f"; LM head: {self.head}"
+            line += f"; LM head: {self.head_ran()}"
         for (op, by), wheres in self._replaced_groups():
             line += f"; {op} x{len(wheres)} replaced after the swap by {by} (its forward runs, not ours)"
         for cls, (n, what) in sorted(self.mixers.items()):
             line += f"; mixer {cls} x{n} (no accel-patch op): {what}"
         return line
 
+    def head_ran(self) -> str | None:
+        """Whose LM head ran the calls of a trainer's own head (TRL's), by the counted calls: ours in
+        TRL's place, TRL's where ours stood aside (the fall-backs say why), or both, with how often."""
+        if self.head is None:
+            return None
+        if self.head == "TRL's":
+            return "TRL's"
+        calls = self.calls.get(LOSS_OP, {})
+        ours = sum(n for o, n in calls.items() if o.startswith("fused (in TRL's head"))
+        trls = sum(n for o, n in calls.items() if o.startswith("TRL's head:") and outcome_kind(o) == "fall-back")
+        if trls and not ours:
+            return "TRL's (ours stood aside, see fall-backs)"
+        if trls:
+            return f"ours, TRL's in {trls} of {ours + trls} calls"
+        return "ours, in TRL's place"
+
     def short(self) -> str:
         """Sites per op and how many were refused, short enough for a logged value (<= 100 chars)."""
         ordered = sorted(self.swapped.items(), key=_op_order)
-        head = {None: "", "TRL's": "; LM head: TRL's"}.get(self.head, "; LM head: ours, in TRL's place")
+        said = self.head_ran()
+        head = f"; LM head: {said}" if said else ""
         loss_calls = self.calls.get(LOSS_OP, {})
         kinds = {outcome_kind(o) for o in loss_calls}
         if "fall-back" in kinds and "success" not in kinds:

@@ -155,6 +155,13 @@ def test_report_reads_as_a_table_and_one_line():
     trl = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1] * 65, head="ours")
     assert len(trl.short()) <= 100 and trl.short().endswith("; 65 refused; LM head: ours, in TRL's place"), trl.short()
     assert trl.short().startswith("norm 65, rope 32, glu+tiled 32, loss 1, lora mlp/qkv/o 32;")
+    # the head line says whose head ran the counted calls, never ours where TRL's ran
+    fell = {"fused_linear_cross_entropy": {"TRL's head: MoE router logits": 3}}
+    assert SwapReport("M", ops, head="ours", calls=fell).head_ran() == "TRL's (ours stood aside, see fall-backs)"
+    both = {"fused_linear_cross_entropy": {"TRL's head: no labels": 1, "fused (in TRL's head)": 3,
+                                           "fused (in TRL's head, no grad)": 2, "TRL's head: evaluation mode": 4}}
+    assert SwapReport("M", ops, head="ours", calls=both).head_ran() == "ours, TRL's in 1 of 6 calls"
+    assert SwapReport("M", {"rms_norm": 5}, head="ours", calls=both).short().endswith("; LM head: ours, TRL's in 1 of 6 calls")
 
 
 def test_status_has_a_kernels_record_that_counts_swapped_models():
