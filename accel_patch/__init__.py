@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 # Each registers its patch; status() lists them in this order.
-from .patches import accelerate_state, model_loading, kernels_at_load, trl_fused_head  # noqa: F401, I001
+from .patches import accelerate_state, model_loading, kernels_at_load, trl_fused_head, experts_interface  # noqa: F401, I001
 from .integrations import trainer_callbacks  # noqa: F401, I001
 from .core.device_map import prepare_device_map
 from .core.registry import DISABLED, PatchStatus, disable, enable, status

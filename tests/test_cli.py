@@ -60,7 +60,7 @@ def test_env_json_under_torchrun(torchrun_rank1_report):
     assert report["versions"]["accel-patch"] == cli.__version__
     assert {s["name"]: s["state"] for s in report["status"]} == {
         "accelerate-state": "active", "device-map": "pending", "kernels": "pending", "trl-fused-head": "pending",
-        "trainer-callback": "pending"}
+        "trainer-callback": "pending", "experts-interface": "pending"}
     # env imports accelerate but not transformers' models: say why the device map is pending.
     (device_map,) = [s for s in report["status"] if s["name"] == "device-map"]
     assert "binds when `transformers.modeling_utils` is imported" in device_map["reason"]
@@ -115,7 +115,7 @@ def test_env_json_one_plain_process(env, capsys):
                                        "bitsandbytes", "triton", "trl", "accel-patch"}
     assert report["versions"]["accel-patch"] == cli.__version__
     assert {s["name"] for s in report["status"]} == {
-        "accelerate-state", "device-map", "kernels", "trl-fused-head", "trainer-callback"}
+        "accelerate-state", "device-map", "kernels", "trl-fused-head", "trainer-callback", "experts-interface"}
 
 
 ENVIRONMENTS = {

@@ -69,6 +69,7 @@ def test_import_pulls_in_neither_torch_transformers_nor_accelerate(imports):
     assert Path(result["file"]).resolve().parent == PACKAGE_DIR  # the package under test
     assert {name: state for name, (state, _) in result["status"].items()} == {
         "accelerate-state": "pending", "device-map": "pending", "kernels": "pending", "trl-fused-head": "pending",
+        "experts-interface": "pending",
         "trainer-callback": "pending",
     }
 

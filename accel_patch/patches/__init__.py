@@ -5,6 +5,7 @@ module it binds on, the versions it was verified on, a shape guard, the wrappers
     model_loading.py      `PreTrainedModel.from_pretrained`: the rank's own device map
     kernels_at_load.py    `PreTrainedModel.from_pretrained` / `_from_config`: kernels swapped into
                           the model returned
+    experts_interface.py  transformers' ExpertsInterface: `experts_implementation="accel_patch"`
     trl_fused_head.py     TRL's `add_fused_lm_head`: our fused loss in the place of TRL's LM head
                           (SFT), the reference model's kernels (DPO, KTO, GRPO)
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from . import experts, lora, probe, sites
+from .experts import interface as experts_interface
 from .layers import mixers, mlp, norms, rope, tiled_mlp
 from .loss import compiled_loss
 from .loss import site as loss
@@ -426,9 +427,17 @@ def report_of(model) -> SwapReport | None:
     the swap, whose head a trainer runs), with its live call counts; None when it has no kernels."""
     target = unwrap(model)
     state = target.__dict__.get(sites.STATE_ATTR)
+    through_interface = experts_interface.calls(target)  # experts_implementation="accel_patch"
     if state is None:
-        return None
-    return SwapReport(type(target).__name__, state.counts, state.refused, head=state.head, calls=state.calls,
+        if not through_interface:
+            return None
+        return SwapReport(type(target).__name__, {}, [], calls={experts.OP: through_interface})
+    calls = state.calls
+    if through_interface:
+        calls = {op: dict(outcomes) for op, outcomes in state.calls.items()}
+        for outcome, n in through_interface.items():
+            calls.setdefault(experts.OP, {})[outcome] = calls.get(experts.OP, {}).get(outcome, 0) + n
+    return SwapReport(type(target).__name__, state.counts, state.refused, head=state.head, calls=calls,
                       waiting=waiting_for_adapters(target), mixers=mixers.census(target),
                       replaced=replaced_sites(target, state))
 
