@@ -458,3 +458,22 @@ def test_a_grouped_mm_that_refuses_a_kind_of_operands_is_tried_once_not_per_call
         grad = moe_module._grouped_weight_grad(x, x[:, :4], counts, ends)
         assert torch.allclose(grad[2], x[3:].t() @ x[3:, :4]) and not grad[1].any()
     assert len(calls) == 2  # once for the product, once for the weight gradient
+
+
+def test_saving_gate_up_gives_the_recompute_s_gradients_with_one_grouped_gemm_less(monkeypatch):
+    # the twin's save mode: what a checkpointed layer asks for (its forward already ran twice)
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
+    grouped = []
+    real = moe_module._grouped
+    monkeypatch.setattr(moe_module, "_grouped", lambda *a: grouped.append(1) or real(*a))
+    inputs = make(T=9, E=4, K=2, bias=True, transposed=True)
+    dout = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for save in (False, True):
+        grouped.clear()
+        out, grads = run(lambda *a, **k: moe_experts(*a, **k, save_gate_up=save), *inputs, dout=dout,
+                         transposed=True, interleaved=True, activation="gpt_oss")
+        results[save] = (out, grads, len(grouped))
+    (out0, grads0, gemms0), (out1, grads1, gemms1) = results[False], results[True]
+    assert torch.equal(out0, out1) and all(torch.equal(grads0[k], grads1[k]) for k in grads0)
+    assert gemms1 == gemms0 - 1, (gemms0, gemms1)

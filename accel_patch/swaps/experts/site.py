@@ -47,6 +47,12 @@ OP = "experts"
 SITE_ATTR = "_accel_patch_experts_site"
 
 FUSED = "fused"
+#: The option that decides whether the op keeps gate/up for backward: "auto" (save inside a
+#: checkpointed layer, recompute elsewhere), "save" or "recompute" (forced). See `save_gate_up`.
+GATE_UP_SWITCH = "ACCEL_PATCH_EXPERTS_GATE_UP"
+GATE_UP_MODES = ("auto", "save", "recompute")
+#: The note of a call whose op kept gate/up for its backward.
+SAVED = "saved gate/up"
 ROUTED, DENSE = "routed", "dense"  # the call styles: (hidden, top_k_index, top_k_weights) / (hidden) per expert
 
 
@@ -70,6 +76,7 @@ class Site:
                  holders=()) -> None:
         self.plan, self.arg_names, self.calls = plan, arg_names, calls
         self.requested, self.holders = requested, tuple(holders)
+        self.gate_up = gate_up_mode()
 
     def count(self, outcome: str) -> None:
         sites.count_into(self.calls, OP, outcome)
@@ -216,7 +223,7 @@ def routes(tokens: int, top_k: int, experts: int, device) -> tuple[torch.Tensor,
     return index.to(device), weights.to(device)
 
 
-def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_dtype=None):
+def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_dtype=None, save=False):
     """The op on one call of `module` (its stored tensors, never a parametrized value)."""
     from accel_kernels import moe_experts
 
@@ -230,7 +237,7 @@ def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_d
             lora = dict(lora, gate_up=tuple(t[:routed] for t in lora["gate_up"]))
     out = moe_experts(hidden, index, weights, gate_up, down, gu_bias, d_bias, transposed=plan.transposed,
                       interleaved=plan.interleaved, activation=plan.activation, alpha=plan.alpha, limit=plan.limit,
-                      lora=lora, autocast_dtype=autocast_dtype)
+                      lora=lora, autocast_dtype=autocast_dtype, save_gate_up=save)
     if routed is None:
         return out
     # identity ("zero") experts: each returns its token, times the slot's routing weight (plain
@@ -347,6 +354,42 @@ def decide_lora(module, plan: ExpertsPlan):
             "scaling": scalings.pop()}
 
 
+_warned_modes: set = set()
+
+
+def gate_up_mode() -> str:
+    """ACCEL_PATCH_EXPERTS_GATE_UP read once per site (at the swap): auto, save or recompute; any
+    other value warns once with the valid ones and is auto."""
+    import os
+
+    value = os.environ.get(GATE_UP_SWITCH, "auto").strip().lower() or "auto"
+    if value in GATE_UP_MODES:
+        return value
+    if value not in _warned_modes:
+        _warned_modes.add(value)
+        import logging
+
+        logging.getLogger("accel_patch").warning("accel_patch: %s=%r is not one of %s: auto", GATE_UP_SWITCH, value,
+                                                 ", ".join(GATE_UP_MODES))
+    return "auto"
+
+
+def save_gate_up(module, site: Site, hidden: torch.Tensor) -> bool:
+    """Whether this call's op keeps gate/up for backward instead of recomputing them there. Inside a
+    checkpointed layer the forward already runs twice (once more in backward, under the layer's
+    checkpoint), so a recompute in the op's backward would be the third gate/up GEMM: there the op
+    saves them, and they live only from that recompute to the layer's backward. Elsewhere every
+    layer's gate/up would be held until the backward reaches it: recomputed (the memory is what
+    pays). Only the plain-torch twin saves (the Triton path always recomputes); no grad, no saving."""
+    from accel_kernels import _dispatch
+
+    if site.gate_up == "recompute" or not torch.is_grad_enabled() or _dispatch.use_triton(hidden):
+        return False
+    if site.gate_up == "save":
+        return True
+    return tiled_mlp.Site(hidden.shape[-1], 0, {}, False, site.holders).checkpointed() and module.training
+
+
 def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
     """Tokens per chunk when this call is tiled by the tiled MLP's rule (long enough, on the K
     expert rows a token has; under gradient checkpointing or named), else None."""
@@ -390,12 +433,13 @@ def forward(self, *args, **kwargs):
         index, weights = dense_routes(hidden, experts)
     autocast_dtype = sites.autocast_dtype(hidden.device.type)
     chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
-    notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None)) if on]
+    save = save_gate_up(self, site, hidden)
+    notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save)) if on]
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:
-        return run(self, plan, hidden, index, weights, lora, autocast_dtype)
-    outs = [run(self, plan, hidden[i:i + chunk], index[i:i + chunk], weights[i:i + chunk], lora, autocast_dtype)
-            for i in range(0, hidden.shape[0], chunk)]
+        return run(self, plan, hidden, index, weights, lora, autocast_dtype, save)
+    outs = [run(self, plan, hidden[i:i + chunk], index[i:i + chunk], weights[i:i + chunk], lora, autocast_dtype,
+                save) for i in range(0, hidden.shape[0], chunk)]
     return torch.cat(outs)
 
 

@@ -639,24 +639,32 @@ def _moe_experts_op(
     gate_up_lora_a: Optional[torch.Tensor], gate_up_lora_b: Optional[torch.Tensor],
     down_lora_a: Optional[torch.Tensor], down_lora_b: Optional[torch.Tensor], lora_scaling: float,
     transposed: bool, interleaved: bool, activation: str, alpha: float, limit: float,
-    autocast: Optional[torch.dtype], triton_path: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [T, H] in hidden's dtype, order [T*K] int32, offsets [E+1] int32); autocast: the
-    compute dtype (None: hidden's)."""
+    autocast: Optional[torch.dtype], triton_path: bool, save_gate_up: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, H] in hidden's dtype, order [T*K] int32, offsets [E+1] int32, the gate/up
+    pre-activations [T*K, 2I] fp32 of the sorted rows where save_gate_up asks (the twin), else
+    (0,)); autocast: the compute dtype (None: hidden's)."""
     order, offsets = _route(top_k_index, gate_up.shape[0])
     params = _Params(gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
                      down_lora_b, lora_scaling, transposed, interleaved, ACTIVATIONS[activation], alpha, limit,
                      _compute_dtype(hidden, autocast))
-    out = (_forward_triton if triton_path else _forward_torch)(hidden, top_k_weights, order, offsets, params)
-    return out, order, offsets
+    if triton_path:
+        out, saved = _forward_triton(hidden, top_k_weights, order, offsets, params), None
+    else:
+        out, saved = _forward_torch(hidden, top_k_weights, order, offsets, params, save_gate_up)
+    return out, order, offsets, saved if saved is not None else _library.nothing(hidden, torch.float32)
 
 
 @_moe_experts_op.register_fake
 def _(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a,
       gate_up_lora_b, down_lora_a, down_lora_b, lora_scaling, transposed, interleaved, activation, alpha, limit,
-      autocast, triton_path):
-    return (hidden.new_empty(hidden.shape), top_k_index.new_empty((top_k_index.numel(),), dtype=torch.int32),
-            top_k_index.new_empty((gate_up.shape[0] + 1,), dtype=torch.int32))
+      autocast, triton_path, save_gate_up):
+    rows, width = top_k_index.numel(), 2 * (down.shape[1] if transposed else down.shape[2])
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    saved = (hidden.new_empty((rows, width), dtype=acc) if save_gate_up and not triton_path
+             else _library.nothing(hidden, torch.float32))
+    return (hidden.new_empty(hidden.shape), top_k_index.new_empty((rows,), dtype=torch.int32),
+            top_k_index.new_empty((gate_up.shape[0] + 1,), dtype=torch.int32), saved)
 
 
 # the gradients the backward op returns, in the order of the forward op's tensor inputs that have one
@@ -667,7 +675,8 @@ _GRADS = ("hidden", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bi
 @_library.custom_op("moe_experts_backward")
 def _moe_experts_backward_op(
     grad_out: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor,
-    offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+    offsets: torch.Tensor, saved_gate_up: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    gate_up_bias: Optional[torch.Tensor],
     down_bias: Optional[torch.Tensor], gate_up_lora_a: Optional[torch.Tensor],
     gate_up_lora_b: Optional[torch.Tensor], down_lora_a: Optional[torch.Tensor],
     down_lora_b: Optional[torch.Tensor], lora_scaling: float, transposed: bool, interleaved: bool,
@@ -676,22 +685,26 @@ def _moe_experts_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients named by _GRADS, each in its input's dtype and shape where `needs` (one bool
-    each, in that order) asks for it and the input exists, else (0,)."""
+    each, in that order) asks for it and the input exists, else (0,). saved_gate_up: what the
+    forward saved ((0,): nothing, gate/up are recomputed)."""
     params = _Params(gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
                      down_lora_b, lora_scaling, transposed, interleaved, ACTIVATIONS[activation], alpha, limit,
                      _compute_dtype(hidden, autocast))
     inputs = (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b,
               down_lora_a, down_lora_b)
     needs = tuple(bool(n) and t is not None for n, t in zip(needs, inputs))
-    grads = (_backward_triton if triton_path else _backward_torch)(grad_out, hidden, top_k_weights, order, offsets,
-                                                                   params, needs)
+    if triton_path:
+        grads = _backward_triton(grad_out, hidden, top_k_weights, order, offsets, params, needs)
+    else:
+        saved = saved_gate_up if saved_gate_up.numel() else None
+        grads = _backward_torch(grad_out, hidden, top_k_weights, order, offsets, params, needs, saved)
     return tuple(g.contiguous() if g is not None else _library.nothing(hidden) for g in grads)
 
 
 @_moe_experts_backward_op.register_fake
-def _(grad_out, hidden, top_k_weights, order, offsets, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a,
-      gate_up_lora_b, down_lora_a, down_lora_b, lora_scaling, transposed, interleaved, activation, alpha, limit,
-      autocast, needs, triton_path):
+def _(grad_out, hidden, top_k_weights, order, offsets, saved_gate_up, gate_up, down, gate_up_bias, down_bias,
+      gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b, lora_scaling, transposed, interleaved, activation,
+      alpha, limit, autocast, needs, triton_path):
     inputs = (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b,
               down_lora_a, down_lora_b)
     return tuple(t.new_empty(t.shape) if n and t is not None else _library.nothing(hidden)
@@ -700,10 +713,10 @@ def _(grad_out, hidden, top_k_weights, order, offsets, gate_up, down, gate_up_bi
 
 def _setup_context(ctx, inputs, output):
     (hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gu_a, gu_b, d_a, d_b,
-     lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, triton_path) = inputs
-    _, order, offsets = output
-    # x, the routing weights and the sort: gate/up are recomputed, nothing [T*K, ...] is kept
-    ctx.save_for_backward(hidden, top_k_weights, order, offsets, gate_up, down, gate_up_bias, down_bias,
+     lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, triton_path, _) = inputs
+    _, order, offsets, saved = output
+    # x, the routing weights and the sort; gate/up only where the caller asked to save them (else (0,))
+    ctx.save_for_backward(hidden, top_k_weights, order, offsets, saved, gate_up, down, gate_up_bias, down_bias,
                           gu_a, gu_b, d_a, d_b)
     ctx.options = (lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, triton_path)
     ctx.set_materialize_grads(False)
@@ -715,14 +728,14 @@ def _backward(ctx, grad_out, *_unused):
     # hidden, top_k_weights, gate_up, down, the biases, the four LoRA tensors (top_k_index has none)
     needs = [n[0], n[2], n[3], n[4], n[5], n[6], n[7], n[8], n[9], n[10]]
     if grad_out is None or not any(needs):
-        return (None,) * 19
-    hidden, top_k_weights, order, offsets, gate_up, down, gub, db, gu_a, gu_b, d_a, d_b = ctx.saved_tensors
+        return (None,) * 20
+    hidden, top_k_weights, order, offsets, saved, gate_up, down, gub, db, gu_a, gu_b, d_a, d_b = ctx.saved_tensors
     lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, triton_path = ctx.options
     grads = torch.ops.accel_kernels.moe_experts_backward(
-        grad_out, hidden, top_k_weights, order, offsets, gate_up, down, gub, db, gu_a, gu_b, d_a, d_b,
+        grad_out, hidden, top_k_weights, order, offsets, saved, gate_up, down, gub, db, gu_a, gu_b, d_a, d_b,
         lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, needs, triton_path)
     g = [grad if need else None for grad, need in zip(grads, needs)]
-    return (g[0], None, g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], *(None,) * 8)
+    return (g[0], None, g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], *(None,) * 9)
 
 
 _moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
@@ -763,20 +776,21 @@ def _compute_dtype(hidden: torch.Tensor, autocast: Optional[torch.dtype]) -> tor
     return autocast if autocast is not None and hidden.dtype != torch.float64 else hidden.dtype
 
 
-# Whether torch._grouped_mm takes operands of a (device type, dtype, 16-byte aligned) kind: it wants
-# 16-byte strides and float32/bf16/fp16 (torch >= 2.9 on CPU). The first failure of a kind is
+# Whether torch._grouped_mm takes operands of a kind (device type, dtype, 16-byte aligned, which of
+# each operand's two last dims is contiguous): it wants 16-byte strides, a row- or column-major
+# matrix per group, and float32/bf16/fp16 (torch >= 2.9 on CPU). The first failure of a kind is
 # recorded, so an unsupported set-up pays one raised error, not one per call; a loop over the
 # experts does the rest.
 _GROUPED_MM: dict = {}
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    """Every operand starts on 16 bytes and steps 16-byte multiples along its non-unit strides."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((st * size) % 16 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1):
-            return False
-    return True
+def _kind(*tensors: torch.Tensor) -> tuple:
+    """(16-byte aligned: every operand starts on 16 bytes and steps 16-byte multiples along its
+    non-unit strides; per operand, whether its last and its second-to-last dim are contiguous)."""
+    aligned = all(not (t.data_ptr() % 16 or any((st * t.element_size()) % 16
+                                                 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1))
+                  for t in tensors)
+    return (aligned, *((t.stride(-1) == 1, t.stride(-2) == 1) for t in tensors))
 
 
 def _grouped_mm_or_none(key, *args, **kwargs):
@@ -795,7 +809,7 @@ def _grouped_mm_or_none(key, *args, **kwargs):
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: list[int], ends: torch.Tensor) -> torch.Tensor:
     """rows of expert e (x sorted by expert, counts[e] rows each) times w[e] ([E, in, out])."""
     if x.shape[0]:
-        out = _grouped_mm_or_none((x.device.type, x.dtype, _aligned(x, w)), x, w, offs=ends)
+        out = _grouped_mm_or_none((x.device.type, x.dtype, *_kind(x, w)), x, w, offs=ends)
         if out is not None:
             return out
     parts = [xe @ w[e] for e, xe in enumerate(torch.split(x, counts)) if counts[e]]
@@ -807,7 +821,7 @@ def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, counts: list[int], en
     a, b = a.float(), b.float()
     if a.shape[0]:
         at = a.t()
-        out = _grouped_mm_or_none((a.device.type, "weight_grad", _aligned(at, b)), at, b, offs=ends)
+        out = _grouped_mm_or_none((a.device.type, "weight_grad", *_kind(at, b)), at, b, offs=ends)
         if out is not None:
             # an expert without rows: grouped_mm leaves its block as it finds it
             return out.masked_fill_((ends.diff(prepend=ends.new_zeros(1)) == 0)[:, None, None], 0.0)
@@ -896,6 +910,11 @@ def _lora_in(x, a, s: _Sorted, p: _Params):
 
 def _gate_up_torch(x, s: _Sorted, p: _Params):
     """(gate, up) in fp32 (float64 stays) for the sorted rows x (compute dtype)."""
+    return _split_gate_up(_gate_up_rows(x, s, p), p)
+
+
+def _gate_up_rows(x, s: _Sorted, p: _Params) -> torch.Tensor:
+    """The gate/up pre-activations [rows, 2I] in fp32 (float64 stays) for the sorted rows x."""
     acc = torch.float64 if p.ct == torch.float64 else torch.float32
     gu = _grouped(x, p.in_out(p.gate_up).to(p.ct), s.counts, s.ends).to(acc)
     if p.gu_a is not None:
@@ -903,17 +922,22 @@ def _gate_up_torch(x, s: _Sorted, p: _Params):
         gu = gu + p.scaling * _grouped(xa, p.gu_b.to(p.ct).transpose(1, 2), s.counts, s.ends).to(gu.dtype)
     if p.gate_up_bias is not None:
         gu = gu + p.gate_up_bias.to(p.ct)[s.experts].to(gu.dtype)
-    return _split_gate_up(gu, p)
+    return gu
 
 
-def _forward_torch(hidden, top_k_weights, order, offsets, p: _Params) -> torch.Tensor:
+def _forward_torch(hidden, top_k_weights, order, offsets, p: _Params, save: bool = False):
+    """(out, the gate/up pre-activations [T*K, 2I] of the sorted rows when `save`, else None)."""
     T, K = top_k_weights.shape
     s = _Sorted(order, offsets, K)
     acc = torch.float64 if p.ct == torch.float64 else torch.float32
     x = hidden[s.tokens].to(p.ct)
-    gate, up = _gate_up_torch(x, s, p)
+    gu = _gate_up_rows(x, s, p)
+    gate, up = _split_gate_up(gu, p)
     h = _act_torch(gate, up, p).to(p.ct)
-    del gate, up
+    saved = None
+    if save:  # [T*K, 2I], as the op's schema says: the rows of "no expert" slots are zeros
+        saved = gu if s.rows == T * K else torch.cat((gu, gu.new_zeros((T * K - s.rows, gu.shape[1]))))
+    del gate, up, gu
     y = _grouped(h, p.in_out(p.down).to(p.ct), s.counts, s.ends).to(acc)
     if p.d_a is not None:
         ha = _lora_in(h, p.d_a, s, p)
@@ -922,16 +946,20 @@ def _forward_torch(hidden, top_k_weights, order, offsets, p: _Params) -> torch.T
         y += p.down_bias.to(p.ct)[s.experts].to(acc)
     y *= top_k_weights.reshape(-1)[s.slots].to(acc)[:, None]
     out = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device)
-    return out.index_add_(0, s.tokens, y).to(hidden.dtype)
+    return out.index_add_(0, s.tokens, y).to(hidden.dtype), saved
 
 
-def _backward_torch(grad_out, hidden, top_k_weights, order, offsets, p: _Params, needs):
-    """The gradients named by _GRADS (None where not needed), by the math of the module docstring."""
+def _backward_torch(grad_out, hidden, top_k_weights, order, offsets, p: _Params, needs, saved=None):
+    """The gradients named by _GRADS (None where not needed), by the math of the module docstring;
+    gate/up read from `saved` (what the forward kept) where given, else recomputed."""
     T, K = top_k_weights.shape
     s = _Sorted(order, offsets, K)
     acc = torch.float64 if p.ct == torch.float64 else torch.float32
     x = hidden[s.tokens].to(p.ct)
-    gate, up = _gate_up_torch(x, s, p)  # recomputed: the forward kept none of it
+    if saved is not None:
+        gate, up = _split_gate_up(saved[:s.rows], p)
+    else:
+        gate, up = _gate_up_torch(x, s, p)  # recomputed: the forward kept none of it
     h = _act_torch(gate, up, p).to(p.ct)
     g = grad_out[s.tokens].to(p.ct)
     w = top_k_weights.reshape(-1)[s.slots].to(acc)[:, None]
@@ -1105,7 +1133,7 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                 gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
                 activation: str = "silu", alpha: float = 1.702, limit: float | None = None, lora: dict | None = None,
-                autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+                autocast_dtype: torch.dtype | None = None, save_gate_up: bool = False) -> torch.Tensor:
     """The experts of a MoE layer: [T, H] in hidden's dtype, sum_k w[t, k] * expert_e(x_t).
 
     hidden [T, H]; top_k_index [T, K] integer expert ids (< 0 or >= E: no expert, skipped);
@@ -1117,6 +1145,9 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     and up at [-limit, limit] before it (None or inf: no clamp). lora: None or {"gate_up": (A [E, r, H], B [E, 2I, r]) or None, "down": (A [E, r,
     I], B [E, H, r]) or None, "scaling": float}, any strides. autocast_dtype: the autocast dtype in
     force at the caller (None: off; read it outside, e.g. `_library.autocast_dtype(device_type)`).
+    save_gate_up: keep the gate/up pre-activations (fp32, [T*K, 2I]) for backward instead of
+    recomputing them there (one grouped GEMM less; what pays inside a checkpointed layer, whose
+    forward already runs twice): the plain-torch twin only; the Triton path always recomputes.
     The module docstring says which casts happen and what is saved for backward.
 
     Differentiable in hidden, top_k_weights, gate_up, down, the biases and the LoRA tensors (each
@@ -1132,4 +1163,5 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     triton_path = _dispatch.use_triton(hidden) and hidden.dtype != torch.float64
     return torch.ops.accel_kernels.moe_experts(
         hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gu_a, gu_b, d_a, d_b, scaling,
-        transposed, interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path)[0]
+        transposed, interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path,
+        bool(save_gate_up) and not triton_path)[0]

@@ -245,7 +245,8 @@ def test_a_long_call_is_tiled_over_tokens_by_the_tiled_mlp_rule(monkeypatch):
     assert rel(loss1, loss0) <= 1e-5
     worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
     assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
-    assert experts_calls(twin)["fused (tiled)"] >= len(experts_modules(twin))
+    # inside the checkpointed layer gate/up are saved for backward, not recomputed a third time
+    assert experts_calls(twin)["fused (tiled, saved gate/up)"] >= len(experts_modules(twin))
 
 
 @pytest.mark.slow
@@ -376,3 +377,26 @@ def test_a_4bit_base_leaves_the_experts_unquantized_and_their_lora_is_fused(tmp_
     assert report.swapped == {experts.OP: len(experts_modules(twin))}, report
     assert_step_equals(stock, twin)
     assert experts_calls(twin) == {"fused (LoRA)": len(experts_modules(twin))}
+
+
+@pytest.mark.parametrize("mode", ["auto", "recompute"])
+def test_under_checkpointing_gate_up_are_saved_unless_told_to_recompute(monkeypatch, mode):
+    """The op's backward would recompute gate/up on top of the checkpoint's recompute: inside a
+    checkpointed layer the twin keeps them (auto), and a step equals stock either way."""
+    on_the_twin(monkeypatch)
+    monkeypatch.setenv(experts.site.GATE_UP_SWITCH, mode)
+    stock, twin = pair("qwen3_moe")
+    swap_kernels(twin, ops="experts")
+    batch = padded_batch()
+    training_step(twin, batch)  # not checkpointed: every layer's gate/up would wait for backward
+    assert experts_calls(twin) == {"fused": len(experts_modules(twin))}
+    for model in (stock, twin):
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    experts_calls(twin).clear()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5
+    assert max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+    outcome = "fused (saved gate/up)" if mode == "auto" else "fused"
+    assert experts_calls(twin) == {outcome: 2 * len(experts_modules(twin))}  # the forward and its recompute
