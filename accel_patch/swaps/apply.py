@@ -96,10 +96,11 @@ class _Walk:
         self.state.counts[op] = self.state.counts.get(op, 0) + 1
         self.new += 1
 
-    def probe_and_swap(self, where: str, op: str, module, structure: tuple, run, forward) -> None:
+    def probe_and_swap(self, where: str, op: str, module, structure: tuple, run, forward, device=None) -> None:
         """Swap `forward(verdict)` into `module` if the probe `run` (cached per op, class,
-        activation dtype, device type and `structure`) gives a verdict; else refuse with its reason."""
-        device = probe.module_device(module)
+        activation dtype, device type and `structure`) gives a verdict; else refuse with its reason.
+        device: where the probe runs (default: the module's)."""
+        device = device or probe.module_device(module)
         if device is None or device.type == "meta":
             self.refuse(where, op, "no materialized weights (meta device): nothing to probe")
             return
@@ -258,14 +259,16 @@ class _Walk:
                             lambda plan: (plan, found[3]))
 
     def norm(self, where, module) -> None:
-        eps_attr = norms.candidate(module)
-        if eps_attr is None:
+        form = norms.candidate(module)
+        if form is None:
             reason = norms.refusal(module)
             if reason:
                 self.refuse(where, norms.OP, reason)
             return
-        self.probe_and_swap(where, norms.OP, module, (eps_attr,),
-                            lambda: norms.probe_verdict(module, self.dtype, eps_attr), norms.forward_for)
+        device = norms.device(module, self.model)  # a weightless norm probes on the model's device
+        self.probe_and_swap(where, norms.OP, module, norms.structure(module, form),
+                            lambda: norms.probe_verdict(module, self.dtype, form, device), norms.forward_for,
+                            device=device)
 
     def glu(self, where, module) -> None:
         found = self.candidate(where, mlp.OP, mlp.candidate(module))
