@@ -21,6 +21,13 @@ gives, bit for bit, without the formula's fp32 intermediates held from forward t
 more forward of time, as with activation checkpointing). float64 inputs skip the op and run the
 formula itself, so that second derivatives through them are exact.
 
+Two more forms (constexprs of the same kernels): weight=None, the weightless norm (Gemma 4's value
+norm, Llama 4's q/k L2 norm): no scale and no weight gradient; and the gated form of
+linear-attention layers, `norm(x) * act(gate)` with silu or sigmoid: the gate multiplies, in
+float32, the ungated product as the module leaves it before its final cast (ROUND_PRODUCT: rounded
+to x's dtype where the module's product is in x's dtype), the output is in x's dtype, and the
+backward gives the gate's gradient and feeds dy * act(gate) to the RMSNorm backward.
+
 The backward's grid has as many programs as are resident at once (`_max_programs`); its register
 use is checked by `python -m accel_kernels.codegen`.
 """
@@ -51,8 +58,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_BLOCK_N = 8192
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
-# Registers a thread of the backward kernel may take when its grid is sized (measured: up to 109
-# at 16 warps; the codegen check fails a build over 128 there, the budget of 16 warps)
+# Registers a thread of the backward kernel may take when its grid is sized (measured at 16 warps:
+# up to 109, the gated form up to 127; the codegen check fails a build over 128 there, the budget
+# of 16 warps)
 _BWD_REGISTERS = 128
 
 
