@@ -32,8 +32,9 @@ NORM_VARIANTS = (("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("none", 0.0), 
 #: Variants of a norm without a weight (Gemma 4's value norm, Llama 4's L2 norm, DeepSeek V4's):
 #: norm in fp32 cast back (Llama's and Gemma's forms are one there), all-in-dtype.
 NORM_WEIGHTLESS_VARIANTS = (("gemma", 0.0), ("none", 0.0))
-#: Gates of the gated form `norm(x) * act(gate)` (linear-attention and Mamba output norms).
-NORM_GATE_ACTIVATIONS = ("silu", "sigmoid")
+#: Gates of the gated forms: `norm(x) * act(gate)` (linear-attention output norms) with silu or
+#: sigmoid, and `norm(x * silu(gate))` ("pre_silu": Mamba2's, the gate before normalizing).
+NORM_GATE_ACTIVATIONS = ("silu", "sigmoid", "pre_silu")
 #: Attributes that change a norm's function within one class: part of the probe's cache key.
 NORM_FORM_ATTRIBUTES = ("activation", "norm_before_gate", "group_size", "n_groups", "with_scale")
 

@@ -62,7 +62,8 @@ class Model:
     qk_norm: bool = False  # RMSNorm over each head of q and k
     rotary_dim: int | None = None  # partial rotary (None: the whole head)
     # other norms over heads: (heads, width, weighted, activation, casting); a weightless one (Llama 4's
-    # q/k L2 norm) or a gated one, norm(x) * act(gate) (the linear-attention output norms)
+    # q/k L2 norm) or a gated one, norm(x) * act(gate) (the linear-attention output norms) or
+    # norm(x * silu(gate)) ("pre_silu": Mamba2's)
     norm_forms: tuple = ()
 
 
@@ -86,6 +87,9 @@ MODELS = {
                                 norm_forms=((32, 128, True, "silu", "llama"),)),
     "Kimi-Linear-48B-A3B": Model(2304, 32, 32, 64, 163840, 9216, "silu", ("llama", 0.0),
                                  norm_forms=((32, 128, True, "sigmoid", "gemma"),)),
+    # Mamba2's gated norm, the gate before normalizing, one group over d_inner = 2 * hidden
+    "Granite-4.0-H": Model(4096, 32, 32, 128, 32000, 1024, "silu", ("llama", 0.0),
+                           norm_forms=((1, 8192, True, "pre_silu", "llama"),)),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # tokens of one step: a sequence of 4096, and for bf16 (what fine-tuning runs in) also 8191: a

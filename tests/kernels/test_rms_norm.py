@@ -296,18 +296,20 @@ def eager_form(x, weight, gate, activation, eps=1e-6, casting="llama"):
     """The weightless / gated modules' formula (float64 stays float64: the reference): the ungated
     product before its final cast, times act(gate) in float32, cast to x's dtype."""
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pre = activation == "pre_silu"  # Mamba2's form: norm(x * silu(gate)), output as without a gate
     if casting == "none":
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        x_in = (x.to(wide) * torch.nn.functional.silu(gate.to(wide))).to(x.dtype) if pre else x
+        y = x_in * torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + eps)
         y = y if weight is None else y * weight.to(x.dtype)
     else:
-        h = x.to(wide)
+        h = x.to(wide) * torch.nn.functional.silu(gate.to(wide)) if pre else x.to(wide)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         if casting == "llama":
             y = h.to(x.dtype) if weight is None else weight * h.to(x.dtype)
         else:
             y = h if weight is None else h * weight.to(wide)
-    if gate is None:
-        return y.to(x.dtype)
+    if gate is None or pre:
+        return y if casting == "llama" else y.to(x.dtype)
     act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
     return (y * act(gate.to(wide))).to(x.dtype)
 
@@ -356,7 +358,7 @@ def test_weightless_matches_float64(device, dtype, casting):
     (torch.float32, "llama", torch.float32), (torch.bfloat16, "llama", torch.bfloat16),
     (torch.bfloat16, "gemma", torch.float32), (torch.bfloat16, "gemma", torch.bfloat16),
     (torch.float16, "none", torch.float16)])
-@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid", "pre_silu"])
 def test_gated_matches_float64(device, dtype, casting, w_dtype, activation):
     x = (torch.randn(2, 5, 96, device=device) * 3).to(dtype)
     gate = (torch.randn(2, 5, 96, device=device) * 3).to(dtype)
@@ -364,14 +366,14 @@ def test_gated_matches_float64(device, dtype, casting, w_dtype, activation):
 
 
 @pytest.mark.usefixtures("triton_only")
-@pytest.mark.parametrize("weighted", [True, False])
-def test_gated_and_weightless_rows_wider_than_one_block(device, monkeypatch, weighted):
+@pytest.mark.parametrize("weighted,activation", [(True, "silu"), (False, "silu"), (True, "pre_silu")])
+def test_gated_and_weightless_rows_wider_than_one_block(device, monkeypatch, weighted, activation):
     monkeypatch.setattr(rms_norm_module, "_MAX_BLOCK_N", 64)  # a row of 200 spans 4 column blocks
     x = torch.randn(5, 200, device=device).to(torch.bfloat16)
     gate = torch.randn(5, 200, device=device).to(torch.bfloat16)
     weight = weight_for(200, device, torch.bfloat16, 0.0) if weighted else None
     with _launch.recording() as launched:
-        check_form_against_float64(x, weight, gate, "silu", "llama")
+        check_form_against_float64(x, weight, gate, activation, "llama")
     assert "_rms_norm_bwd_dot_kernel" in launched and "_rms_norm_bwd_kernel" in launched
 
 

@@ -5,16 +5,17 @@
   value norm, Llama 4's q/k `L2Norm`, DeepSeek V4's and GLM-5-next's `UnweightedRMSNorm`).
 - Gated: one 1-D `weight` and two inputs `(hidden_states, gate)`, computing
   `norm(x) * weight * act(gate)` (Qwen3.5 / Qwen3-Next / Olmo hybrid `RMSNormGated` with silu,
-  Kimi Linear / GLM-5-next with sigmoid, Falcon-H1 with `norm_before_gate`).
+  Kimi Linear / GLM-5-next with sigmoid, Falcon-H1 with `norm_before_gate`), or gating before
+  normalizing, `norm(x * silu(gate)) * weight` (Mamba2, Nemotron-H, Granite 4 hybrid, Bamba,
+  Zamba2 `RMSNormGated`, Falcon-H1 with `norm_before_gate=False`) where one group spans the width.
 
 The probe runs the module's own forward (with a random weight substituted, so `w` and `1 + w`
 differ; a random gate at magnitudes where silu and sigmoid differ) against `accel_kernels.rms_norm`
 in each casting variant of families.NORM_VARIANTS (NORM_WEIGHTLESS_VARIANTS without a weight;
 times each of NORM_GATE_ACTIVATIONS with a gate), in the activation dtype, float32 and bfloat16;
 the variant that matches in all of them is swapped in. Refused, with the form named:
-- gating before normalizing, `norm(x * silu(gate))` (Mamba2, Nemotron-H, Granite 4 hybrid,
-  Bamba, Zamba2 `RMSNormGated`; Falcon-H1 with `norm_before_gate=False`): the probe recognises it;
-- normalizing per group (`group_size` below the width, `n_groups` above 1): no kernel;
+- normalizing per group (`group_size` below the width, `n_groups` above 1: Mamba2's and
+  Nemotron-H's released configs): no kernel;
 - LayerNorm (mean-centred, with a bias); a weightless norm whose output is no RMSNorm's (an L2
   norm over the sum, not the mean: Dory's).
 
@@ -139,12 +140,6 @@ def device(module, model) -> torch.device | None:
     return probe.module_device(module) or probe.module_device(model) or torch.device("cpu")
 
 
-def _gate_first(x, gate, eps):
-    """norm(x * silu(gate)) in float32, the Mamba form, for naming it in a refusal."""
-    h = x.float() * torch.nn.functional.silu(gate.float())
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-
-
 def probe_verdict(module, act_dtype: torch.dtype, form: NormForm, device: torch.device | None = None):
     """The variant the kernel must run to reproduce this module, or a refusal reason."""
     from accel_kernels import rms_norm
@@ -185,12 +180,6 @@ def probe_verdict(module, act_dtype: torch.dtype, form: NormForm, device: torch.
             if not errors:
                 if _named_layer_norm(module):
                     return f"LayerNorm (mean-centred): no kernel; its output differs from every RMSNorm variant in {dtype}"
-                if gate is not None:
-                    mamba = _gate_first(x, gate, kernel_eps)
-                    mamba = mamba * w.float() if weighted else mamba
-                    if probe.rel_err(mamba.to(ref.dtype), ref) <= limit:
-                        return ("gated RMSNorm that gates before normalizing, norm(x * silu(gate)) * weight: "
-                                "no kernel (the kernel gates after: norm(x) * weight * act(gate))")
                 return f"output differs from every {kind} variant in {dtype} (not an RMSNorm?)"
     casting, offset, act = min(errors, key=errors.get)
     return NormVariant(casting, offset, eps_attr, weighted, inputs, act)

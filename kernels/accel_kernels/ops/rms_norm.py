@@ -46,11 +46,13 @@ LLAMA = constexpr(0)
 GEMMA = constexpr(1)
 NONE = constexpr(2)
 _CASTING_IDS = {"llama": 0, "gemma": 1, "none": 2}
-#: Gates of the gated form, y = rms_norm(x) * act(gate): "" (no gate), "silu", "sigmoid".
-ACTIVATIONS = ("", "silu", "sigmoid")
+#: Gates of the gated form: "" (no gate), "silu" and "sigmoid": rms_norm(x) * act(gate);
+#: "pre_silu": rms_norm(x * silu(gate)), the gate applied before normalizing (Mamba2's form).
+ACTIVATIONS = ("", "silu", "sigmoid", "pre_silu")
 SILU = constexpr(1)
 SIGMOID = constexpr(2)
-_GATE_IDS = {"": 0, "silu": 1, "sigmoid": 2}
+PRE_SILU = constexpr(3)
+_GATE_IDS = {"": 0, "silu": 1, "sigmoid": 2, "pre_silu": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Widest column block: a row up to this many elements is read from memory once per pass; wider
@@ -98,11 +100,22 @@ def _factors(xhat, w, offset, X, W, CASTING: tl.constexpr, HAS_WEIGHT: tl.conste
 
 @jit
 def _gate(g, GATE: tl.constexpr):
-    """(act(g), act'(g)) in float32 for the gated form."""
+    """(act(g), act'(g)) in float32 for the gated form (silu for PRE_SILU)."""
     s = tl.sigmoid(g)
-    if GATE == SILU:
-        return g * s, s * (1.0 + g * (1.0 - s))
-    return s, s * (1.0 - s)
+    if GATE == SIGMOID:
+        return s, s * (1.0 - s)
+    return g * s, s * (1.0 + g * (1.0 - s))
+
+
+@jit
+def _gated_input(x, G, offs, mask, X, CASTING: tl.constexpr, GATE: tl.constexpr):
+    """The tensor normalized: x, or x * silu(gate) in float32 for PRE_SILU (in x's dtype for "none")."""
+    if GATE == PRE_SILU:
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x * _gate(g, GATE)[0]
+        if CASTING == NONE:
+            x = _round(x, X.dtype.element_ty)
+    return x
 
 
 @jit
@@ -128,6 +141,7 @@ def _rms_norm_fwd_kernel(
         cols = c0 + tl.arange(0, BLOCK_N)
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _gated_input(x, G, rows[:, None] * stride_g + cols[None, :], mask, X, CASTING, GATE)
         sq = x * x
         if CASTING == NONE:
             sq = _round(sq, X.dtype.element_ty)
@@ -145,10 +159,11 @@ def _rms_norm_fwd_kernel(
         col_ok = cols < n_cols
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _gated_input(x, G, rows[:, None] * stride_g + cols[None, :], mask, X, CASTING, GATE)
         w = _load_w(W, cols, col_ok, HAS_WEIGHT)
         xhat, w_eff = _factors(x * rstd[:, None], w[None, :], offset, X, W, CASTING, HAS_WEIGHT)
         y = xhat * w_eff
-        if GATE != 0:
+        if GATE == SILU or GATE == SIGMOID:
             # the product in the module's dtype (ROUND_PRODUCT: x's), then times act(gate) in float32
             if ROUND_PRODUCT:
                 y = _round(y, X.dtype.element_ty)
@@ -175,10 +190,11 @@ def _rms_norm_bwd_dot_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _gated_input(x, G, rows[:, None] * stride_g + cols[None, :], mask, X, CASTING, GATE)
         w = _load_w(W, cols, col_ok, HAS_WEIGHT)
         xhat = x * rstd[:, None]
         _, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING, HAS_WEIGHT)
-        if GATE != 0:
+        if GATE == SILU or GATE == SIGMOID:
             g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = dy * _gate(g, GATE)[0]
         dot += tl.sum(dy * w_eff * xhat, axis=1)
@@ -211,9 +227,16 @@ def _rms_norm_bwd_kernel(
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            if GATE == PRE_SILU:  # normalized h = x * silu(gate): dx = dh * silu(gate), dgate = dh * x * silu'
+                x_in = x
+                gate = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                act, act_grad = _gate(gate, GATE)
+                x = x * act
+                if CASTING == NONE:
+                    x = _round(x, X.dtype.element_ty)
             xhat = x * rstd[:, None]
             xhat_used, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING, HAS_WEIGHT)
-            if GATE != 0:
+            if GATE == SILU or GATE == SIGMOID:
                 gate = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 act, act_grad = _gate(gate, GATE)
                 n = xhat_used * w_eff
@@ -228,6 +251,10 @@ def _rms_norm_bwd_kernel(
             else:
                 dot = tl.load(DOT + rows, mask=row_ok, other=0.0)
             dx = rstd[:, None] * (g - xhat * (dot / n_cols)[:, None])
+            if GATE == PRE_SILU:
+                tl.store(DG + rows[:, None] * stride_dg + cols[None, :],
+                         cast_rounded(dx * x_in * act_grad, DG.dtype.element_ty), mask=mask)
+                dx = dx * act
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast_rounded(dx, DX.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw += tl.sum(dy * xhat_used, axis=0)
@@ -275,6 +302,7 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 
 def _out_dtype(x: torch.Tensor, weight: Optional[torch.Tensor], casting: str, gated: bool = False) -> torch.dtype:
+    """gated: the gate multiplies after the norm (not "pre_silu")."""
     if casting == "llama" and weight is not None and not gated:
         return torch.promote_types(weight.dtype, x.dtype)
     return x.dtype  # the gated form casts to x's dtype at the end
@@ -297,7 +325,8 @@ def _forward_triton(x, weight, eps, offset, casting, gate=None, activation=""):
     weight = weight.contiguous() if weight is not None else None
     g2 = _rows(gate, x.shape[-1]) if gate is not None else None
     n_rows, n_cols = x2.shape
-    y = _dispatch.empty((n_rows, n_cols), dtype=_out_dtype(x2, weight, casting, g2 is not None), device=x2.device)
+    gated_after = g2 is not None and activation != "pre_silu"
+    y = _dispatch.empty((n_rows, n_cols), dtype=_out_dtype(x2, weight, casting, gated_after), device=x2.device)
     rstd = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n = _blocks(n_rows, n_cols)
     _launch.launch(
@@ -305,7 +334,7 @@ def _forward_triton(x, weight, eps, offset, casting, gate=None, activation=""):
         x2, weight if weight is not None else x2, g2 if g2 is not None else x2, y, rstd, n_rows, n_cols,
         x2.stride(0), g2.stride(0) if g2 is not None else 0, y.stride(0), eps, offset,
         CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=_GATE_IDS[activation if g2 is not None else ""],
-        ROUND_PRODUCT=_round_product(x2, weight, casting), BLOCK_M=block_m, BLOCK_N=block_n,
+        ROUND_PRODUCT=gated_after and _round_product(x2, weight, casting), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_num_warps(block_m * block_n, per_thread=16),
     )
     return y.view(x.shape), (x2, weight, rstd, g2)
@@ -347,7 +376,8 @@ def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, f
         dy2, x2, w_arg, g_arg, rstd, dot, dx, dw_partial, dg, n_rows, n_cols,
         dy2.stride(0), x2.stride(0), g_arg.stride(0), dx.stride(0), dg.stride(0), offset, rows_per_program,
         CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=gate_id,
-        ROUND_PRODUCT=_round_product(x2, weight, casting), ONE_BLOCK=one_block, COMPUTE_DW=need_w,
+        ROUND_PRODUCT=gate_id in (1, 2) and _round_product(x2, weight, casting), ONE_BLOCK=one_block,
+        COMPUTE_DW=need_w,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     dw = dw_partial.sum(0).to(weight.dtype) if need_w else None
@@ -387,7 +417,7 @@ def _(x, weight, eps, offset, casting, triton_path, autocast, gate=None, activat
         with torch.autocast(x.device.type, dtype=autocast):
             y = _reference(x, weight, eps, offset, casting, gate, activation)
         return y.new_empty(y.shape), x.new_empty((0,), dtype=torch.float32)
-    return (x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting, gate is not None)),
+    return (x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting, gate is not None and activation != "pre_silu")),
             x.new_empty((_n_rows(x) if triton_path else 0,), dtype=torch.float32))
 
 
@@ -460,18 +490,21 @@ def _reference(x, weight, eps, offset, casting, gate=None, activation=""):
     """The stock modules' formula in plain torch: LlamaRMSNorm, GemmaRMSNorm, or all in x's dtype;
     without a weight (Gemma 4's value norm, Llama 4's L2 norm), and gated:
     `(that product before its final cast).float() * act(gate.float())`, cast to x's dtype
-    (Qwen3-Next's RMSNormGated with casting "llama", Kimi Linear's with "gemma")."""
+    (Qwen3-Next's RMSNormGated with casting "llama", Kimi Linear's with "gemma"), or for
+    "pre_silu" the formula of `x.float() * silu(gate.float())` (Mamba2's RMSNormGated, "llama")."""
+    pre = gate is not None and activation == "pre_silu"
     if casting in ("llama", "gemma"):
-        h = x.float()
+        h = x.float() * torch.nn.functional.silu(gate.float()) if pre else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         if casting == "llama":
             y = h.to(x.dtype) if weight is None else (offset + weight) * h.to(x.dtype)
         else:
             y = h if weight is None else h * (offset + weight.float())
     else:
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        x_in = (x.float() * torch.nn.functional.silu(gate.float())).to(x.dtype) if pre else x
+        h = x_in * torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + eps)
         y = h if weight is None else h * (offset + weight.to(x.dtype))
-    if gate is not None:
+    if gate is not None and not pre:
         act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
         return (y * act(gate.float())).to(x.dtype)
     return y.type_as(x) if casting == "gemma" else y
@@ -544,8 +577,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6,
     weight=None: no scale (offset must be 0), no weight gradient: Gemma 4's `with_scale=False`
     norm, Llama 4's L2 norm, DeepSeek V4's unweighted norm. gate (x's shape) with activation
     "silu" or "sigmoid": the gated form `norm(x) * act(gate)` of linear-attention layers, the gate
-    applied in float32 to the product before its final cast, output in x's dtype; differentiable
-    in gate too.
+    applied in float32 to the product before its final cast, output in x's dtype; activation
+    "pre_silu": `norm(x * silu(gate))` (the gate first, in float32; Mamba2's form), output dtype as
+    without a gate. Differentiable in gate too.
 
     x: (..., n) floating point, any leading dims, any strides; weight: (n,) on x's device.
     `casting` ("llama", "gemma", "none") picks the dtype of each step and of the output as the

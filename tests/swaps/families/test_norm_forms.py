@@ -1,6 +1,6 @@
 """The norms of the 2026 families beyond the weighted one-input RMSNorm: weightless norms (Gemma 4's
 value norm, Llama 4's q/k L2 norm, DeepSeek V4's and GLM-5-next's unweighted norms) and the gated
-norms of linear-attention and Mamba layers. Each is built from its family's own class in the
+norms of linear-attention layers (gate after the norm) and Mamba layers (gate before it). Each is built from its family's own class in the
 installed transformers (skipped where that release lacks it), swapped with ops=["rms_norm"], and
 either runs the kernel with the stock module's outputs and gradients, or is refused with its form
 named."""
@@ -42,20 +42,21 @@ SWAPPED = [
     ("kimi_linear", "KimiLinearRMSNormGated", dict(hidden_size=W), True),
     ("glm5_next", "Glm5NextTextRMSNormGated", dict(hidden_size=W), True, "slow"),
     ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=W), True),
+    # gating before normalizing, norm(x * silu(gate)) * weight, one group over the width
+    ("nemotron_h", "NemotronHRMSNormGated", dict(hidden_size=W, group_size=W), True),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", dict(hidden_size=W, group_size=W), True, "slow"),
+    ("mamba2", "MambaRMSNormGated", dict(hidden_size=W, group_size=W), True, "slow"),
+    ("bamba", "BambaRMSNormGated", dict(hidden_size=W, group_size=W), True, "slow"),
+    ("zamba2", "Zamba2RMSNormGated", dict(hidden_size=W, group_size=W), True, "slow"),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=W, norm_before_gate=False), True, "slow"),
 ]
 
-GATE_FIRST = "gates before normalizing, norm(x * silu(gate))"
 # (family, class, constructor keyword arguments, words of the refusal)
 REFUSED = [
-    ("nemotron_h", "NemotronHRMSNormGated", dict(hidden_size=W, group_size=W), GATE_FIRST),
-    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", dict(hidden_size=W, group_size=W), GATE_FIRST, "slow"),
-    ("mamba2", "MambaRMSNormGated", dict(hidden_size=W, group_size=W), GATE_FIRST, "slow"),
-    ("bamba", "BambaRMSNormGated", dict(hidden_size=W, group_size=W), GATE_FIRST, "slow"),
-    ("zamba2", "Zamba2RMSNormGated", dict(hidden_size=W, group_size=W), GATE_FIRST, "slow"),
-    ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=W, norm_before_gate=False), GATE_FIRST, "slow"),
     ("nemotron_h", "NemotronHRMSNormGated", dict(hidden_size=W, group_size=W // 4), "per group of group_size=12"),
     ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=W, n_groups=2), "per group (n_groups=2)"),
     ("dory", "DoryL2Norm", dict(), "differs from every weightless RMSNorm variant"),
+    ("hy_v4", "HYV4UnweightedRMSNorm", dict(), "differs from every weightless RMSNorm variant"),  # returns 1/rms
 ]
 
 
@@ -150,22 +151,32 @@ def test_a_gated_norm_called_without_its_gate_runs_stock():
     assert launched == [] and torch.equal(y, type(container[0]).forward(container[0], x))
 
 
-@pytest.mark.slow  # a tiny hybrid model's forward and backward under Triton's interpreter
-def test_qwen3_next_model_runs_its_gated_norm_on_the_kernel():
-    if not hasattr(transformers, "Qwen3NextConfig"):
-        pytest.skip("transformers has no Qwen3-Next")
-    cfg = transformers.Qwen3NextConfig(
+HYBRIDS = {  # config class: (its gated norm's class, tiny configuration)
+    "Qwen3NextConfig": ("Qwen3NextRMSNormGated", dict(
         vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
-        num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"])
+        num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"])),
+    "NemotronHConfig": ("NemotronHRMSNormGated", dict(  # n_groups=1: one group over the width
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
+        hybrid_override_pattern="M*")),
+}
+
+
+@pytest.mark.slow  # a tiny hybrid model's forward and backward under Triton's interpreter
+@pytest.mark.parametrize("config_name", sorted(HYBRIDS))
+def test_a_hybrid_model_runs_its_gated_norm_on_the_kernel(config_name):
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers has no {config_name}")
+    norm_class, kwargs = HYBRIDS[config_name]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**kwargs))
     restore_kernels(model)
     stock = copy.deepcopy(model)
     probe.cache.clear()
     report = swap_kernels(model, ops=["rms_norm"])
-    gated = [m for m in model.modules() if type(m).__name__ == "Qwen3NextRMSNormGated"]
+    gated = [m for m in model.modules() if type(m).__name__ == norm_class]
     assert len(gated) == 1 and "forward" in gated[0].__dict__, report.refused
     assert not [r for r in report.refused if r.op == "rms_norm"], report.refused
     ids = torch.randint(0, 64, (1, 6))
@@ -179,6 +190,5 @@ def test_qwen3_next_model_runs_its_gated_norm_on_the_kernel():
     want.backward()
     assert in_gated == [1] and "_rms_norm_bwd_kernel" in launched, (in_gated, launched)
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
-    grad, ref = gated[0].weight.grad, dict(stock.named_parameters())[
-        next(n for n, p in model.named_parameters() if p is gated[0].weight)].grad
-    assert probe.rel_err(grad, ref) <= 1e-5
+    name = next(n for n, p in model.named_parameters() if p is gated[0].weight)
+    assert probe.rel_err(gated[0].weight.grad, dict(stock.named_parameters())[name].grad) <= 1e-5
