@@ -399,3 +399,18 @@ def test_bad_form_arguments_name_the_argument(device):
         rms_norm(x, torch.ones(8), gate=torch.ones(2, 8), activation="gelu")
     with pytest.raises(ValueError, match="activation 'silu' needs a gate"):
         rms_norm(x, torch.ones(8), activation="silu")
+
+
+def test_gated_backward_rows_of_8192_take_the_dot_pass(device, monkeypatch):
+    # one 8192-wide block spilled in the gated backward (codegen check, sm_90): it splits in two
+    launches = []
+    monkeypatch.setattr(rms_norm_module._launch, "launch", lambda kernel, grid, *a, **meta: launches.append(
+        (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), meta["BLOCK_N"])))
+    x = torch.zeros(4, 8192, device=device, dtype=torch.bfloat16)
+    w = torch.zeros(8192, device=device, dtype=torch.bfloat16)
+    y, saved = rms_norm_module._forward_triton(x, w, 1e-6, 0.0, "llama", x, "pre_silu")
+    rms_norm_module._backward_triton(y, saved, x.shape, 1e-6, 0.0, "llama", True, True, None, "pre_silu", True)
+    _, saved = rms_norm_module._forward_triton(x, w, 1e-6, 0.0, "llama")
+    rms_norm_module._backward_triton(y, saved, x.shape, 1e-6, 0.0, "llama", True, True, None)
+    blocks = [b for _, b in launches]
+    assert blocks == [8192, 4096, 4096, 8192, 8192], launches  # fwd; dot + bwd (gated); fwd; bwd

@@ -58,6 +58,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Widest column block: a row up to this many elements is read from memory once per pass; wider
 # rows loop over blocks. 8192 fp32 values per tensor keep the backward tile in registers.
 _MAX_BLOCK_N = 8192
+# Widest column block of the gated backward, which holds the gate and its activation beside x, dy
+# and w: at 8192 it spilled 76 B a thread on sm_90 (Granite 4 hybrid's 8192-wide Mamba norm,
+# `python -m accel_kernels.codegen`); wider gated rows take the separate dot pass
+_MAX_GATED_BWD_BLOCK_N = 4096
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
 # Registers a thread of the backward kernel may take when its grid is sized (measured at 16 warps:
@@ -267,9 +271,10 @@ def _rms_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
+def _blocks(n_rows: int, n_cols: int, gated_backward: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for rows of width n_cols."""
-    block_n = min(_launch.next_power_of_2(n_cols), _MAX_BLOCK_N)
+    cap = min(_MAX_BLOCK_N, _MAX_GATED_BWD_BLOCK_N) if gated_backward else _MAX_BLOCK_N
+    block_n = min(_launch.next_power_of_2(n_cols), cap)
     block_m = max(1, min(_TILE // block_n, _launch.next_power_of_2(n_rows)))
     return block_m, block_n
 
@@ -352,7 +357,7 @@ def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, f
     w_arg, g_arg = (weight if weight is not None else x2), (g2 if g2 is not None else x2)
     n_rows, n_cols = x2.shape
     dy2 = _rows(dy, n_cols)
-    block_m, block_n = _blocks(n_rows, n_cols)
+    block_m, block_n = _blocks(n_rows, n_cols, gated_backward=g2 is not None)
     num_warps = _num_warps(block_m * block_n, per_thread=8)
     one_block = block_n >= n_cols
     row_tiles = _launch.cdiv(n_rows, block_m)
