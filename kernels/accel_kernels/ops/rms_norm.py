@@ -498,6 +498,7 @@ def _reference(x, weight, eps, offset, casting, gate=None, activation=""):
     (Qwen3-Next's RMSNormGated with casting "llama", Kimi Linear's with "gemma"), or for
     "pre_silu" the formula of `x.float() * silu(gate.float())` (Mamba2's RMSNormGated, "llama")."""
     pre = gate is not None and activation == "pre_silu"
+    wide = torch.promote_types(x.dtype, torch.float32)  # the gate's float32 steps (float64 stays float64)
     if casting in ("llama", "gemma"):
         h = x.float() * torch.nn.functional.silu(gate.float()) if pre else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -506,12 +507,12 @@ def _reference(x, weight, eps, offset, casting, gate=None, activation=""):
         else:
             y = h if weight is None else h * (offset + weight.float())
     else:
-        x_in = (x.float() * torch.nn.functional.silu(gate.float())).to(x.dtype) if pre else x
+        x_in = (x.to(wide) * torch.nn.functional.silu(gate.to(wide))).to(x.dtype) if pre else x
         h = x_in * torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + eps)
         y = h if weight is None else h * (offset + weight.to(x.dtype))
     if gate is not None and not pre:
         act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
-        return (y * act(gate.float())).to(x.dtype)
+        return (y * act(gate.to(wide))).to(x.dtype)
     return y.type_as(x) if casting == "gemma" else y
 
 
@@ -566,8 +567,6 @@ def _check_inputs(x, weight, casting, offset=0.0, gate=None, activation="") -> N
         if activation not in ACTIVATIONS[1:]:
             raise ValueError(f"activation must be one of {ACTIVATIONS[1:]} with a gate, got {activation!r}")
         _dispatch.check_same_device(x=x, gate=gate)
-    elif activation:
-        raise ValueError(f"activation {activation!r} needs a gate, got gate=None")
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,7 +575,7 @@ def _check_inputs(x, weight, casting, offset=0.0, gate=None, activation="") -> N
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6, offset: float = 0.0,
-             casting: str = "llama", gate: Optional[torch.Tensor] = None, activation: str = "") -> torch.Tensor:
+             casting: str = "llama", gate: Optional[torch.Tensor] = None, activation: str = "silu") -> torch.Tensor:
     """RMSNorm of x over its last dim: x / sqrt(mean(x**2) + eps) * (offset + weight).
 
     weight=None: no scale (offset must be 0), no weight gradient: Gemma 4's `with_scale=False`
