@@ -14,8 +14,8 @@ differ; a random gate at magnitudes where silu and sigmoid differ) against `acce
 in each casting variant of families.NORM_VARIANTS (NORM_WEIGHTLESS_VARIANTS without a weight;
 times each of NORM_GATE_ACTIVATIONS with a gate), in the activation dtype, float32 and bfloat16;
 the variant that matches in all of them is swapped in. Refused, with the form named:
-- normalizing per group (`group_size` below the width, `n_groups` above 1: Mamba2's and
-  Nemotron-H's released configs): no kernel;
+- normalizing per group (`group_size` below the width, `n_groups` above 1: Mamba2Config's and
+  NemotronHConfig's defaults, n_groups=8; Granite 4 hybrid, Bamba, Zamba2, Falcon-H1 default to 1): no kernel;
 - LayerNorm (mean-centred, with a bias); a weightless norm whose output is no RMSNorm's (an L2
   norm over the sum, not the mean: Dory's).
 

@@ -192,3 +192,23 @@ def test_a_hybrid_model_runs_its_gated_norm_on_the_kernel(config_name):
     assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item())
     name = next(n for n, p in model.named_parameters() if p is gated[0].weight)
     assert probe.rel_err(gated[0].weight.grad, dict(stock.named_parameters())[name].grad) <= 1e-5
+
+
+@pytest.mark.slow  # dynamo and AOTAutograd over the gated and weightless ops
+@pytest.mark.parametrize("family,name,kwargs", [
+    ("qwen3_next", "Qwen3NextRMSNormGated", dict(hidden_size=W)),
+    ("llama4", "Llama4TextL2Norm", dict())])
+def test_a_swapped_norm_compiles_fullgraph_into_one_op_node(family, name, kwargs):
+    cls = _cls(family, name)
+    stock, container, report = _swapped(cls(eps=1e-6, **kwargs), torch.float32)
+    assert report.swapped.get("rms_norm") == 1
+    gated = "gate" in name.lower() or "Gated" in name
+    x, gate = _inputs(torch.float32, gated)
+    args = (x,) if gate is None else (x, gate)
+    torch._dynamo.reset()
+    compiled = torch.compile(container[0], backend="aot_eager", fullgraph=True)
+    with _launch.recording() as launched:
+        y = compiled(*args)
+        y.sum().backward()
+    assert "_rms_norm_fwd_kernel" in launched and "_rms_norm_bwd_kernel" in launched, launched
+    assert probe.rel_err(y, stock(*args)) <= 1e-5
