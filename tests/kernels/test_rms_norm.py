@@ -354,10 +354,10 @@ def test_weightless_matches_float64(device, dtype, casting):
 
 
 @pytest.mark.usefixtures("triton_only")
-@pytest.mark.parametrize("dtype,casting,w_dtype", [
-    (torch.float32, "llama", torch.float32), (torch.bfloat16, "llama", torch.bfloat16),
-    (torch.bfloat16, "gemma", torch.float32), (torch.bfloat16, "gemma", torch.bfloat16),
-    (torch.float16, "none", torch.float16)])
+@pytest.mark.parametrize("dtype,casting,w_dtype", [  # the quick loop: Qwen3-Next's and Kimi Linear's dtypes
+    pytest.param(torch.float32, "llama", torch.float32, marks=pytest.mark.slow), (torch.bfloat16, "llama", torch.bfloat16),
+    (torch.bfloat16, "gemma", torch.float32), pytest.param(torch.bfloat16, "gemma", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param(torch.float16, "none", torch.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("activation", ["silu", "sigmoid", "pre_silu"])
 def test_gated_matches_float64(device, dtype, casting, w_dtype, activation):
     x = (torch.randn(2, 5, 96, device=device) * 3).to(dtype)
