@@ -126,9 +126,10 @@ class _Walk:
             self.state.counts[op] = self.state.counts.get(op, 0) + 1
         self.new += new
 
-    def materialized(self, where: str, ops, module):
-        """The device of `module`'s weights; None (each op refused) when it has none to probe on."""
-        device = probe.module_device(module)
+    def materialized(self, where: str, ops, module, device=None):
+        """The device of `module`'s weights (or `device`); None (each op refused) when it has none
+        to probe on."""
+        device = device or probe.module_device(module)
         if device is None or device.type == "meta":
             for op in ops:
                 self.refuse(where, op, META)
@@ -139,11 +140,13 @@ class _Walk:
         sites.install(self.state, module, sites.signed(func, type(module), op))
         self.counted((op,))
 
-    def probe_and_swap(self, where: str, op: str, module, structure: tuple, run, forward, install=None) -> None:
+    def probe_and_swap(self, where: str, op: str, module, structure: tuple, run, forward, install=None,
+                       device=None) -> None:
         """Swap `forward(verdict)` into `module` if the probe `run` (cached per op, class,
         activation dtype, device type and `structure`) gives a verdict; else refuse with its reason.
-        A site with call-time data installs itself: `install(verdict)` instead."""
-        device = self.materialized(where, (op,), module)
+        A site with call-time data installs itself: `install(verdict)` instead. device: where the
+        probe runs (default: the module's)."""
+        device = self.materialized(where, (op,), module, device)
         if device is None:
             return
         verdict = _verdict((op, type(module), self.dtype, device.type, structure), run)
@@ -292,14 +295,16 @@ class _Walk:
                             lambda: experts.probe_verdict(module, self.dtype, found), None, install)
 
     def norm(self, where, module, ops=(norms.OP,)) -> None:
-        eps_attr = norms.candidate(module)
-        if eps_attr is None:
+        form = norms.candidate(module)
+        if form is None:
             reason = norms.refusal(module)
             if reason:
                 self.refuse(where, norms.OP, reason)
             return
-        self.probe_and_swap(where, norms.OP, module, (eps_attr,),
-                            lambda: norms.probe_verdict(module, self.dtype, eps_attr), norms.forward_for)
+        device = norms.device(module, self.model)  # a weightless norm probes on the model's device
+        self.probe_and_swap(where, norms.OP, module, norms.structure(module, form),
+                            lambda: norms.probe_verdict(module, self.dtype, form, device), norms.forward_for,
+                            device=device)
 
     def glu(self, where, module, ops=(mlp.OP,)) -> None:
         found = self.candidate(where, mlp.OP, mlp.site_candidate(module))

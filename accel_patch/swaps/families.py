@@ -29,6 +29,14 @@ NORM_EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
 #: (casting, offset) variants the probe tries, most common first: Llama (w * norm(x) cast back),
 #: Gemma ((1 + w) in fp32), Olmo2 / fp32-affine (w in fp32, offset 0), all-in-dtype.
 NORM_VARIANTS = (("llama", 0.0), ("gemma", 1.0), ("gemma", 0.0), ("none", 0.0), ("llama", 1.0))
+#: Variants of a norm without a weight (Gemma 4's value norm, Llama 4's L2 norm, DeepSeek V4's):
+#: norm in fp32 cast back (Llama's and Gemma's forms are one there), all-in-dtype.
+NORM_WEIGHTLESS_VARIANTS = (("gemma", 0.0), ("none", 0.0))
+#: Gates of the gated forms: `norm(x) * act(gate)` (linear-attention output norms) with silu or
+#: sigmoid, and `norm(x * silu(gate))` ("pre_silu": Mamba2's, the gate before normalizing).
+NORM_GATE_ACTIVATIONS = ("silu", "sigmoid", "pre_silu")
+#: Attributes that change a norm's function within one class: part of the probe's cache key.
+NORM_FORM_ATTRIBUTES = ("activation", "norm_before_gate", "group_size", "n_groups", "with_scale")
 
 # --- gated MLP -----------------------------------------------------------------------------
 #: (gate, up, down) child names of a split gated MLP.

@@ -61,6 +61,10 @@ class Model:
     softcap: float | None = None  # final-logit soft-capping
     qk_norm: bool = False  # RMSNorm over each head of q and k
     rotary_dim: int | None = None  # partial rotary (None: the whole head)
+    # other norms over heads: (heads, width, weighted, activation, casting); a weightless one (Llama 4's
+    # q/k L2 norm) or a gated one, norm(x) * act(gate) (the linear-attention output norms) or
+    # norm(x * silu(gate)) ("pre_silu": Mamba2's)
+    norm_forms: tuple = ()
 
 
 MODELS = {
@@ -76,6 +80,16 @@ MODELS = {
     "Phi-4-mini": Model(3072, 24, 8, 128, 200064, 8192, "silu", ("llama", 0.0), rotary_dim=96),
     # hidden 16384: rows wider than one block (rms_norm's separate dot pass)
     "Llama-3.1-405B": Model(16384, 128, 8, 128, 128256, 53248, "silu", ("llama", 0.0)),
+    # the weightless and gated norms (their configs' defaults in transformers)
+    "Llama-4-Scout": Model(5120, 40, 8, 128, 202048, 16384, "silu", ("llama", 0.0),
+                           norm_forms=((40, 128, False, "", "gemma"),)),
+    "Qwen3-Next-80B-A3B": Model(2048, 16, 2, 256, 151936, 5632, "silu", ("gemma", 1.0), qk_norm=True,
+                                norm_forms=((32, 128, True, "silu", "llama"),)),
+    "Kimi-Linear-48B-A3B": Model(2304, 32, 32, 64, 163840, 9216, "silu", ("llama", 0.0),
+                                 norm_forms=((32, 128, True, "sigmoid", "gemma"),)),
+    # Mamba2's gated norm, the gate before normalizing, one group over d_inner = 2 * hidden
+    "Granite-4.0-H": Model(4096, 32, 32, 128, 32000, 1024, "silu", ("llama", 0.0),
+                           norm_forms=((1, 8192, True, "pre_silu", "llama"),)),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # tokens of one step: a sequence of 4096, and for bf16 (what fine-tuning runs in) also 8191: a
@@ -171,6 +185,13 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int):
         y, saved = rms_norm._forward_triton(x, w, 1e-6, offset, casting)
         for need_w in (True, False):  # trained weight; frozen weight (LoRA)
             rms_norm._backward_triton(torch.empty_like(y), saved, x.shape, 1e-6, offset, casting, True, need_w, None)
+    for heads, width, weighted, activation, casting in model.norm_forms:
+        x = _meta((tokens * heads, width), dtype)
+        w = _meta((width,), dtype) if weighted else None
+        gate = _meta((tokens * heads, width), dtype) if activation else None
+        y, saved = rms_norm._forward_triton(x, w, 1e-6, 0.0, casting, gate, activation)
+        rms_norm._backward_triton(torch.empty_like(y), saved, x.shape, 1e-6, 0.0, casting, True, weighted, None,
+                                  activation, gate is not None)
     # q, k as attention makes them: (B, S, H, D) projections viewed as (B, H, S, D)
     q = _meta((1, tokens, model.heads, model.head_dim), dtype).transpose(1, 2)
     k = _meta((1, tokens, model.kv_heads, model.head_dim), dtype).transpose(1, 2)

@@ -52,6 +52,14 @@ def rms_norm_cases(dtype, path):
         for need_x, need_w in ((True, True), (True, False), (False, True)):
             yield ops.rms_norm_backward, (dy, x.detach(), w.detach(), rstd, 1e-6, offset, casting, need_x,
                                           need_w, path, None)
+    # the weightless form (no weight, no weight gradient) and the gated one (the gate's gradient)
+    gate = _t(3, 2, 40, dtype=dtype)
+    for weight, gated, casting in ((None, None, "gemma"), (w, gate, "llama"), (None, gate, "gemma")):
+        activation = "silu" if gated is not None else ""
+        yield ops.rms_norm, (x, weight, 1e-6, 0.0, casting, path, None, gated, activation)
+        y, rstd = ops.rms_norm(x.detach(), weight, 1e-6, 0.0, casting, path, None, gated, activation)
+        yield ops.rms_norm_backward, (torch.randn_like(y), x.detach(), weight, rstd, 1e-6, 0.0, casting, True,
+                                      weight is not None, path, None, gated, activation, gated is not None)
 
 
 def rope_cases(dtype, path):

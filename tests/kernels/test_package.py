@@ -169,7 +169,8 @@ def _valid_arguments(device="cpu") -> dict:
     """op -> (function, keyword arguments that it accepts), tensors on `device`."""
     labels = torch.tensor([1, 0, 2])
     cases = {
-        "rms_norm": (accel_kernels.rms_norm, dict(x=torch.randn(3, 8), weight=torch.rand(8) + 0.5)),
+        "rms_norm": (accel_kernels.rms_norm, dict(x=torch.randn(3, 8), weight=torch.rand(8) + 0.5,
+                                                  gate=torch.randn(3, 8))),
         "rope": (accel_kernels.rope, dict(q=torch.randn(1, 2, 3, 4), k=torch.randn(1, 1, 3, 4),
                                           cos=torch.randn(1, 3, 4), sin=torch.randn(1, 3, 4))),
         "swiglu": (accel_kernels.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import accel_kernels._dispatch as dispatch
+import accel_kernels._launch as _launch
 import accel_kernels.ops.rms_norm as rms_norm_module
 from _checks import assert_close, rel_err
 from accel_kernels import rms_norm
@@ -286,3 +287,129 @@ def test_backward_grid_is_what_fits_the_sms(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     cuda = torch.device("cuda")
     assert [rms_norm_module._max_programs(cuda, w) for w in (16, 8, 4)] == [132, 264, 528]
+
+
+# --- weightless and gated forms ---------------------------------------------------------------
+
+
+def eager_form(x, weight, gate, activation, eps=1e-6, casting="llama"):
+    """The weightless / gated modules' formula (float64 stays float64: the reference): the ungated
+    product before its final cast, times act(gate) in float32, cast to x's dtype."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pre = activation == "pre_silu"  # Mamba2's form: norm(x * silu(gate)), output as without a gate
+    if casting == "none":
+        x_in = (x.to(wide) * torch.nn.functional.silu(gate.to(wide))).to(x.dtype) if pre else x
+        y = x_in * torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + eps)
+        y = y if weight is None else y * weight.to(x.dtype)
+    else:
+        h = x.to(wide) * torch.nn.functional.silu(gate.to(wide)) if pre else x.to(wide)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if casting == "llama":
+            y = h.to(x.dtype) if weight is None else weight * h.to(x.dtype)
+        else:
+            y = h if weight is None else h * weight.to(wide)
+    if gate is None or pre:
+        return y if casting == "llama" else y.to(x.dtype)
+    act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
+    return (y * act(gate.to(wide))).to(x.dtype)
+
+
+def check_form_against_float64(x, weight, gate, activation, casting):
+    """Output and the grads of x, weight and gate against float64, bounded as check_against_float64."""
+    leaves = [t for t in (x, weight, gate) if t is not None]
+
+    def run(fn, tensors):
+        tensors = [t.detach().requires_grad_() for t in tensors]
+        it = iter(tensors)
+        args = [next(it) if t is not None else None for t in (x, weight, gate)]
+        y = fn(args[0], args[1], gate=args[2], activation=activation, casting=casting)
+        y.backward(dy.to(y.dtype))
+        return [y.detach()] + [t.grad for t in tensors]
+
+    def kernel(x_, w_, gate, activation, casting):
+        return rms_norm(x_, w_, casting=casting, gate=gate, activation=activation)
+
+    def formula(x_, w_, gate, activation, casting):
+        return eager_form(x_, w_, gate, activation, casting=casting)
+
+    dy = torch.randn(x.shape, device=x.device).to(x.dtype)
+    got = run(kernel, leaves)
+    ref = run(formula, [t.double() for t in leaves])
+    stock = run(formula, leaves)
+    names = ["output", "grad of x"] + (["grad of weight"] if weight is not None else []) + (
+        ["grad of gate"] if gate is not None else [])
+    for what, g, r, s, leaf in zip(names, got, ref, stock, [x] + leaves):
+        assert g.dtype == s.dtype and g.shape == s.shape, f"{what}: {g.dtype} {tuple(g.shape)}"
+        assert_close(g, r, x.dtype if x.dtype != torch.float32 else g.dtype, stock=s, what=what)
+    return got
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("casting", ["gemma", "none"])
+def test_weightless_matches_float64(device, dtype, casting):
+    x = (torch.randn(2, 5, 96, device=device) * 3).to(dtype)
+    got = check_form_against_float64(x, None, None, "", casting)
+    assert len(got) == 2  # no weight, no weight gradient
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("dtype,casting,w_dtype", [  # the quick loop: Qwen3-Next's and Kimi Linear's dtypes
+    pytest.param(torch.float32, "llama", torch.float32, marks=pytest.mark.slow), (torch.bfloat16, "llama", torch.bfloat16),
+    (torch.bfloat16, "gemma", torch.float32), pytest.param(torch.bfloat16, "gemma", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param(torch.float16, "none", torch.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid", "pre_silu"])
+def test_gated_matches_float64(device, dtype, casting, w_dtype, activation):
+    x = (torch.randn(2, 5, 96, device=device) * 3).to(dtype)
+    gate = (torch.randn(2, 5, 96, device=device) * 3).to(dtype)
+    check_form_against_float64(x, weight_for(96, device, w_dtype, 0.0), gate, activation, casting)
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("weighted,activation", [(True, "silu"), (False, "silu"), (True, "pre_silu")])
+def test_gated_and_weightless_rows_wider_than_one_block(device, monkeypatch, weighted, activation):
+    monkeypatch.setattr(rms_norm_module, "_MAX_BLOCK_N", 64)  # a row of 200 spans 4 column blocks
+    x = torch.randn(5, 200, device=device).to(torch.bfloat16)
+    gate = torch.randn(5, 200, device=device).to(torch.bfloat16)
+    weight = weight_for(200, device, torch.bfloat16, 0.0) if weighted else None
+    with _launch.recording() as launched:
+        check_form_against_float64(x, weight, gate, activation, "llama")
+    assert "_rms_norm_bwd_dot_kernel" in launched and "_rms_norm_bwd_kernel" in launched
+
+
+@pytest.mark.usefixtures("triton_only")
+def test_gated_gate_without_grad_and_strided_gate(device):
+    x = torch.randn(4, 6, 32, device=device).requires_grad_()
+    gate = torch.randn(4, 32, 6, device=device).transpose(1, 2)  # strided, no grad
+    w = weight_for(32, device, torch.float32, 0.0).requires_grad_()
+    y = rms_norm(x, w, gate=gate, activation="sigmoid")
+    y.sum().backward()
+    ref = eager_form(x.double(), w.double(), gate.double(), "sigmoid")
+    assert_close(y, ref, torch.float32)
+    assert x.grad is not None and w.grad is not None and gate.grad is None
+
+
+def test_bad_form_arguments_name_the_argument(device):
+    x = torch.randn(2, 8, device=device)
+    with pytest.raises(ValueError, match="with weight=None it must be 0.0, got 1.0"):
+        rms_norm(x, None, offset=1.0, casting="gemma")
+    with pytest.raises(ValueError, match=r"gate must have x's shape \(2, 8\), got \(2, 4\)"):
+        rms_norm(x, torch.ones(8), gate=torch.ones(2, 4), activation="silu")
+    with pytest.raises(ValueError, match="activation must be one of .*'silu'.*got 'gelu'"):
+        rms_norm(x, torch.ones(8), gate=torch.ones(2, 8), activation="gelu")
+    assert torch.equal(rms_norm(x, torch.ones(8), activation="sigmoid"), rms_norm(x, torch.ones(8)))  # no gate: unused
+
+
+def test_gated_backward_rows_of_8192_take_the_dot_pass(device, monkeypatch):
+    # one 8192-wide block spilled in the gated backward (codegen check, sm_90): it splits in two
+    launches = []
+    monkeypatch.setattr(rms_norm_module._launch, "launch", lambda kernel, grid, *a, **meta: launches.append(
+        (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), meta["BLOCK_N"])))
+    x = torch.zeros(4, 8192, device=device, dtype=torch.bfloat16)
+    w = torch.zeros(8192, device=device, dtype=torch.bfloat16)
+    y, saved = rms_norm_module._forward_triton(x, w, 1e-6, 0.0, "llama", x, "pre_silu")
+    rms_norm_module._backward_triton(y, saved, x.shape, 1e-6, 0.0, "llama", True, True, None, "pre_silu", True)
+    _, saved = rms_norm_module._forward_triton(x, w, 1e-6, 0.0, "llama")
+    rms_norm_module._backward_triton(y, saved, x.shape, 1e-6, 0.0, "llama", True, True, None)
+    blocks = [b for _, b in launches]
+    assert blocks == [8192, 4096, 4096, 8192, 8192], launches  # fwd; dot + bwd (gated); fwd; bwd

@@ -21,6 +21,13 @@ gives, bit for bit, without the formula's fp32 intermediates held from forward t
 more forward of time, as with activation checkpointing). float64 inputs skip the op and run the
 formula itself, so that second derivatives through them are exact.
 
+Two more forms (constexprs of the same kernels): weight=None, the weightless norm (Gemma 4's value
+norm, Llama 4's q/k L2 norm): no scale and no weight gradient; and the gated form of
+linear-attention layers, `norm(x) * act(gate)` with silu or sigmoid: the gate multiplies, in
+float32, the ungated product as the module leaves it before its final cast (ROUND_PRODUCT: rounded
+to x's dtype where the module's product is in x's dtype), the output is in x's dtype, and the
+backward gives the gate's gradient and feeds dy * act(gate) to the RMSNorm backward.
+
 The backward's grid has as many programs as are resident at once (`_max_programs`); its register
 use is checked by `python -m accel_kernels.codegen`.
 """
@@ -39,15 +46,27 @@ LLAMA = constexpr(0)
 GEMMA = constexpr(1)
 NONE = constexpr(2)
 _CASTING_IDS = {"llama": 0, "gemma": 1, "none": 2}
+#: Gates of the gated form: "" (no gate), "silu" and "sigmoid": rms_norm(x) * act(gate);
+#: "pre_silu": rms_norm(x * silu(gate)), the gate applied before normalizing (Mamba2's form).
+ACTIVATIONS = ("", "silu", "sigmoid", "pre_silu")
+SILU = constexpr(1)
+SIGMOID = constexpr(2)
+PRE_SILU = constexpr(3)
+_GATE_IDS = {"": 0, "silu": 1, "sigmoid": 2, "pre_silu": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Widest column block: a row up to this many elements is read from memory once per pass; wider
 # rows loop over blocks. 8192 fp32 values per tensor keep the backward tile in registers.
 _MAX_BLOCK_N = 8192
+# Widest column block of the gated backward, which holds the gate and its activation beside x, dy
+# and w: at 8192 it spilled 76 B a thread on sm_90 (Granite 4 hybrid's 8192-wide Mamba norm,
+# `python -m accel_kernels.codegen`); wider gated rows take the separate dot pass
+_MAX_GATED_BWD_BLOCK_N = 4096
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
-# Registers a thread of the backward kernel may take when its grid is sized (measured: up to 109
-# at 16 warps; the codegen check fails a build over 128 there, the budget of 16 warps)
+# Registers a thread of the backward kernel may take when its grid is sized (measured at 16 warps:
+# up to 109, the gated form up to 127; the codegen check fails a build over 128 there, the budget
+# of 16 warps)
 _BWD_REGISTERS = 128
 
 
@@ -63,9 +82,14 @@ def _round(x, dtype: tl.constexpr):
 
 
 @jit
-def _factors(xhat, w, offset, X, W, CASTING: tl.constexpr):
-    """The two float32 factors whose product the stock module computes: (normalized x, offset + weight)."""
-    if CASTING == LLAMA:
+def _factors(xhat, w, offset, X, W, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """The two float32 factors whose product the stock module computes: (normalized x, offset + weight);
+    without a weight the second is 1 and only x's rounding is the casting's."""
+    if not HAS_WEIGHT:
+        if CASTING != GEMMA:
+            xhat = _round(xhat, X.dtype.element_ty)
+        w = tl.full(w.shape, 1.0, tl.float32)
+    elif CASTING == LLAMA:
         # hidden_states.to(input_dtype); `offset + weight` is rounded to weight's dtype
         xhat = _round(xhat, X.dtype.element_ty)
         w = _round(w + offset, W.dtype.element_ty)
@@ -79,9 +103,39 @@ def _factors(xhat, w, offset, X, W, CASTING: tl.constexpr):
 
 
 @jit
+def _gate(g, GATE: tl.constexpr):
+    """(act(g), act'(g)) in float32 for the gated form (silu for PRE_SILU)."""
+    s = tl.sigmoid(g)
+    if GATE == SIGMOID:
+        return s, s * (1.0 - s)
+    return g * s, s * (1.0 + g * (1.0 - s))
+
+
+@jit
+def _gated_input(x, G, offs, mask, X, CASTING: tl.constexpr, GATE: tl.constexpr):
+    """The tensor normalized: x, or x * silu(gate) in float32 for PRE_SILU (in x's dtype for "none")."""
+    if GATE == PRE_SILU:
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x * _gate(g, GATE)[0]
+        if CASTING == NONE:
+            x = _round(x, X.dtype.element_ty)
+    return x
+
+
+@jit
+def _load_w(W, cols, col_ok, HAS_WEIGHT: tl.constexpr):
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros(cols.shape, dtype=tl.float32)
+    return w
+
+
+@jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, RSTD, n_rows, n_cols, stride_x, stride_y, eps, offset,
-    CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X, W, G, Y, RSTD, n_rows, n_cols, stride_x, stride_g, stride_y, eps, offset,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, GATE: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
@@ -91,6 +145,7 @@ def _rms_norm_fwd_kernel(
         cols = c0 + tl.arange(0, BLOCK_N)
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _gated_input(x, G, rows[:, None] * stride_g + cols[None, :], mask, X, CASTING, GATE)
         sq = x * x
         if CASTING == NONE:
             sq = _round(sq, X.dtype.element_ty)
@@ -108,17 +163,27 @@ def _rms_norm_fwd_kernel(
         col_ok = cols < n_cols
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xhat, w_eff = _factors(x * rstd[:, None], w[None, :], offset, X, W, CASTING)
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast_rounded(xhat * w_eff, Y.dtype.element_ty), mask=mask)
+        x = _gated_input(x, G, rows[:, None] * stride_g + cols[None, :], mask, X, CASTING, GATE)
+        w = _load_w(W, cols, col_ok, HAS_WEIGHT)
+        xhat, w_eff = _factors(x * rstd[:, None], w[None, :], offset, X, W, CASTING, HAS_WEIGHT)
+        y = xhat * w_eff
+        if GATE == SILU or GATE == SIGMOID:
+            # the product in the module's dtype (ROUND_PRODUCT: x's), then times act(gate) in float32
+            if ROUND_PRODUCT:
+                y = _round(y, X.dtype.element_ty)
+            g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = y * _gate(g, GATE)[0]
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast_rounded(y, Y.dtype.element_ty), mask=mask)
 
 
 @jit
 def _rms_norm_bwd_dot_kernel(
-    DY, X, W, RSTD, DOT, n_rows, n_cols, stride_dy, stride_x, offset,
-    CASTING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY, X, W, G, RSTD, DOT, n_rows, n_cols, stride_dy, stride_x, stride_g, offset,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, GATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Per row, sum_j dy_j * w_eff_j * xhat_j; only launched when a row spans several blocks."""
+    """Per row, sum_j dn_j * w_eff_j * xhat_j (dn: dy, times act(gate) in the gated form); only
+    launched when a row spans several blocks."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
@@ -129,28 +194,34 @@ def _rms_norm_bwd_dot_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = _gated_input(x, G, rows[:, None] * stride_g + cols[None, :], mask, X, CASTING, GATE)
+        w = _load_w(W, cols, col_ok, HAS_WEIGHT)
         xhat = x * rstd[:, None]
-        _, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING)
+        _, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING, HAS_WEIGHT)
+        if GATE == SILU or GATE == SIGMOID:
+            g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = dy * _gate(g, GATE)[0]
         dot += tl.sum(dy * w_eff * xhat, axis=1)
     tl.store(DOT + rows, dot, mask=row_ok)
 
 
 @jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DOT, DX, DW_PARTIAL, n_rows, n_cols, stride_dy, stride_x, stride_dx, offset,
-    rows_per_program,
-    CASTING: tl.constexpr, ONE_BLOCK: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    DY, X, W, G, RSTD, DOT, DX, DW_PARTIAL, DG, n_rows, n_cols, stride_dy, stride_x, stride_g, stride_dx,
+    stride_dg, offset, rows_per_program,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, GATE: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, COMPUTE_DW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # dx = rstd * (g - xhat * mean(g * xhat)) with g = dy * w_eff;  dw = sum over rows of dy * xhat
+    # dx = rstd * (g - xhat * mean(g * xhat)) with g = dn * w_eff;  dw = sum over rows of dn * xhat;
+    # dn = dy, or in the gated form y = n * act(gate): dn = dy * act(gate), dgate = dy * n * act'(gate)
     pid = tl.program_id(0).to(tl.int64)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
     for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = _load_w(W, cols, col_ok, HAS_WEIGHT)
         # this program's share of the weight gradient stays in registers over its rows
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         for r0 in range(row_start, row_end, BLOCK_M):
@@ -160,14 +231,34 @@ def _rms_norm_bwd_kernel(
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            if GATE == PRE_SILU:  # normalized h = x * silu(gate): dx = dh * silu(gate), dgate = dh * x * silu'
+                x_in = x
+                gate = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                act, act_grad = _gate(gate, GATE)
+                x = x * act
+                if CASTING == NONE:
+                    x = _round(x, X.dtype.element_ty)
             xhat = x * rstd[:, None]
-            xhat_used, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING)
+            xhat_used, w_eff = _factors(xhat, w[None, :], offset, X, W, CASTING, HAS_WEIGHT)
+            if GATE == SILU or GATE == SIGMOID:
+                gate = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                act, act_grad = _gate(gate, GATE)
+                n = xhat_used * w_eff
+                if ROUND_PRODUCT:
+                    n = _round(n, X.dtype.element_ty)
+                tl.store(DG + rows[:, None] * stride_dg + cols[None, :],
+                         cast_rounded(dy * n * act_grad, DG.dtype.element_ty), mask=mask)
+                dy = dy * act
             g = dy * w_eff
             if ONE_BLOCK:
                 dot = tl.sum(g * xhat, axis=1)
             else:
                 dot = tl.load(DOT + rows, mask=row_ok, other=0.0)
             dx = rstd[:, None] * (g - xhat * (dot / n_cols)[:, None])
+            if GATE == PRE_SILU:
+                tl.store(DG + rows[:, None] * stride_dg + cols[None, :],
+                         cast_rounded(dx * x_in * act_grad, DG.dtype.element_ty), mask=mask)
+                dx = dx * act
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast_rounded(dx, DX.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
                 dw += tl.sum(dy * xhat_used, axis=0)
@@ -180,9 +271,10 @@ def _rms_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _blocks(n_rows: int, n_cols: int) -> tuple[int, int]:
+def _blocks(n_rows: int, n_cols: int, gated_backward: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for rows of width n_cols."""
-    block_n = min(_launch.next_power_of_2(n_cols), _MAX_BLOCK_N)
+    cap = min(_MAX_BLOCK_N, _MAX_GATED_BWD_BLOCK_N) if gated_backward else _MAX_BLOCK_N
+    block_n = min(_launch.next_power_of_2(n_cols), cap)
     block_m = max(1, min(_TILE // block_n, _launch.next_power_of_2(n_rows)))
     return block_m, block_n
 
@@ -214,34 +306,58 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.dtype:
-    return torch.promote_types(weight.dtype, x.dtype) if casting == "llama" else x.dtype
+def _out_dtype(x: torch.Tensor, weight: Optional[torch.Tensor], casting: str, gated: bool = False) -> torch.dtype:
+    """gated: the gate multiplies after the norm (not "pre_silu")."""
+    if casting == "llama" and weight is not None and not gated:
+        return torch.promote_types(weight.dtype, x.dtype)
+    return x.dtype  # the gated form casts to x's dtype at the end
 
 
-def _forward_triton(x, weight, eps, offset, casting):
-    """(y of x's shape, tensors for the backward: x as (rows, n), weight, rstd (rows,) float32)."""
+def _round_product(x, weight, casting) -> bool:
+    """Gated form: whether the stock module rounds the ungated product to x's dtype before the gate
+    (Llama casting with a weight in x's dtype, or everything in x's dtype)."""
+    if x.dtype == torch.float32:
+        return False
+    if casting == "llama":
+        return weight is not None and torch.promote_types(weight.dtype, x.dtype) == x.dtype
+    return casting == "none"
+
+
+def _forward_triton(x, weight, eps, offset, casting, gate=None, activation=""):
+    """(y of x's shape, tensors for the backward: x as (rows, n), weight (or None), rstd (rows,)
+    float32, gate as (rows, n) (or None))."""
     x2 = _rows(x, x.shape[-1])
-    weight = weight.contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    g2 = _rows(gate, x.shape[-1]) if gate is not None else None
     n_rows, n_cols = x2.shape
-    y = _dispatch.empty((n_rows, n_cols), dtype=_out_dtype(x2, weight, casting), device=x2.device)
+    gated_after = g2 is not None and activation != "pre_silu"
+    y = _dispatch.empty((n_rows, n_cols), dtype=_out_dtype(x2, weight, casting, gated_after), device=x2.device)
     rstd = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
     block_m, block_n = _blocks(n_rows, n_cols)
     _launch.launch(
         _rms_norm_fwd_kernel, (_launch.cdiv(n_rows, block_m),),
-        x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), eps, offset,
-        CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n,
+        x2, weight if weight is not None else x2, g2 if g2 is not None else x2, y, rstd, n_rows, n_cols,
+        x2.stride(0), g2.stride(0) if g2 is not None else 0, y.stride(0), eps, offset,
+        CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=_GATE_IDS[activation if g2 is not None else ""],
+        ROUND_PRODUCT=gated_after and _round_product(x2, weight, casting), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_num_warps(block_m * block_n, per_thread=16),
     )
-    return y.view(x.shape), (x2, weight, rstd)
+    return y.view(x.shape), (x2, weight, rstd, g2)
 
 
-def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
-    """(dx of x_shape in x's dtype, dw in weight's dtype or None) from the forward's saved tensors.
-    (forward_autocast is for the twin, which recomputes the forward; the kernels do not.)"""
-    x2, weight, rstd = saved
+def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast, activation="",
+                     need_g=False):
+    """(dx of x_shape in x's dtype, dw in weight's dtype or None, dgate of x_shape in gate's dtype or
+    None) from the forward's saved tensors. (forward_autocast is for the twin, which recomputes the
+    forward; the kernels do not.)"""
+    x2, weight, rstd, *rest = saved
+    g2 = rest[0] if rest else None
+    gate_id = _GATE_IDS[activation if g2 is not None else ""]
+    need_w = need_w and weight is not None
+    w_arg, g_arg = (weight if weight is not None else x2), (g2 if g2 is not None else x2)
     n_rows, n_cols = x2.shape
     dy2 = _rows(dy, n_cols)
-    block_m, block_n = _blocks(n_rows, n_cols)
+    block_m, block_n = _blocks(n_rows, n_cols, gated_backward=g2 is not None)
     num_warps = _num_warps(block_m * block_n, per_thread=8)
     one_block = block_n >= n_cols
     row_tiles = _launch.cdiv(n_rows, block_m)
@@ -249,23 +365,30 @@ def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, f
     n_programs = _launch.cdiv(n_rows, rows_per_program)
     dx = _dispatch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device) if need_w else rstd
+    # the gate's gradient comes with every gated backward (it costs one store): x's
+    dg = _dispatch.empty((n_rows, n_cols), dtype=g2.dtype, device=x2.device) if g2 is not None else dx
     dot = rstd
     if not one_block:
         dot = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
         _launch.launch(
             _rms_norm_bwd_dot_kernel, (row_tiles,),
-            dy2, x2, weight, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), offset,
-            CASTING=_CASTING_IDS[casting], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            dy2, x2, w_arg, g_arg, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), g_arg.stride(0), offset,
+            CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=gate_id,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     _launch.launch(
         _rms_norm_bwd_kernel, (n_programs,),
-        dy2, x2, weight, rstd, dot, dx, dw_partial, n_rows, n_cols,
-        dy2.stride(0), x2.stride(0), dx.stride(0), offset, rows_per_program,
-        CASTING=_CASTING_IDS[casting], ONE_BLOCK=one_block, COMPUTE_DW=need_w,
+        dy2, x2, w_arg, g_arg, rstd, dot, dx, dw_partial, dg, n_rows, n_cols,
+        dy2.stride(0), x2.stride(0), g_arg.stride(0), dx.stride(0), dg.stride(0), offset, rows_per_program,
+        CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=gate_id,
+        ROUND_PRODUCT=gate_id in (1, 2) and _round_product(x2, weight, casting), ONE_BLOCK=one_block,
+        COMPUTE_DW=need_w,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     dw = dw_partial.sum(0).to(weight.dtype) if need_w else None
-    return dx.view(x_shape), dw
+    if g2 is None:
+        return dx.view(x_shape), dw
+    return dx.view(x_shape), dw, (dg.view(x_shape) if need_g else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,69 +401,86 @@ def _n_rows(x: torch.Tensor) -> int:
 
 
 @_library.custom_op("rms_norm")
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str,
-                 triton_path: bool, autocast: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, casting: str,
+                 triton_path: bool, autocast: Optional[torch.dtype], gate: Optional[torch.Tensor] = None,
+                 activation: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): rstd (rows,) float32 for the kernels' backward; (0,) on the twin, which needs none.
     autocast: the caller's autocast dtype (None: off), which the twin runs under as eager would
-    (an op's implementation runs with autocast off); the kernels ignore it."""
+    (an op's implementation runs with autocast off); the kernels ignore it. weight None: no
+    scale; gate: the gated form's second input (activation "silu" or "sigmoid")."""
     if triton_path:
-        y, (_, _, rstd) = _forward_triton(x, weight, eps, offset, casting)
+        y, (_, _, rstd, _) = _forward_triton(x, weight, eps, offset, casting, gate, activation)
         return y, rstd
     with _library.autograd_inside(), _dispatch.autocast_as(_library.autocast_state(x.device.type, autocast)):
-        y, _ = _forward_torch(x, weight, eps, offset, casting)
+        y, _ = _forward_torch(x, weight, eps, offset, casting, gate, activation)
     return y.contiguous(), _library.nothing(x, torch.float32)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps, offset, casting, triton_path, autocast):
+def _(x, weight, eps, offset, casting, triton_path, autocast, gate=None, activation=""):
     if not triton_path and autocast is not None:  # the dtypes autocast gives the formula
         with torch.autocast(x.device.type, dtype=autocast):
-            y = _reference(x, weight, eps, offset, casting)
+            y = _reference(x, weight, eps, offset, casting, gate, activation)
         return y.new_empty(y.shape), x.new_empty((0,), dtype=torch.float32)
-    return (x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting)),
+    return (x.new_empty(x.shape, dtype=_out_dtype(x, weight, casting, gate is not None and activation != "pre_silu")),
             x.new_empty((_n_rows(x) if triton_path else 0,), dtype=torch.float32))
 
 
 @_library.custom_op("rms_norm_backward")
-def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor,
                           eps: float, offset: float, casting: str, need_x: bool, need_w: bool,
-                          triton_path: bool, forward_autocast: Optional[torch.dtype]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx of x's shape, dw of weight's shape), each (0,) when not needed."""
+                          triton_path: bool, forward_autocast: Optional[torch.dtype],
+                          gate: Optional[torch.Tensor] = None, activation: str = "", need_g: bool = False,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx of x's shape, dw of weight's shape, dgate of gate's shape), each (0,) when not needed."""
+    need_w = need_w and weight is not None
+    need_g = need_g and gate is not None
     if triton_path:
-        saved = (_rows(x, x.shape[-1]), weight.contiguous(), rstd)
-        dx, dw = _backward_triton(dy, saved, x.shape, eps, offset, casting, need_x, need_w, None)
+        saved = (_rows(x, x.shape[-1]), weight.contiguous() if weight is not None else None, rstd,
+                 _rows(gate, x.shape[-1]) if gate is not None else None)
+        dx, dw, *dg = _backward_triton(dy, saved, x.shape, eps, offset, casting, need_x, need_w, None,
+                                       activation, need_g)
     else:
         autocast = _library.autocast_state(x.device.type, forward_autocast)
-        dx, dw = _backward_torch(dy, (x, weight), x.shape, eps, offset, casting, need_x, need_w, autocast)
+        dx, dw, *dg = _backward_torch(dy, (x, weight, gate), x.shape, eps, offset, casting, need_x, need_w, autocast,
+                                      activation, need_g)
+    dg = dg[0] if dg else None
     return (dx.contiguous() if need_x else _library.nothing(x),
-            dw.contiguous() if need_w else _library.nothing(weight))
+            dw.contiguous() if need_w else _library.nothing(x if weight is None else weight),
+            dg.contiguous() if need_g else _library.nothing(x if gate is None else gate))
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, forward_autocast):
+def _(dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, forward_autocast, gate=None,
+      activation="", need_g=False):
+    need_w = need_w and weight is not None
+    need_g = need_g and gate is not None
     return (x.new_empty(x.shape) if need_x else _library.nothing(x),
-            weight.new_empty(weight.shape) if need_w else _library.nothing(weight))
+            weight.new_empty(weight.shape) if need_w else _library.nothing(x if weight is None else weight),
+            gate.new_empty(gate.shape) if need_g else _library.nothing(x if gate is None else gate))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, eps, offset, casting, triton_path, autocast = inputs
+    x, weight, eps, offset, casting, triton_path, autocast, *gated = inputs
+    gate, activation = (gated + [None, ""])[:2]
     # x itself (an op's output cannot be a view of its input): a strided x is made contiguous again
     # in backward, where the old Function saved the forward's copy
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.options = (eps, offset, casting, triton_path)
+    ctx.save_for_backward(x, weight, output[1], gate)
+    ctx.options = (eps, offset, casting, triton_path, activation)
     # the twin recomputes the forward in backward: under the forward's autocast
     ctx.autocast = None if triton_path else autocast
 
 
 def _backward(ctx, dy, _drstd):
     _dispatch.check_first_order("rms_norm")  # the op's backward is opaque to autograd
-    x, weight, rstd = ctx.saved_tensors
-    eps, offset, casting, triton_path = ctx.options
+    x, weight, rstd, gate = ctx.saved_tensors
+    eps, offset, casting, triton_path, activation = ctx.options
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.accel_kernels.rms_norm_backward(
-        dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast)
-    return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None
+    need_g = len(ctx.needs_input_grad) > 7 and ctx.needs_input_grad[7]
+    dx, dw, dg = torch.ops.accel_kernels.rms_norm_backward(
+        dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast, gate, activation, need_g)
+    grads = [(dx if need_x else None), (dw if need_w else None), None, None, None, None, None]
+    return (*grads, (dg if need_g else None), None)[:len(ctx.needs_input_grad)]
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -351,36 +491,52 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------
 
 
-def _reference(x, weight, eps, offset, casting):
-    """The stock modules' formula in plain torch: LlamaRMSNorm, GemmaRMSNorm, or all in x's dtype."""
-    if casting == "llama":
-        h = x.float()
+def _reference(x, weight, eps, offset, casting, gate=None, activation=""):
+    """The stock modules' formula in plain torch: LlamaRMSNorm, GemmaRMSNorm, or all in x's dtype;
+    without a weight (Gemma 4's value norm, Llama 4's L2 norm), and gated:
+    `(that product before its final cast).float() * act(gate.float())`, cast to x's dtype
+    (Qwen3-Next's RMSNormGated with casting "llama", Kimi Linear's with "gemma"), or for
+    "pre_silu" the formula of `x.float() * silu(gate.float())` (Mamba2's RMSNormGated, "llama")."""
+    pre = gate is not None and activation == "pre_silu"
+    wide = torch.promote_types(x.dtype, torch.float32)  # the gate's float32 steps (float64 stays float64)
+    if casting in ("llama", "gemma"):
+        h = x.float() * torch.nn.functional.silu(gate.float()) if pre else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (offset + weight) * h.to(x.dtype)
-    if casting == "gemma":
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (h * (offset + weight.float())).type_as(x)
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return h * (offset + weight.to(x.dtype))
+        if casting == "llama":
+            y = h.to(x.dtype) if weight is None else (offset + weight) * h.to(x.dtype)
+        else:
+            y = h if weight is None else h * (offset + weight.float())
+    else:
+        x_in = (x.to(wide) * torch.nn.functional.silu(gate.to(wide))).to(x.dtype) if pre else x
+        h = x_in * torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + eps)
+        y = h if weight is None else h * (offset + weight.to(x.dtype))
+    if gate is not None and not pre:
+        act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
+        return (y * act(gate.to(wide))).to(x.dtype)
+    return y.type_as(x) if casting == "gemma" else y
 
 
-def _forward_torch(x, weight, eps, offset, casting):
+def _forward_torch(x, weight, eps, offset, casting, gate=None, activation=""):
     """`_forward_triton` in plain torch: the module's formula; saves the inputs themselves."""
-    return _reference(x, weight, eps, offset, casting), (x, weight)
+    return _reference(x, weight, eps, offset, casting, gate, activation), (x, weight, gate)
 
 
-def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast):
+def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast, activation="",
+                    need_g=False):
     """`_backward_triton` in plain torch: the gradients autograd gives the module's formula, bit
     for bit (recomputed here, so that the forward keeps no intermediate)."""
+    x, weight, gate = (tuple(saved) + (None,))[:3]
+    needs = (need_x, need_w and weight is not None, need_g and gate is not None)
     with _library.autograd_inside():  # this runs inside the op's implementation
-        x, weight = (t.detach().requires_grad_(need) for t, need in zip(saved, (need_x, need_w)))
+        x, weight, gate = (t.detach().requires_grad_(need) if t is not None else None
+                           for t, need in zip((x, weight, gate), needs))
         # recompute as the forward ran (its autocast); differentiate as eager would (the ambient one)
         with torch.enable_grad(), _dispatch.autocast_as(forward_autocast):
-            y = _reference(x, weight, eps, offset, casting)
-        wanted = [t for t, need in zip((x, weight), (need_x, need_w)) if need]
+            y = _reference(x, weight, eps, offset, casting, gate, activation)
+        wanted = [t for t, need in zip((x, weight, gate), needs) if need]
         grads = iter(torch.autograd.grad(y, wanted, dy))
-    return (next(grads) if need_x else None), (next(grads) if need_w else None)
+    out = tuple(next(grads) if need else None for need in needs)
+    return out if gate is not None else out[:2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,18 +544,29 @@ def _backward_torch(dy, saved, x_shape, eps, offset, casting, need_x, need_w, fo
 # --------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x, weight, casting) -> None:
+def _check_inputs(x, weight, casting, offset=0.0, gate=None, activation="") -> None:
     _dispatch.check_tensor("x", x, "of shape (..., n)")
-    _dispatch.check_tensor("weight", weight, "of shape (n,)")
     _dispatch.check_floating("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dim (the normalized last dim), got a 0-dim tensor")
-    _dispatch.check_floating("weight", weight)
-    if tuple(weight.shape) != (x.shape[-1],):
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) (x.shape[-1]), got {tuple(weight.shape)}")
+    if weight is not None:
+        _dispatch.check_tensor("weight", weight, "of shape (n,) or None")
+        _dispatch.check_floating("weight", weight)
+        if tuple(weight.shape) != (x.shape[-1],):
+            raise ValueError(f"weight must have shape ({x.shape[-1]},) (x.shape[-1]), got {tuple(weight.shape)}")
+        _dispatch.check_same_device(x=x, weight=weight)
+    elif offset != 0.0:
+        raise ValueError(f"offset scales a weight: with weight=None it must be 0.0, got {offset!r}")
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
-    _dispatch.check_same_device(x=x, weight=weight)
+    if gate is not None:
+        _dispatch.check_tensor("gate", gate, "of x's shape")
+        _dispatch.check_floating("gate", gate)
+        if gate.shape != x.shape:
+            raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+        if activation not in ACTIVATIONS[1:]:
+            raise ValueError(f"activation must be one of {ACTIVATIONS[1:]} with a gate, got {activation!r}")
+        _dispatch.check_same_device(x=x, gate=gate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,9 +574,16 @@ def _check_inputs(x, weight, casting) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
-             casting: str = "llama") -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6, offset: float = 0.0,
+             casting: str = "llama", gate: Optional[torch.Tensor] = None, activation: str = "silu") -> torch.Tensor:
     """RMSNorm of x over its last dim: x / sqrt(mean(x**2) + eps) * (offset + weight).
+
+    weight=None: no scale (offset must be 0), no weight gradient: Gemma 4's `with_scale=False`
+    norm, Llama 4's L2 norm, DeepSeek V4's unweighted norm. gate (x's shape) with activation
+    "silu" or "sigmoid": the gated form `norm(x) * act(gate)` of linear-attention layers, the gate
+    applied in float32 to the product before its final cast, output in x's dtype; activation
+    "pre_silu": `norm(x * silu(gate))` (the gate first, in float32; Mamba2's form), output dtype as
+    without a gate. Differentiable in gate too.
 
     x: (..., n) floating point, any leading dims, any strides; weight: (n,) on x's device.
     `casting` ("llama", "gemma", "none") picks the dtype of each step and of the output as the
@@ -420,14 +594,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     Triton's interpreter); float64 and everything else run the plain-torch twin, whose gradients
     are autograd's of the module's formula.
     """
-    _check_inputs(x, weight, casting)
+    _check_inputs(x, weight, casting, offset, gate, activation)
+    dtypes = {t.dtype for t in (x, weight, gate) if t is not None}
     # float64 (and empty) inputs take the twin: the kernels accumulate in float32
-    if torch.float64 in (x.dtype, weight.dtype):
+    if torch.float64 in dtypes:
         # the formula in differentiable torch, outside the op: second derivatives stay exact
-        return _reference(x, weight, float(eps), float(offset), casting)
+        return _reference(x, weight, float(eps), float(offset), casting, gate, activation)
     # empty inputs take the twin; the kernels accumulate in float32
-    triton_path = (_dispatch.use_triton(x) and x.numel() > 0
-                   and x.dtype in _DTYPES and weight.dtype in _DTYPES)
+    triton_path = _dispatch.use_triton(x) and x.numel() > 0 and dtypes <= set(_DTYPES)
     autocast = None if triton_path else _library.autocast_dtype(x.device.type)
+    if gate is None:  # the ungated op's schema as before: compiled graphs keep their nodes
+        return torch.ops.accel_kernels.rms_norm(x, weight, float(eps), float(offset), casting, triton_path,
+                                                autocast)[0]
     return torch.ops.accel_kernels.rms_norm(x, weight, float(eps), float(offset), casting, triton_path,
-                                            autocast)[0]
+                                            autocast, gate, activation)[0]
