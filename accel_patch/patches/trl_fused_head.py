@@ -60,6 +60,8 @@ OURS = "accel-patch's fused loss in TRL's place"
 #: old policy's log-probs of GRPO, evaluation), which keeps nothing for backward.
 FUSED_CALL = "fused (in TRL's head)"
 FUSED_NO_GRAD = "fused (in TRL's head, no grad)"
+#: `_why_not`'s answer for a call without fused_lm_head: neither head's business (not counted).
+PLAIN = object()
 TRLS = "TRL's"
 
 
@@ -231,7 +233,7 @@ def _our_head(patch, model, trl_forward, temperature, fp32, outputs):
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         why = _why_not(self, fused_lm_head, labels, shift_labels, kwargs, softcap, temperature)
         if why is not None:
-            if why:
+            if why is not PLAIN:
                 state = self.__dict__.get(_state_attr())
                 if state is not None:
                     state.count_call(f"TRL's head: {why}")
@@ -261,31 +263,32 @@ def _logit_scale(config) -> float:
     return 1.0 if scale is None else float(scale)
 
 
-def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temperature) -> str | None:
-    """None when accel-patch's head runs this call; "" for a plain call (TRL passes it on); else why not."""
+def _why_not(model, fused_lm_head, labels, shift_labels, kwargs, softcap, temperature):
+    """Whose head runs this call: None for accel-patch's; PLAIN for a call without fused_lm_head
+    (TRL passes it to the model's forward, uncounted); else a `Refused` with why TRL's does."""
     from ..swaps import sites
     from ..swaps.loss.head import head_plan
     from ..swaps.loss.site import OP
 
     if not fused_lm_head:
-        return ""
+        return PLAIN
     if not patch.installed:
-        return "accel-patch's TRL patch is disabled"
+        return sites.Refused("accel-patch's TRL patch is disabled")
     state = model.__dict__.get(_state_attr())
     if state is None or OP not in state.ops or OP not in state.counts:
-        return "no fused loss swapped into the model"
+        return sites.Refused("no fused loss swapped into the model")
     if (labels if shift_labels is None else shift_labels) is None:
-        return "no labels"
+        return sites.Refused("no labels")
     if _router_loss(model, kwargs) and "aux_loss" not in getattr(patch.output_class, "__dataclass_fields__", {}):
-        return "MoE router logits (this TRL's output has no aux_loss field)"
+        return sites.Refused("MoE router logits (this TRL's output has no aux_loss field)")
     if softcap is not None and temperature != 1.0:
-        return "a temperature together with logit soft-capping"
+        return sites.Refused("a temperature together with logit soft-capping")
     leaf, why = head_plan(model.get_output_embeddings())
     if leaf is None:
-        return why
+        return sites.Refused(why)
     for p in (leaf.weight, leaf.bias):
         if p is not None and (hasattr(p, "ds_id") or sites.is_dtensor(p)):
-            return "a sharded or partitioned head weight (FSDP2 DTensor, DeepSpeed ZeRO-3): TRL gathers it"
+            return sites.Refused("a sharded or partitioned head weight (FSDP2 DTensor, DeepSpeed ZeRO-3): TRL gathers it")
     return None
 
 

@@ -283,12 +283,12 @@ class _Walk:
             return
         config = getattr(module, "config", None)
         act_fn = mlp.activation(module)
-        structure = (found[0], found[1], found[2], type(act_fn), getattr(act_fn, "approximate", None),
+        structure = (found.names, found.biases, found.style, type(act_fn), getattr(act_fn, "approximate", None),
                      getattr(module, "alpha", None), *(getattr(module, n, None) for n in experts.LIMIT_ATTRIBUTES),
                      getattr(config, "_experts_implementation", None))
         def install(plan):  # a site with call-time data: its plan, the model's call counts
             experts.install(self.state, module, sites.signed(experts.forward, type(module), experts.OP),
-                            experts.Site(plan, found[3], self.state.calls, self.tiled_requested,
+                            experts.Site(plan, found.arg_names, self.state.calls, self.tiled_requested,
                                          tiled_mlp.checkpoint_holders(self.model, where)))
 
         self.probe_and_swap(where, experts.OP, module, structure,

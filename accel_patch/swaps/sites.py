@@ -176,6 +176,16 @@ def install(state: SwapState, module, func, inner_attr: str = INNER_ATTR) -> Non
     state.set(module, slot, types.MethodType(func, module))
 
 
+# --- decisions as values -------------------------------------------------------------------------
+
+class Refused(str):
+    """A site's (or a call's) refusal: a value that is its reason. A str, so it reads, logs and
+    compares as the reason; tested with isinstance(decision, Refused) (or str, where the probe
+    cache answers with plain reasons)."""
+
+    __slots__ = ()
+
+
 # --- the questions every room asks, answered once -----------------------------------------------
 
 def compiling() -> bool:

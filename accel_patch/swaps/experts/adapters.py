@@ -20,7 +20,11 @@ B [E, out, r] whatever the layout, so `transposed` decides which factor is which
 """
 from __future__ import annotations
 
+from collections import namedtuple
+
 import torch
+
+from ..sites import Refused
 
 #: Attribute `nn.utils.parametrize` adds to a module: a ModuleDict name -> ParametrizationList.
 PARAMETRIZATIONS = "parametrizations"
@@ -40,23 +44,29 @@ def base(module, name: str) -> torch.Tensor | None:
     return module._parameters.get(name)
 
 
+class Factors(namedtuple("Factors", "a b scaling")):
+    """The op's split-LoRA factors of one projection: A [E, r, in], B [E, out, r], the scaling."""
+
+    __slots__ = ()
+
+
 def factors(module, name: str, transposed: bool):
-    """(A [E, r, in], B [E, out, r], scaling) of the one LoRA adapter PEFT parametrizes `name` with
-    for this call; None when it has none; a reason string when it has one the op cannot read."""
+    """The `Factors` of the one LoRA adapter PEFT parametrizes `name` with for this call; None when
+    it has none; a `sites.Refused` when it has one the op cannot read."""
     if not parametrized(module):
         return None
     plist = module._modules[PARAMETRIZATIONS]._modules.get(name)
     if plist is None:
         return None
     if len(plist) != 1:
-        return f"{len(plist)} parametrizations on {name}"
+        return Refused(f"{len(plist)} parametrizations on {name}")
     proxy = plist[0]
     lhs, rhs, scaling = (getattr(proxy, a, None) for a in ("lhs", "rhs", "scaling"))
     if not isinstance(lhs, torch.Tensor) or not isinstance(rhs, torch.Tensor) or not isinstance(scaling, (int, float)):
-        return (f"{type(proxy).__name__} on {name} (the delta weight formed by PEFT: several active adapters, "
-                f"a low-precision base, or a PEFT without factored LoRA)")
+        return Refused(f"{type(proxy).__name__} on {name} (the delta weight formed by PEFT: several active "
+                       f"adapters, a low-precision base, or a PEFT without factored LoRA)")
     if lhs.dim() != 3 or rhs.dim() != 3:
-        return f"LoRA factors of {name} are not per expert ({tuple(lhs.shape)}, {tuple(rhs.shape)})"
+        return Refused(f"LoRA factors of {name} are not per expert ({tuple(lhs.shape)}, {tuple(rhs.shape)})")
     if transposed:  # W [E, in, out]: delta = A^T B^T
-        return lhs.transpose(-2, -1), rhs.transpose(-2, -1), float(scaling)
-    return rhs, lhs, float(scaling)  # W [E, out, in]: delta = B A
+        return Factors(lhs.transpose(-2, -1), rhs.transpose(-2, -1), float(scaling))
+    return Factors(rhs, lhs, float(scaling))  # W [E, out, in]: delta = B A

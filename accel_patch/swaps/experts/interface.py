@@ -65,12 +65,12 @@ def _prepared(module, dtype: torch.dtype):
     reason = found if isinstance(found, str) else None if found is not None else "not an experts module"
     if reason is None:
         device = probe.module_device(module)
-        key = (experts_site.OP, type(module), dtype, device.type, found[:3], NAME)
+        key = (experts_site.OP, type(module), dtype, device.type, (found.names, found.biases, found.style), NAME)
         verdict = probe.cache.get_or_probe(key, lambda: _probe(module, dtype, found))
         if isinstance(verdict, str):
             reason = verdict
         else:
-            site = experts_site.Site(verdict, found[3], {})
+            site = experts_site.Site(verdict, found.arg_names, {})
             site.interface = True  # its calls are the module's own, not a swapped model's
             module.__dict__[experts_site.SITE_ATTR] = site
             return site

@@ -67,6 +67,13 @@ class ExpertsPlan(namedtuple("ExpertsPlan", "style names biases transposed inter
     __slots__ = ()
 
 
+class Candidate(namedtuple("Candidate", "names biases style arg_names")):
+    """An experts module the op can take, by structure: its (gate_up, down) parameter names, their
+    bias names (None without biases), the call style (ROUTED or DENSE) and its forward's argument names."""
+
+    __slots__ = ()
+
+
 class Site:
     """What the experts forward reads at call time: its plan, the forward's argument names, the
     model's call counts, and what the tiled MLP's rule reads (`requested`: the caller named
@@ -101,8 +108,8 @@ def _arg_names(cls) -> tuple[str, ...] | None:
 
 
 def candidate(module):
-    """(names, biases, style, arg names) for a candidate; a refusal reason for a module with 3-D
-    expert parameters that cannot be swapped; None for anything else."""
+    """A `Candidate`; a `sites.Refused` for a module with 3-D expert parameters that cannot be
+    swapped; None for anything else."""
     own = _own_3d(module)
     if not own:
         return None
@@ -110,28 +117,30 @@ def candidate(module):
     if names is None:
         split = next((n for n in families.EXPERTS_SPLIT_NAMES if all(k in own for k in n)), None)
         if split is not None:
-            return "MoE experts with separate 3-D gate and up parameters: the op takes one gate_up"
+            return sites.Refused("MoE experts with separate 3-D gate and up parameters: the op takes one gate_up")
         if any(n in own for group in families.EXPERTS_NAMES for n in group):
             act = mlp.activation(module)
             act_name = mlp.declared_activation(act)[0] if act is not None else "act"
             up = next((n for n in own if n != "down_proj"), "up")
-            return (f"non-gated MoE experts, down_proj({act_name}({up}(x))) with 3-D {'/'.join(own)} (Nemotron-H's "
-                    f"ReLU² experts): the op computes a GLU, act(gate) * up")
+            return sites.Refused(f"non-gated MoE experts, down_proj({act_name}({up}(x))) with 3-D {'/'.join(own)} "
+                                 f"(Nemotron-H's ReLU² experts): the op computes a GLU, act(gate) * up")
         return None
     if any(sites.is_dtensor(own[n]) for n in names):  # the probe needs the whole weights
-        return f"MoE experts' {names[0]} is a {type(own[names[0]]).__name__} (sharded already): swap before sharding"
+        return sites.Refused(f"MoE experts' {names[0]} is a {type(own[names[0]]).__name__} (sharded already): "
+                             "swap before sharding")
     if getattr(module, "has_gate", True) is False:
-        return "MoE experts without a gate (has_gate=False): the op computes a GLU"
+        return sites.Refused("MoE experts without a gate (has_gate=False): the op computes a GLU")
     if getattr(module, "has_post_expert_norm", False):
-        return "MoE experts with a norm after each expert (has_post_expert_norm): not in the op"
+        return sites.Refused("MoE experts with a norm after each expert (has_post_expert_norm): not in the op")
     biases = tuple(n + families.EXPERTS_BIAS_SUFFIX for n in names)
     present = [isinstance(module._parameters.get(b), torch.Tensor) for b in biases]
     if any(present) and not all(present):
-        return "MoE experts with a bias on one projection only: not in the op"
+        return sites.Refused("MoE experts with a bias on one projection only: not in the op")
     arg_names = _arg_names(type(module))
     if arg_names is None:
-        return "MoE experts whose forward takes neither (hidden, top_k_index, top_k_weights) nor (hidden)"
-    return names, biases if all(present) else None, ROUTED if len(arg_names) == 3 else DENSE, arg_names
+        return sites.Refused("MoE experts whose forward takes neither (hidden, top_k_index, top_k_weights) "
+                             "nor (hidden)")
+    return Candidate(names, biases if all(present) else None, ROUTED if len(arg_names) == 3 else DENSE, arg_names)
 
 
 # --- probe -------------------------------------------------------------------------------------
@@ -255,7 +264,7 @@ def dense_routes(hidden: torch.Tensor, experts: int) -> tuple[torch.Tensor, torc
 
 def probe_verdict(module, act_dtype: torch.dtype, found):
     """The ExpertsPlan that reproduces this module's forward, or a refusal reason."""
-    names, biases, style, _ = found
+    names, biases, style = found.names, found.biases, found.style
     gate_up, down = (module._parameters[n] for n in names)
     layouts = _layouts(gate_up, down)
     if not layouts:
@@ -330,28 +339,28 @@ def _inputs(site: Site, args, kwargs):
 
 
 def decide_lora(module, plan: ExpertsPlan):
-    """The op's `lora` argument for this call (None without an active adapter), or a reason why
-    PEFT's forward runs instead."""
+    """The op's `lora` argument for this call (None without an active adapter), or a
+    `sites.Refused` saying why PEFT's forward runs instead."""
     if not adapters.parametrized(module):
         return None
     parts = {}
     for key, name in zip(("gate_up", "down"), plan.names):
         found = adapters.factors(module, name, plan.transposed)
-        if isinstance(found, str):
+        if isinstance(found, sites.Refused):
             return found
         parts[key] = found
     if plan.biases and any(adapters.factors(module, b, False) is not None for b in plan.biases):
-        return "LoRA on an expert bias"
+        return sites.Refused("LoRA on an expert bias")
     others = set(module._modules[adapters.PARAMETRIZATIONS]._modules) - set(plan.names)
     if others:
-        return f"parametrized {', '.join(sorted(others))}"
-    scalings = {f[2] for f in parts.values() if f is not None}
+        return sites.Refused(f"parametrized {', '.join(sorted(others))}")
+    scalings = {f.scaling for f in parts.values() if f is not None}
     if len(scalings) > 1:
-        return "different LoRA scalings on gate_up and down"
+        return sites.Refused("different LoRA scalings on gate_up and down")
     if not scalings:
         return None
     return {"gate_up": parts["gate_up"] and parts["gate_up"][:2], "down": parts["down"] and parts["down"][:2],
-            "scaling": scalings.pop()}
+            "scaling": scalings.pop()}  # the op's own argument: (A, B) per projection
 
 
 _warned_modes: set = set()
