@@ -176,9 +176,10 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int):
     k = _meta((1, tokens, model.kv_heads, model.head_dim), dtype).transpose(1, 2)
     rot = model.rotary_dim or model.head_dim
     cos, sin = _meta((1, tokens, rot), dtype), _meta((1, tokens, rot), dtype)
-    q_out, k_out = rope._forward_triton(q, k, cos, sin, 1)
-    rope._backward_triton(torch.empty_like(q_out), torch.empty_like(k_out), None, None, cos, sin, 1, q.dtype,
-                          k.dtype, (True, True, False, False), None)
+    for form in range(len(rope.FORMS)):  # rotate-half, DeepSeek's interleave, GPT-J pairs
+        q_out, k_out = rope._forward_triton(q, k, cos, sin, 1, form)
+        rope._backward_triton(torch.empty_like(q_out), torch.empty_like(k_out), None, None, cos, sin, 1, q.dtype,
+                              k.dtype, (True, True, False, False), None, form)
     gate, up = _meta((tokens, model.intermediate), dtype), _meta((tokens, model.intermediate), dtype)
     act = _glu.ACTIVATIONS[model.activation]
     _glu._forward_triton(gate, up, act)
