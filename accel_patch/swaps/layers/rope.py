@@ -1,6 +1,7 @@
-"""RoPE sites: attention modules whose forward calls a module-level rotate-half RoPE function.
+"""RoPE sites: attention modules whose forward calls a module-level RoPE function.
 
-Attention forwards call `apply_rotary_pos_emb` through their modeling module's globals, so the
+Attention forwards call `apply_rotary_pos_emb` (MLA attentions `apply_rotary_pos_emb_interleave`,
+`families.INTERLEAVED_ROPE_FUNCTIONS`) through their modeling module's globals, so the
 kernel can only get in by intercepting that global. The interception is shared by every model of
 the family and transparent for those not swapped: the global becomes a dispatcher that runs the
 kernel only inside the forward of an attention module that was swapped, and the original function
@@ -29,7 +30,16 @@ attention's head counts and head dim (full and partial rotary, where the functio
 with cos/sin in q's dtype and in float32 (what rotary embeddings that compute in float32 hand
 over): values, dtypes and shapes must all match. Some families (Olmo, Olmo2) compute in the
 promoted dtype and cast back to q's and k's dtypes; the probe sees that and the site casts back
-too (`RopePlan.cast_back`). Interleaved conventions (Cohere, GLM) differ and are refused.
+too (`RopePlan.cast_back`). The kernel rotates three layouts (`accel_kernels.ops.rope.FORMS`):
+rotate-half, DeepSeek's interleave (pairs in, halves out: `apply_rotary_pos_emb_interleave`) and
+GPT-J pairs (ERNIE 4.5, GLM); the probe tries them in that order and keeps the first that matches
+everywhere (`RopePlan.form`); a function that matches none (Cohere's full-width interleaved table,
+DeepSeek V4's rotation of the last dims) is refused with that reason. An MLA forward names both
+functions: `rope_interleave` (False) picks the rotate-half one, else the interleave one is
+intercepted. A function that takes `unsqueeze_dim` is probed on (B, S, H, D) tensors too
+(`RopePlan.bshd`: the indexers of DeepSeek V3.2 and its heirs call it so), and with k=None
+(`q_alone`: Mistral Large 4's query-only call); a function of three tensors, `f(x, cos, sin)`
+(Gemma 4), is the one-tensor form (`one_tensor`): the kernel rotates x alone.
 Some families (gpt-oss) hand over half-width tables, `cos[..., :r/2]`, and rotate each half by
 them (`x1 * cos - x2 * sin`, `x2 * cos + x1 * sin`): that is rotate-half RoPE on the table
 repeated twice, `cat(cos, cos)`. When the function takes no full-width table the probe tries
@@ -41,11 +51,11 @@ On CPU without Triton (`accel_kernels._dispatch.use_triton` false) the dispatche
 original function: the kernel's plain-torch twin computes the same thing more slowly there.
 
 Every eager call of a swapped attention is counted in the model's `calls["rope"]`: "fused" when
-the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) call, a
-call it cannot bind, no Triton; "another function" when the forward never reached the
-dispatcher, e.g. an MLA attention that picked its interleaved function). Attentions that call an
-interleaved RoPE function (`families.INTERLEAVED_ROPE_FUNCTIONS`, chosen by `rope_interleave`)
-are refused at the swap with that reason: there is no kernel for that form.
+the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) or k=None
+call the probe did not prove, a call it cannot bind, no Triton; "another function" when the
+forward never reached the dispatcher). Attentions that call a complex RoPE function (Llama 4's
+`apply_rotary_emb` with `freqs_cis`, `families.COMPLEX_ROPE_FUNCTIONS`) are refused at the swap
+with that reason: there is no kernel for that form.
 """
 from __future__ import annotations
 
@@ -536,7 +546,10 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
                                                          device, 1, True))
                 return plan
     if not ran_any:
-        return f"{key[1]} could not be called with RoPE shapes (q, k, cos, sin with full- or half-width cos/sin)"
+        return f"{key[1]} could not be called with rotate-half shapes (full- or half-width cos/sin)"
+    if one_tensor:
+        names = ", ".join(list(inspect.signature(original).parameters)[:3])
+        return f"{mismatch}; it rotates one tensor per call ({names}): the one-tensor form"
     return str(mismatch)
 
 
