@@ -281,7 +281,8 @@ class Hold:
     (`__reduce__`), so each runs the kernel its report lists."""
 
     def __init__(self, plan: RopePlan) -> None:
-        self.plan = RopePlan(*plan)._replace(key=tuple(plan.key))
+        plan = RopePlan(*plan)
+        self.plan = plan._replace(key=tuple(plan.key))
         self.key = self.plan.key
         interceptions.acquire(self.plan)
         self._collected = weakref.finalize(self, interceptions.dropped, self.key)
@@ -291,7 +292,7 @@ class Hold:
             interceptions.release(self.key)
 
     def __reduce__(self):
-        return Hold, (tuple(self.plan),)
+        return Hold, (self.plan,)
 
 
 def _dispatcher(plan: RopePlan, original):
@@ -472,7 +473,7 @@ def _probe_form(key, original, plan, shapes, combos, device):
             if err > limit:
                 tables = "half-width tables" if plan.half_tables else "full-width tables"
                 return ran, _Mismatch(f"{key[0]}.{key[1]} differs from every RoPE form the kernel rotates "
-                                      f"(rotate-half, DeepSeek's interleave, GPT-J pairs) in {dtype} on {tables} "
+                                      f"(rotate-half; interleaved: DeepSeek's, GPT-J pairs) in {dtype} on {tables} "
                                       f"(rotate-half: relative error {err:.2e} > {limit:.1e})")
     return ran, cast_back
 
