@@ -97,15 +97,16 @@ class Site:
 
 
 
-class RopePlan(namedtuple("RopePlan", "key cast_back half_tables form bshd q_alone one_tensor",
-                          defaults=(False, "half", False, False, False))):
+class RopePlan(namedtuple("RopePlan", "key cast_back half_tables form bshd q_alone one_tensor partial",
+                          defaults=(False, "half", False, False, False, True))):
     """key: (modeling module, function name) of the global; cast_back: the function returns q's and
     k's own dtypes (it casts the promoted result back), so the site casts the kernel's back too;
     half_tables: the function takes cos/sin of half the rotary width, which the kernel gets
     repeated twice (see the module docstring); form: the layout the kernel rotates
     (`accel_kernels.ops.rope.FORMS`); bshd: (B, S, H, D) calls (unsqueeze_dim=2) were proved too;
     q_alone: calls with k=None were proved too; one_tensor: the function rotates one tensor per
-    call, `f(x, cos, sin)`."""
+    call, `f(x, cos, sin)`; partial: it takes heads wider than the tables (partial rotary), else
+    such a call runs the function (which raises, as stock does) and not the kernel."""
 
     __slots__ = ()
 
@@ -341,6 +342,9 @@ def _dispatcher(plan: RopePlan, original):
                 return K_NONE
         if not (isinstance(q, torch.Tensor) and _dispatch.use_triton(q)):  # the original is faster there
             return NO_TRITON
+        if not plan.partial and isinstance(cos, torch.Tensor) and q.shape[-1] != cos.shape[-1] * (
+                2 if plan.half_tables else 1):
+            return SHAPE  # partial rotary the function does not take: it raises, as stock does
         try:
             q_out, k_out = _kernel(q, k, cos, sin, plan, unsqueeze_dim)
         except (ValueError, TypeError, AttributeError):
@@ -435,10 +439,10 @@ class _Mismatch(str):
 
 def _probe_form(key, original, plan, shapes, combos, device):
     """Run `original` and the kernel under `plan` on every (dtype, shape) case the function takes:
-    (cases run, cast_back or None) when all match, else (cases run, reason): a `_Mismatch` when
-    only the values differ."""
+    (cases run, cast_back or None, partial rotary ran) when all match, else (cases run, reason,
+    None): a `_Mismatch` reason when only the values differ."""
     heads, kv_heads, dims = shapes
-    ran, cast_back = 0, None
+    ran, cast_back, partial = 0, None, False
     for dtype, table_dtype in combos:
         for dim, r in dims:
             width = r // 2 if plan.half_tables else r
@@ -451,31 +455,32 @@ def _probe_form(key, original, plan, shapes, combos, device):
             except Exception:
                 continue  # this function does not take this shape; the dispatcher never sends it
             ran += 1
+            partial = partial or dim != r
             ref = (ref,) if plan.one_tensor and isinstance(ref, torch.Tensor) else ref
             inputs = (q,) if plan.one_tensor else (q, k)
             try:
                 out = _kernel(q, None if plan.one_tensor else k, cos, sin, plan)[:len(inputs)]
             except ValueError as exc:
-                return ran, f"kernel refused the shapes the function takes: {exc}"
+                return ran, f"kernel refused the shapes the function takes: {exc}", None
             if dtype != table_dtype and isinstance(ref, tuple) and len(ref) == len(inputs):
                 # mixed dtypes: the kernel returns the promoted dtype; the function may cast back
                 back = all(isinstance(r_, torch.Tensor) and r_.dtype == t.dtype for r_, t in zip(ref, inputs))
                 if cast_back is not None and back != cast_back:
-                    return ran, f"{key[0]}.{key[1]} returns different dtypes for different shapes"
+                    return ran, f"{key[0]}.{key[1]} returns different dtypes for different shapes", None
                 cast_back = back
                 if back:
                     out = tuple(o.to(t.dtype) for o, t in zip(out, inputs))
             why = _dtypes_returned(out, ref, len(inputs))
             if why:
-                return ran, f"{key[0]}.{key[1]} with q/k in {dtype} and cos/sin in {table_dtype}: {why}"
+                return ran, f"{key[0]}.{key[1]} with q/k in {dtype} and cos/sin in {table_dtype}: {why}", None
             err = max(probe.rel_err(o, s_) for o, s_ in zip(out, ref))
             limit = probe.bound(dtype)
             if err > limit:
                 tables = "half-width tables" if plan.half_tables else "full-width tables"
                 return ran, _Mismatch(f"{key[0]}.{key[1]} differs from every RoPE form the kernel rotates "
                                       f"(rotate-half; interleaved: DeepSeek's, GPT-J pairs) in {dtype} on {tables} "
-                                      f"(rotate-half: relative error {err:.2e} > {limit:.1e})")
-    return ran, cast_back
+                                      f"(rotate-half: relative error {err:.2e} > {limit:.1e})"), None
+    return ran, cast_back, partial
 
 
 def _proves(original, plan, heads, kv_heads, dim, r, dtype, device, unsqueeze_dim, q_alone) -> bool:
@@ -528,7 +533,7 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
         for form in FORMS:
             for half_tables in (False, True):
                 plan = RopePlan(key, False, half_tables, form, one_tensor=one_tensor)
-                ran, found = _probe_form(key, original, plan, shapes, combos, device)
+                ran, found, partial = _probe_form(key, original, plan, shapes, combos, device)
                 if not ran:
                     continue
                 ran_any = True
@@ -537,7 +542,7 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
                     break
                 if isinstance(found, str):
                     return found
-                plan = plan._replace(cast_back=bool(found))
+                plan = plan._replace(cast_back=bool(found), partial=partial)
                 dim, r = dims[0]
                 if _takes(original, "unsqueeze_dim"):
                     plan = plan._replace(bshd=_proves(original, plan, heads, kv_heads, dim, r, act_dtype, device,

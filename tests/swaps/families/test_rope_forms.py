@@ -117,3 +117,43 @@ def test_deepseek_v4_one_tensor_rope_is_refused_with_its_form_named():
     report = accel_patch.swap_kernels(model, ops=["rope"])
     reasons = {r.reason for r in report.refused if r.op == "rope"}
     assert reasons and all("one-tensor form" in r and "(x, cos, sin)" in r for r in reasons), reasons
+
+
+def _call_swapped(key, *args, **kwargs):
+    """The module global of `key` called as a swapped attention forward calls it (gate open)."""
+    import sys
+
+    counter = rope.gate(key).counter()
+    counter.depth += 1
+    try:
+        return sys.modules[key[0]].__dict__[key[1]](*args, **kwargs)
+    finally:
+        counter.depth -= 1
+
+
+def test_the_interleave_dispatcher_sends_only_the_calls_the_probe_proved():
+    from accel_kernels import _launch
+
+    model = _model("deepseek_v3")
+    attention = next(m for m in model.modules() if type(m).__name__ == "DeepseekV3Attention")
+    key = rope.rope_function(attention, model.config)
+    plan = rope.probe_verdict(key, attention, model.config, torch.float32)
+    assert isinstance(plan, rope.RopePlan) and plan.form == "interleave", plan
+    # DeepSeek's function takes (B, S, H, D) calls, not k=None nor heads wider than the tables
+    assert plan.bshd and not plan.q_alone and not plan.partial and not plan.cast_back, plan
+    hold = rope.Hold(plan)
+    try:
+        original = rope.interceptions.original(key)
+        q, k = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 1, 8)
+        cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+        with _launch.recording() as launched:
+            got = _call_swapped(key, q, k, cos, sin, unsqueeze_dim=2)
+        assert launched == ["_rope_kernel"]
+        for g, w in zip(got, original(q, k, cos, sin, unsqueeze_dim=2)):
+            torch.testing.assert_close(g, w)
+        # a partial-rotary call the function rejects: it runs (and raises) as stock, no kernel
+        with _launch.recording() as launched, pytest.raises(RuntimeError):
+            _call_swapped(key, torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), cos[..., :4], sin[..., :4])
+        assert launched == []
+    finally:
+        hold.release()
