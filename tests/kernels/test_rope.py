@@ -346,11 +346,20 @@ def gptj_pairs(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
 
 
-FORM_REFERENCES = {"interleave": deepseek_interleave, "pairs": gptj_pairs}
+def deepseek_interleave_before_v5(q, k, cos, sin, unsqueeze_dim=1):
+    """DeepSeek V3's apply_rotary_pos_emb_interleave before transformers 5: de-interleave, rotate-half."""
+    def deinterleave(x):
+        return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+    return eager(deinterleave(q), deinterleave(k), cos, sin, unsqueeze_dim)
+
+
+FORM_REFERENCES = {"interleave": deepseek_interleave, "pairs": gptj_pairs,
+                   "interleave_table": deepseek_interleave_before_v5}
 
 
 @pytest.mark.usefixtures("triton_only")
-@pytest.mark.parametrize("form", ["interleave", "pairs"])
+@pytest.mark.parametrize("form", ["interleave", "pairs", "interleave_table"])
 @pytest.mark.parametrize("dtype,cos_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                              (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
@@ -369,7 +378,7 @@ def test_interleaved_forms_match_float64(device, form, dtype, cos_dtype, unsquee
         assert_close(g, r, g.dtype, stock=s, what=what)
 
 
-@pytest.mark.parametrize("form", ["half", "interleave", "pairs"])
+@pytest.mark.parametrize("form", ["half", "interleave", "pairs", "interleave_table"])
 def test_interleaved_forms_twin_and_partial_rotary(device, monkeypatch, form):
     # the plain-torch twin (no Triton) equals the kernel; dims past the table's width pass through
     q, k, cos, sin = make_inputs(device, torch.float32, n_q=2, n_k=2, head_dim=10, rot_dim=6)

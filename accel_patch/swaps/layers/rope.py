@@ -30,9 +30,10 @@ attention's head counts and head dim (full and partial rotary, where the functio
 with cos/sin in q's dtype and in float32 (what rotary embeddings that compute in float32 hand
 over): values, dtypes and shapes must all match. Some families (Olmo, Olmo2) compute in the
 promoted dtype and cast back to q's and k's dtypes; the probe sees that and the site casts back
-too (`RopePlan.cast_back`). The kernel rotates three layouts (`accel_kernels.ops.rope.FORMS`):
-rotate-half, DeepSeek's interleave (pairs in, halves out: `apply_rotary_pos_emb_interleave`) and
-GPT-J pairs (ERNIE 4.5, GLM); the probe tries them in that order and keeps the first that matches
+too (`RopePlan.cast_back`). The kernel rotates four layouts (`accel_kernels.ops.rope.FORMS`):
+rotate-half, DeepSeek's interleave (pairs in, halves out: `apply_rotary_pos_emb_interleave`),
+GPT-J pairs (ERNIE 4.5, GLM) and DeepSeek's interleave as transformers 4 wrote it (on the whole
+table); the probe tries them in that order and keeps the first that matches
 everywhere (`RopePlan.form`); a function that matches none (Cohere's full-width interleaved table,
 DeepSeek V4's rotation of the last dims) is refused with that reason. An MLA forward names both
 functions: `rope_interleave` (False) picks the rotate-half one, else the interleave one is

@@ -12,6 +12,11 @@ the angle of cos[..., i], sin[..., i] (the first half of the table; the second h
 - "pairs", GPT-J style (ERNIE 4.5's `apply_rotary_pos_emb`): each pair stays where it was,
   out[2i] = x0 * c - x1 * s, out[2i + 1] = x1 * c + x0 * s.
 
+"interleave_table" is "interleave" on the whole table (the first half rotates into the first
+half of the output, the second half into the second), what DeepSeek V3's interleave function was
+before transformers 5 (a view/transpose of q and k, then rotate-half): equal to "interleave"
+on tables that are `cat(freqs, freqs)`, different on any other.
+
 A program takes a block of (batch, position) tokens and applies each
 token's cos/sin row to all its query and key heads, so cos/sin are read once per token. The
 outputs are new tensors: q and k are never written. The backward applies the transposed rotation
@@ -36,7 +41,7 @@ from .._triton import cast_rounded, jit, tl
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 4096
 #: The layouts the kernel rotates (the FORM constexpr is the index).
-FORMS = ("half", "interleave", "pairs")
+FORMS = ("half", "interleave", "pairs", "interleave_table")
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,8 +57,8 @@ def _rotate_heads(
 ):
     """Rotate every head of a block of tokens. Tiles are (token, head, dim); x_tok/o_tok are the
     (token, 1, 1) offsets of head 0, c1/c2/s1/s2 the (token, 1, dim) cos/sin halves (FORM 0) or
-    c1 = c2, s1 = s2 the pair angles (FORM 1, 2). FORM 1 reads pairs and writes halves; its
-    backward reads halves and writes pairs; FORM 2 keeps pairs both ways."""
+    c1 = c2, s1 = s2 the pair angles (FORM 1, 2). FORMs 1 and 3 read pairs and write halves
+    (their backward reads halves and writes pairs); FORM 2 keeps pairs both ways."""
     # int64: h * stride_h overflows int32 past 2**31 elements (a (B, H, S, D) layout with 32 heads
     # of 128 reaches it at about 541k tokens a sequence)
     h = tl.arange(0, BLOCK_H).to(tl.int64)[None, :, None]
@@ -62,7 +67,7 @@ def _rotate_heads(
     o = O + o_tok + h * o_stride_h
     mask = tok_ok & (h < n_heads) & (d < half)
     # where the two elements rotated together sit: halves (d, half + d) or pairs (2d, 2d + 1)
-    if FORM == 2 or (FORM == 1 and not BACKWARD):
+    if FORM == 2 or (FORM % 2 == 1 and not BACKWARD):
         x1 = tl.load(x + 2 * d, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x + 2 * d + 1, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -75,7 +80,7 @@ def _rotate_heads(
     else:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-    if FORM == 2 or (FORM == 1 and BACKWARD):
+    if FORM == 2 or (FORM % 2 == 1 and BACKWARD):
         tl.store(o + 2 * d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
         tl.store(o + 2 * d + 1, cast_rounded(o2, O.dtype.element_ty), mask=mask)
     else:
@@ -110,7 +115,7 @@ def _rope_kernel(
     sin = SIN + b * sin_sb + s * sin_ss
     c1 = tl.load(cos + d, mask=cs_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin + d, mask=cs_mask, other=0.0).to(tl.float32)
-    if FORM == 0:
+    if FORM == 0 or FORM == 3:  # the whole table: each half of the output has its own angles
         c2 = tl.load(cos + half + d, mask=cs_mask, other=0.0).to(tl.float32)
         s2 = tl.load(sin + half + d, mask=cs_mask, other=0.0).to(tl.float32)
     else:  # interleaved forms: one angle per pair, the table's first half
@@ -217,7 +222,8 @@ def _(q, k, cos, sin, unsqueeze_dim, triton_path, form=0):
 def _rope_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, q: Optional[torch.Tensor],
                       k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
                       q_dtype: torch.dtype, k_dtype: torch.dtype, need_cos: bool, need_sin: bool,
-                      triton_path: bool, form: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      triton_path: bool, form: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dcos, dsin); dcos, dsin are (0,) unless asked for (then q and k are given)."""
     needs = (True, True, need_cos, need_sin)
     grads = (_backward_triton if triton_path else _backward_torch)(
@@ -273,6 +279,9 @@ def _rotated(x, cos, sin, form):
     x_rot, x_pass = x[..., :r], x[..., r:]
     if form == 0:
         out = x_rot * cos + _rotate_half(x_rot) * sin
+    elif form == 3:  # DeepSeek's function before transformers 5: de-interleave, then rotate-half
+        x_h = torch.cat([x_rot[..., 0::2], x_rot[..., 1::2]], dim=-1)
+        out = x_h * cos + _rotate_half(x_h) * sin
     else:  # DeepSeek's interleave function, term for term; "pairs" puts each pair back in place
         c, s = cos[..., : r // 2], sin[..., : r // 2]
         x0, x1 = x_rot[..., 0::2], x_rot[..., 1::2]
@@ -305,9 +314,11 @@ def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dt
 
     def through(g, dtype):
         g_rot = g[..., :r]
-        if form == 0:
+        if form in (0, 3):
             gs = g_rot * sin_u
             d_rot = g_rot * cos_u + torch.cat((gs[..., r // 2:], -gs[..., : r // 2]), dim=-1)
+            if form == 3:  # back to pairs
+                d_rot = torch.stack((d_rot[..., : r // 2], d_rot[..., r // 2:]), dim=-1).flatten(-2)
         else:  # the pair rotation transposed, the gradient put back in pairs
             c, s = cos_u[..., : r // 2], sin_u[..., : r // 2]
             g0, g1 = (g_rot[..., : r // 2], g_rot[..., r // 2:]) if form == 1 else (g_rot[..., 0::2], g_rot[..., 1::2])
@@ -381,12 +392,13 @@ def rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: tor
          form: str = "half"):
     """Rotary embedding of q and k, equal to transformers' apply_rotary_pos_emb (form "half") or
     to its interleaved kin (form "interleave": DeepSeek V3's `apply_rotary_pos_emb_interleave`;
-    "pairs": GPT-J style, ERNIE 4.5's; see the module docstring); returns (q_out, k_out).
+    "pairs": GPT-J style, ERNIE 4.5's; "interleave_table": DeepSeek's before transformers 5; see
+    the module docstring); returns (q_out, k_out).
 
     unsqueeze_dim=1: q (B, Hq, S, D), k (B, Hk, S, D); unsqueeze_dim=2: q (B, S, Hq, D),
     k (B, S, Hk, D). Hq and Hk may differ (GQA). k may be None (one tensor rotated: k_out is
     None). cos, sin: (B or 1, S, R) with R even, R <= D: the first R dims of each head rotate, the
-    last D - R pass through (partial rotary); the interleaved forms read the first R/2 columns
+    last D - R pass through (partial rotary); "interleave" and "pairs" read the first R/2 columns
     (one angle per pair). Any strides. Outputs are new tensors of q's/k's shape in the dtype torch
     promotion gives q (k) with cos and sin. Differentiable in q and k. The kernel gives cos and
     sin no gradient: when either requires grad, the plain-torch twin runs instead so that they get

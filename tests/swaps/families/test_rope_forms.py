@@ -50,7 +50,8 @@ def _model(family: str, **extra):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     # the class itself, not from_config: the load hook would swap (and probe) every op first
-    cls = {"Mistral4Config": transformers.Mistral4ForCausalLM}.get(cls_name) or MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    own = {"Mistral4Config": "Mistral4ForCausalLM"}.get(cls_name)  # not in the Auto mapping
+    cls = getattr(transformers, own) if own else MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     model = cls(config).float()
     probe.cache.clear()
     return model
@@ -157,3 +158,35 @@ def test_the_interleave_dispatcher_sends_only_the_calls_the_probe_proved():
         assert launched == []
     finally:
         hold.release()
+
+
+@pytest.mark.slow
+def test_deepseek_interleave_function_of_transformers_4_gets_its_own_form(monkeypatch):
+    # before transformers 5 the function de-interleaved q and k (view/transpose) and applied
+    # rotate-half on the whole table: a different function on tables other than cat(freqs, freqs)
+    model = _model("deepseek_v3")
+    module = __import__(type(model).__module__, fromlist=["_"])
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        b, h, s, d = q.shape
+        q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+        b, h, s, d = k.shape
+        k = k.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+        return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+    monkeypatch.setattr(module, "apply_rotary_pos_emb_interleave", apply_rotary_pos_emb_interleave)
+    attention = next(m for m in model.modules() if type(m).__name__ == "DeepseekV3Attention")
+    plan = rope.probe_verdict(rope.rope_function(attention, model.config), attention, model.config, torch.float32)
+    assert isinstance(plan, rope.RopePlan) and plan.form == "interleave_table", plan
+    stock = copy.deepcopy(model)
+    accel_patch.swap_kernels(model, ops=["rope"])
+    want_loss, want_grads = _step(stock)
+    loss, grads = _step(model)
+    assert accel_patch.report(model).calls["rope"] == {rope.FUSED: len(model.model.layers)}
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
