@@ -316,11 +316,11 @@ class _Walk:
                             lambda: mlp.probe_verdict(module, self.dtype, names, act), mlp.forward_for)
 
     def rope(self, where, module, ops=(rope.OP,)) -> None:
-        reason = rope.interleaved_refusal(module, self.config)
+        reason = rope.complex_refusal(module)
         if reason:
             self.refuse(where, rope.OP, reason)
             return
-        fn = rope.rope_function(module)
+        fn = rope.rope_function(module, self.config)
         if fn is None:
             return
         shape = rope.head_shape(module, self.config)
@@ -335,7 +335,7 @@ class _Walk:
         fn = plan.key
         if fn not in self.rope_held:
             # the model's own hold: copied and pickled with its state, counted down when it is collected
-            self.state.releases.append(rope.Hold(fn, plan.cast_back, plan.half_tables).release)
+            self.state.releases.append(rope.Hold(plan).release)
             self.rope_held.add(fn)
         return rope.forward_for(fn)
 

@@ -94,8 +94,12 @@ EXPERTS_BIAS_SUFFIX = "_bias"
 # --- RoPE ----------------------------------------------------------------------------------
 #: Module-level functions that attention forwards call by name to apply rotate-half RoPE.
 ROPE_FUNCTIONS = ("apply_rotary_pos_emb",)
-#: Interleaved-RoPE functions (DeepSeek V3's MLA and its heirs): no kernel, refused with the reason.
+#: Interleaved-RoPE functions (DeepSeek V3's MLA and its heirs), intercepted like the rotate-half
+#: one; an MLA attention that names both calls this one unless its `rope_interleave` is False.
 INTERLEAVED_ROPE_FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_emb_interleave")
+#: Complex-number RoPE functions (Llama 4's `apply_rotary_emb(xq, xk, freqs_cis)`): no kernel,
+#: refused with the reason.
+COMPLEX_ROPE_FUNCTIONS = ("apply_rotary_emb",)
 #: Config attributes that give the rotary share of a head (partial rotary).
 PARTIAL_ROTARY_ATTRIBUTES = ("partial_rotary_factor", "rotary_pct")
 

@@ -174,8 +174,9 @@ def _sized_for(target: Target):
         rms_norm._max_programs = real
 
 
-def _drive(model: Model, dtype: torch.dtype, tokens: int):
-    """Run every op's host functions, forward and backward, at the model's shapes (meta tensors)."""
+def _drive(model: Model, dtype: torch.dtype, tokens: int, rope_forms=None):
+    """Run every op's host functions, forward and backward, at the model's shapes (meta tensors);
+    RoPE in `rope_forms` (indices into rope.FORMS; None: all)."""
     from .ops import _glu, cross_entropy, fused_linear_cross_entropy, relu_squared, rms_norm, rope
 
     casting, offset = model.norm
@@ -197,9 +198,10 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int):
     k = _meta((1, tokens, model.kv_heads, model.head_dim), dtype).transpose(1, 2)
     rot = model.rotary_dim or model.head_dim
     cos, sin = _meta((1, tokens, rot), dtype), _meta((1, tokens, rot), dtype)
-    q_out, k_out = rope._forward_triton(q, k, cos, sin, 1)
-    rope._backward_triton(torch.empty_like(q_out), torch.empty_like(k_out), None, None, cos, sin, 1, q.dtype,
-                          k.dtype, (True, True, False, False), None)
+    for form in range(len(rope.FORMS)) if rope_forms is None else rope_forms:
+        q_out, k_out = rope._forward_triton(q, k, cos, sin, 1, form)
+        rope._backward_triton(torch.empty_like(q_out), torch.empty_like(k_out), None, None, cos, sin, 1, q.dtype,
+                              k.dtype, (True, True, False, False), None, form)
     gate, up = _meta((tokens, model.intermediate), dtype), _meta((tokens, model.intermediate), dtype)
     act = _glu.ACTIVATIONS[model.activation]
     _glu._forward_triton(gate, up, act)
@@ -461,7 +463,10 @@ def _configurations(quick: bool) -> dict:
             for dtype_name in dtypes:
                 for tokens in QUICK_TOKENS if quick else TOKENS[dtype_name]:
                     with _sized_for(target), _launch.capturing() as launches:
-                        _drive(MODELS[model_name], DTYPES[dtype_name], tokens)
+                        # RoPE's interleaved forms differ from rotate-half only in addressing: compiled at the
+                        # quick models' shapes (every dtype and token count), which keeps the matrix's time
+                        _drive(MODELS[model_name], DTYPES[dtype_name], tokens,
+                               rope_forms=None if model_name in QUICK_MODELS else (0,))
                     _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
         for model_name in QUICK_MOE_MODELS if quick else tuple(MOE_MODELS):
             for dtype_name in QUICK_DTYPES if quick else MOE_DTYPES:

@@ -320,3 +320,97 @@ def test_head_offsets_past_int32(tmp_path):
     assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-2000:]}"
     # computed in fp32, rounded once: at most an ulp of bf16 from the rounded fp32 formula
     assert float(proc.stdout.split()[-1]) <= 0.0625
+
+
+# --- interleaved forms -------------------------------------------------------------------------
+
+
+def deepseek_interleave(q, k, cos, sin, unsqueeze_dim=1):
+    """DeepSeek V3's apply_rotary_pos_emb_interleave (transformers 5.24), as written there."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_embed, k_embed
+
+
+def gptj_pairs(q, k, cos, sin, unsqueeze_dim=1):
+    """ERNIE 4.5's apply_rotary_pos_emb without its float32 round trip: pairs rotated in place."""
+    def rotate_pairs(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
+
+
+def deepseek_interleave_before_v5(q, k, cos, sin, unsqueeze_dim=1):
+    """DeepSeek V3's apply_rotary_pos_emb_interleave before transformers 5: de-interleave, rotate-half."""
+    def deinterleave(x):
+        return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+    return eager(deinterleave(q), deinterleave(k), cos, sin, unsqueeze_dim)
+
+
+FORM_REFERENCES = {"interleave": deepseek_interleave, "pairs": gptj_pairs,
+                   "interleave_table": deepseek_interleave_before_v5}
+
+
+@pytest.mark.usefixtures("triton_only")
+@pytest.mark.parametrize("form", ["interleave", "pairs", "interleave_table"])
+@pytest.mark.parametrize("dtype,cos_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_interleaved_forms_match_float64(device, form, dtype, cos_dtype, unsqueeze_dim):
+    reference = FORM_REFERENCES[form]
+    q, k, cos, sin = make_inputs(device, dtype, n_q=3, n_k=1, head_dim=12, unsqueeze_dim=unsqueeze_dim,
+                                 cos_dtype=cos_dtype)
+    stock_q, stock_k = reference(q, k, cos, sin, unsqueeze_dim)
+    dq_out, dk_out = torch.randn(q.shape).to(stock_q.dtype), torch.randn(k.shape).to(stock_k.dtype)
+    got = forward_backward(lambda *a: rope(*a, form=form), q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
+    ref = forward_backward(reference, q.double(), k.double(), cos.double(), sin.double(), dq_out.double(),
+                           dk_out.double(), unsqueeze_dim)
+    stock = forward_backward(reference, q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
+    for what, g, r, s in zip(("q_out", "k_out", "grad of q", "grad of k"), got, ref, stock):
+        assert g.dtype == s.dtype and g.shape == s.shape, f"{what}: {g.dtype} {tuple(g.shape)}"
+        assert_close(g, r, g.dtype, stock=s, what=what)
+
+
+@pytest.mark.parametrize("form", ["half", "interleave", "pairs", "interleave_table"])
+def test_interleaved_forms_twin_and_partial_rotary(device, monkeypatch, form):
+    # the plain-torch twin (no Triton) equals the kernel; dims past the table's width pass through
+    q, k, cos, sin = make_inputs(device, torch.float32, n_q=2, n_k=2, head_dim=10, rot_dim=6)
+    dq_out, dk_out = torch.randn(q.shape), torch.randn(k.shape)
+    fn = lambda *a: rope(*a, form=form)  # noqa: E731
+    kernel = forward_backward(fn, q, k, cos, sin, dq_out, dk_out)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *a: False)
+    twin = forward_backward(fn, q, k, cos, sin, dq_out, dk_out)
+    for g, t in zip(kernel, twin):
+        assert_close(g, t, torch.float32, what=form)
+    for out, x in zip(kernel[:2], (q, k)):
+        assert torch.equal(out[..., 6:], x[..., 6:])
+
+
+@pytest.mark.usefixtures("triton_only")
+def test_one_tensor_is_rotated_alone(device):
+    # k=None: q rotated as with a k beside it (Mistral Large 4 calls the interleave function so)
+    q, k, cos, sin = make_inputs(device, torch.bfloat16, n_q=3, n_k=1, head_dim=8, unsqueeze_dim=2)
+    q_alone, none = rope(q, None, cos, sin, 2, form="interleave")
+    assert none is None
+    assert torch.equal(q_alone, rope(q, k, cos, sin, 2, form="interleave")[0])
+    q = q.detach().requires_grad_(True)
+    rope(q, None, cos, sin, 2, form="interleave")[0].float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_interleaved_forms_give_tables_their_gradient_and_refuse_unknown_forms(device):
+    q, k, cos, sin = make_inputs(device, torch.float32, n_q=2, n_k=1, head_dim=8)
+    cos, sin = cos.requires_grad_(True), sin.requires_grad_(True)
+    sum(o.sum() for o in rope(q, k, cos, sin, form="interleave")).backward()
+    c, s = cos.detach().requires_grad_(True), sin.detach().requires_grad_(True)
+    sum(o.sum() for o in deepseek_interleave(q, k, c, s)).backward()
+    assert torch.allclose(cos.grad, c.grad) and torch.allclose(sin.grad, s.grad)
+    with pytest.raises(ValueError, match="form must be one of"):
+        rope(q, k, cos, sin, form="complex")

@@ -1,6 +1,7 @@
-"""RoPE sites: attention modules whose forward calls a module-level rotate-half RoPE function.
+"""RoPE sites: attention modules whose forward calls a module-level RoPE function.
 
-Attention forwards call `apply_rotary_pos_emb` through their modeling module's globals, so the
+Attention forwards call `apply_rotary_pos_emb` (MLA attentions `apply_rotary_pos_emb_interleave`,
+`families.INTERLEAVED_ROPE_FUNCTIONS`) through their modeling module's globals, so the
 kernel can only get in by intercepting that global. The interception is shared by every model of
 the family and transparent for those not swapped: the global becomes a dispatcher that runs the
 kernel only inside the forward of an attention module that was swapped, and the original function
@@ -29,7 +30,17 @@ attention's head counts and head dim (full and partial rotary, where the functio
 with cos/sin in q's dtype and in float32 (what rotary embeddings that compute in float32 hand
 over): values, dtypes and shapes must all match. Some families (Olmo, Olmo2) compute in the
 promoted dtype and cast back to q's and k's dtypes; the probe sees that and the site casts back
-too (`RopePlan.cast_back`). Interleaved conventions (Cohere, GLM) differ and are refused.
+too (`RopePlan.cast_back`). The kernel rotates four layouts (`accel_kernels.ops.rope.FORMS`):
+rotate-half, DeepSeek's interleave (pairs in, halves out: `apply_rotary_pos_emb_interleave`),
+GPT-J pairs (ERNIE 4.5, GLM) and DeepSeek's interleave as transformers 4 wrote it (on the whole
+table); the probe tries them in that order and keeps the first that matches
+everywhere (`RopePlan.form`); a function that matches none (Cohere's full-width interleaved table,
+DeepSeek V4's rotation of the last dims) is refused with that reason. An MLA forward names both
+functions: `rope_interleave` (False) picks the rotate-half one, else the interleave one is
+intercepted. A function that takes `unsqueeze_dim` is probed on (B, S, H, D) tensors too
+(`RopePlan.bshd`: the indexers of DeepSeek V3.2 and its heirs call it so), and with k=None
+(`q_alone`: Mistral Large 4's query-only call); a function of three tensors, `f(x, cos, sin)`
+(Gemma 4), is the one-tensor form (`one_tensor`): the kernel rotates x alone.
 Some families (gpt-oss) hand over half-width tables, `cos[..., :r/2]`, and rotate each half by
 them (`x1 * cos - x2 * sin`, `x2 * cos + x1 * sin`): that is rotate-half RoPE on the table
 repeated twice, `cat(cos, cos)`. When the function takes no full-width table the probe tries
@@ -41,11 +52,11 @@ On CPU without Triton (`accel_kernels._dispatch.use_triton` false) the dispatche
 original function: the kernel's plain-torch twin computes the same thing more slowly there.
 
 Every eager call of a swapped attention is counted in the model's `calls["rope"]`: "fused" when
-the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) call, a
-call it cannot bind, no Triton; "another function" when the forward never reached the
-dispatcher, e.g. an MLA attention that picked its interleaved function). Attentions that call an
-interleaved RoPE function (`families.INTERLEAVED_ROPE_FUNCTIONS`, chosen by `rope_interleave`)
-are refused at the swap with that reason: there is no kernel for that form.
+the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) or k=None
+call the probe did not prove, a call it cannot bind, no Triton; "another function" when the
+forward never reached the dispatcher). Attentions that call a complex RoPE function (Llama 4's
+`apply_rotary_emb` with `freqs_cis`, `families.COMPLEX_ROPE_FUNCTIONS`) are refused at the swap
+with that reason: there is no kernel for that form.
 """
 from __future__ import annotations
 
@@ -66,7 +77,8 @@ OP = "rope"
 #: A call's outcomes (the model's calls["rope"]; report.outcome_kind reads them).
 FUSED = "fused"
 NO_TRITON = "stood aside: no Triton for these tensors (the function itself)"
-UNSQUEEZE_2 = "(B, S, H, D) call (unsqueeze_dim=2): the function itself"
+UNSQUEEZE_2 = "(B, S, H, D) call (unsqueeze_dim=2) the probe did not prove: the function itself"
+K_NONE = "a call with k=None (q alone) the probe did not prove: the function itself"
 NOT_PLAIN = "not a plain (q, k, cos, sin) call: the function itself"
 SHAPE = "a shape the kernel does not take: the function itself"
 #: Instance attribute of a swapped attention: its `Site` (where its calls are counted).
@@ -85,11 +97,16 @@ class Site:
 
 
 
-class RopePlan(namedtuple("RopePlan", "key cast_back half_tables", defaults=(False,))):
+class RopePlan(namedtuple("RopePlan", "key cast_back half_tables form bshd q_alone one_tensor partial",
+                          defaults=(False, "half", False, False, False, True))):
     """key: (modeling module, function name) of the global; cast_back: the function returns q's and
     k's own dtypes (it casts the promoted result back), so the site casts the kernel's back too;
     half_tables: the function takes cos/sin of half the rotary width, which the kernel gets
-    repeated twice (see the module docstring)."""
+    repeated twice (see the module docstring); form: the layout the kernel rotates
+    (`accel_kernels.ops.rope.FORMS`); bshd: (B, S, H, D) calls (unsqueeze_dim=2) were proved too;
+    q_alone: calls with k=None were proved too; one_tensor: the function rotates one tensor per
+    call, `f(x, cos, sin)`; partial: it takes heads wider than the tables (partial rotary), else
+    such a call runs the function (which raises, as stock does) and not the kernel."""
 
     __slots__ = ()
 
@@ -135,44 +152,53 @@ def gate(key: tuple[str, str]) -> Gate:
         return _gates[key]
 
 
-def interleaved_refusal(module, config) -> str | None:
-    """Why an attention that calls an interleaved RoPE function is refused (no kernel for that
-    form), else None. MLA attentions name both functions and pick by `rope_interleave`."""
-    cls = type(module)
+def _forward_names(module) -> tuple:
     try:
-        code = inspect.unwrap(cls.forward).__code__
+        return inspect.unwrap(type(module).forward).__code__.co_names
     except (AttributeError, ValueError):
+        return ()
+
+
+def complex_refusal(module) -> str | None:
+    """Why an attention whose forward calls a complex-number RoPE function (Llama 4's
+    `apply_rotary_emb(xq, xk, freqs_cis)`) is refused (no kernel for that form), else None."""
+    names = _forward_names(module)
+    named = [n for n in families.COMPLEX_ROPE_FUNCTIONS if n in names]
+    if not named or any(n in names for n in families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS):
         return None
-    named = [n for n in families.INTERLEAVED_ROPE_FUNCTIONS if n in code.co_names]
-    if not named:
-        return None
-    plain = any(n in code.co_names for n in families.ROPE_FUNCTIONS)
-    interleave = None
-    for owner in (probe.layer_config(config, module), getattr(module, "config", None)):
+    return (f"calls {named[0]} (complex RoPE: q and k viewed as complex numbers times freqs_cis): no kernel "
+            f"for the complex form")
+
+
+def _rope_interleave(module, config):
+    """The attention's `rope_interleave` (MLA attentions pick their RoPE function by it), else None."""
+    for owner in (probe.layer_config(config, module) if config is not None else None, getattr(module, "config", None)):
         try:
-            interleave = getattr(owner, "rope_interleave", None) if owner is not None else None
+            value = getattr(owner, "rope_interleave", None) if owner is not None else None
         except Exception:
-            interleave = None
-        if interleave is not None:
-            break
-    if plain and interleave is False:
-        return None  # the rotate-half function runs: the plain site decides
-    return (f"calls {named[0]} (interleaved RoPE{', rope_interleave=True' if plain else ''}): "
-            f"no kernel for the interleaved form")
-
-
-def rope_function(module) -> tuple[str, str] | None:
-    """(modeling module name, function name) of the RoPE global the module's forward calls, else None."""
-    cls = type(module)
-    try:
-        code = inspect.unwrap(cls.forward).__code__
-    except (AttributeError, ValueError):
-        return None
-    owner = sys.modules.get(inspect.unwrap(cls.forward).__module__)
-    for name in families.ROPE_FUNCTIONS:
-        if name in code.co_names and owner is not None and callable(owner.__dict__.get(name)):
-            return owner.__name__, name
+            value = None
+        if value is not None:
+            return value
     return None
+
+
+def rope_function(module, config=None) -> tuple[str, str] | None:
+    """(modeling module name, function name) of the RoPE global the module's forward calls, else
+    None. An MLA attention names both the rotate-half and the interleave function and calls the
+    latter unless its `rope_interleave` is False."""
+    names = _forward_names(module)
+    if not names:
+        return None
+    owner = sys.modules.get(inspect.unwrap(type(module).forward).__module__)
+    if owner is None:
+        return None
+    found = [n for n in families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS
+             if n in names and callable(owner.__dict__.get(n))]
+    interleaved = [n for n in found if n in families.INTERLEAVED_ROPE_FUNCTIONS]
+    plain = [n for n in found if n in families.ROPE_FUNCTIONS]
+    if interleaved and not (plain and _rope_interleave(module, config) is False):
+        return owner.__name__, interleaved[0]
+    return (owner.__name__, plain[0]) if plain else None
 
 
 class Interceptions:
@@ -190,16 +216,17 @@ class Interceptions:
             module_name, name = key
             return sys.modules[module_name].__dict__[name]
 
-    def acquire(self, key: tuple[str, str], cast_back: bool = False, half_tables: bool = False) -> None:
+    def acquire(self, plan: RopePlan) -> None:
         """Put the dispatcher in place (first holder) and count one more holder (see `Hold`).
-        `cast_back`, `half_tables`: the probe's findings for this function (see `RopePlan`)."""
+        `plan`: the probe's findings for this function (its key among them)."""
+        key = plan.key
         with self._lock:
             self._sweep(keep=key)
             module_name, name = key
             owner = sys.modules.get(module_name) or importlib.import_module(module_name)  # a model loaded first
             if key not in self._held:
                 original = owner.__dict__[name]
-                dispatcher = _dispatcher(key, original, cast_back, half_tables)
+                dispatcher = _dispatcher(plan, original)
                 owner.__dict__[name] = dispatcher
                 self._held[key] = [original, dispatcher, 0]
             self._held[key][2] += 1
@@ -250,9 +277,11 @@ class Hold:
     is collected. A copy of the model (deepcopy) and a pickled model loaded again make their own
     (`__reduce__`), so each runs the kernel its report lists."""
 
-    def __init__(self, key: tuple[str, str], cast_back: bool = False, half_tables: bool = False) -> None:
-        self.key, self.cast_back, self.half_tables = tuple(key), bool(cast_back), bool(half_tables)
-        interceptions.acquire(self.key, self.cast_back, self.half_tables)
+    def __init__(self, plan: RopePlan) -> None:
+        plan = RopePlan(*plan)
+        self.plan = plan._replace(key=tuple(plan.key))
+        self.key = self.plan.key
+        interceptions.acquire(self.plan)
         self._collected = weakref.finalize(self, interceptions.dropped, self.key)
 
     def release(self) -> None:
@@ -260,23 +289,26 @@ class Hold:
             interceptions.release(self.key)
 
     def __reduce__(self):
-        return Hold, (self.key, self.cast_back, self.half_tables)
+        return Hold, (self.plan,)
 
 
-def _dispatcher(key, original, cast_back: bool, half_tables: bool = False):
+def _dispatcher(plan: RopePlan, original):
     from accel_kernels import _dispatch
 
+    key, cast_back = plan.key, plan.cast_back
     signature = inspect.signature(original)
     the_gate = gate(key)
     params = list(signature.parameters.values())
-    # The first four parameters are q, k, cos, sin whatever their names; `unsqueeze_dim` may be
+    # The first four parameters are q, k, cos, sin whatever their names (three, x, cos, sin, for
+    # the one-tensor form); `unsqueeze_dim` may be
     # given; any other argument (old `position_ids`, ...) must be left at its default. Bound by
     # hand, not with Signature.bind: dynamo cannot read a signature's mapping proxy once the
     # trace has mutated a dict, and bind costs microseconds per call in eager.
     plain = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
     names = tuple(p.name for p in params)
-    tensors = names[:4]
-    others = {p.name: p.default for p in params[4:] if p.name != "unsqueeze_dim"}
+    n = 3 if plan.one_tensor else 4
+    tensors = names[:n]
+    others = {p.name: p.default for p in params[n:] if p.name != "unsqueeze_dim"}
 
     def bound(args, kwargs):
         """{name: value} of a call, or None when it is not a plain call of the function."""
@@ -292,21 +324,30 @@ def _dispatcher(key, original, cast_back: bool, half_tables: bool = False):
     def kernel_or_why(args, kwargs):
         """The kernel's (q, k) for this call, else the reason the original runs."""
         given = bound(args, kwargs)
-        if not (given is not None and len(tensors) == 4 and all(n in given for n in tensors)
-                and all(given[n] is d for n, d in others.items() if n in given)):
+        if not (given is not None and len(tensors) == n and all(t in given for t in tensors)
+                and all(given[t] is d for t, d in others.items() if t in given)):
             return NOT_PLAIN
-        if given.get("unsqueeze_dim", 1) != 1:
+        unsqueeze_dim = given.get("unsqueeze_dim", 1)
+        if unsqueeze_dim != 1 and not (unsqueeze_dim == 2 and plan.bshd):
             return UNSQUEEZE_2
-        q, k, cos, sin = (given[n] for n in tensors)
+        if plan.one_tensor:
+            (q, cos, sin), k = (given[t] for t in tensors), None
+        else:
+            q, k, cos, sin = (given[t] for t in tensors)
+            if k is None and not plan.q_alone:
+                return K_NONE
         if not (isinstance(q, torch.Tensor) and _dispatch.use_triton(q)):  # the original is faster there
             return NO_TRITON
+        if not plan.partial and isinstance(cos, torch.Tensor) and q.shape[-1] != cos.shape[-1] * (
+                2 if plan.half_tables else 1):
+            return SHAPE  # partial rotary the function does not take: it raises, as stock does
         try:
-            q_out, k_out = _kernel(q, k, cos, sin, half_tables)
-        except ValueError:
+            q_out, k_out = _kernel(q, k, cos, sin, plan, unsqueeze_dim)
+        except (ValueError, TypeError, AttributeError):
             return SHAPE
         if cast_back:
-            return q_out.to(q.dtype), k_out.to(k.dtype)
-        return q_out, k_out
+            q_out, k_out = q_out.to(q.dtype), (k_out if k is None else k_out.to(k.dtype))
+        return q_out if plan.one_tensor else (q_out, k_out)
 
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
@@ -326,12 +367,13 @@ def _dispatcher(key, original, cast_back: bool, half_tables: bool = False):
     return dispatch
 
 
-def _kernel(q, k, cos, sin, half_tables: bool = False):
+def _kernel(q, k, cos, sin, plan: RopePlan, unsqueeze_dim: int = 1):
+    """The kernel's (q_out, k_out) for a call of `plan`'s function (k may be None: k_out is None)."""
     from accel_kernels import rope
 
-    if half_tables:  # the same rotation on the full-width tables (see the module docstring)
+    if plan.half_tables:  # the same rotation on the full-width tables (see the module docstring)
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    return rope(q, k, cos, sin, unsqueeze_dim=1)
+    return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, form=plan.form)
 
 
 def head_shape(module, config) -> tuple[int, int, int, tuple[int, ...]]:
@@ -356,10 +398,11 @@ def head_shape(module, config) -> tuple[int, int, int, tuple[int, ...]]:
     return heads, kv_heads, head_dim, tuple(sorted({r - r % 2 for r in rotary if r and r >= 2}, reverse=True))
 
 
-def _dtypes_returned(out, ref) -> str | None:
-    """Why the kernel's (q, k) differ from the original's in dtype or shape, else None."""
-    if not (isinstance(ref, tuple) and len(ref) == 2 and all(isinstance(r, torch.Tensor) for r in ref)):
-        return f"returns {type(ref).__name__}, not a (q, k) pair of tensors"
+def _dtypes_returned(out, ref, n: int = 2) -> str | None:
+    """Why the kernel's outputs differ from the original's in dtype or shape, else None."""
+    if not (isinstance(ref, tuple) and len(ref) == n and all(isinstance(r, torch.Tensor) for r in ref)):
+        what = "a tensor" if n == 1 else "a (q, k) pair of tensors"
+        return f"returns {type(ref).__name__}, not {what}"
     for name, o, r in zip("qk", out, ref):
         if o.shape != r.shape:
             return f"{name} comes back with shape {tuple(r.shape)}, the kernel's with {tuple(o.shape)}"
@@ -368,84 +411,148 @@ def _dtypes_returned(out, ref) -> str | None:
     return None
 
 
-def _one_tensor_form(function) -> str | None:
-    """Why a RoPE function that rotates one tensor per call (Gemma 4's and DeepSeek V4's
-    `apply_rotary_pos_emb(x, cos, sin)`) has no kernel here, else None."""
+def _one_tensor(function) -> bool:
+    """Whether a RoPE function rotates one tensor per call (Gemma 4's and DeepSeek V4's
+    `apply_rotary_pos_emb(x, cos, sin)`): three required parameters."""
     try:
         params = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
-        return None
+        return False
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(required) == 3:
-        names = ", ".join(p.name for p in required)
-        return (f"rotates one tensor per call ({names}): the one-tensor form, which the kernel (q and k "
-                f"together) does not take")
-    return None
+    return len(required) == 3
+
+
+def _takes(function, name: str) -> bool:
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _Mismatch(str):
+    """A probe case whose values differ (another form may still match); a plain str is final."""
+
+
+def _probe_form(key, original, plan, shapes, combos, device):
+    """Run `original` and the kernel under `plan` on every (dtype, shape) case the function takes:
+    (cases run, cast_back or None, partial rotary ran) when all match, else (cases run, reason,
+    None): a `_Mismatch` reason when only the values differ."""
+    heads, kv_heads, dims = shapes
+    ran, cast_back, partial = 0, None, False
+    for dtype, table_dtype in combos:
+        for dim, r in dims:
+            width = r // 2 if plan.half_tables else r
+            q = probe.randn((2, heads, 5, dim), dtype, device)
+            k = probe.randn((2, kv_heads, 5, dim), dtype, device)
+            cos = probe.randn((2, 5, width), table_dtype, device)
+            sin = probe.randn((2, 5, width), table_dtype, device)
+            try:
+                ref = original(q, cos, sin) if plan.one_tensor else original(q, k, cos, sin)
+            except Exception:
+                continue  # this function does not take this shape; the dispatcher never sends it
+            ran += 1
+            partial = partial or dim != r
+            ref = (ref,) if plan.one_tensor and isinstance(ref, torch.Tensor) else ref
+            inputs = (q,) if plan.one_tensor else (q, k)
+            try:
+                out = _kernel(q, None if plan.one_tensor else k, cos, sin, plan)[:len(inputs)]
+            except ValueError as exc:
+                return ran, f"kernel refused the shapes the function takes: {exc}", None
+            if dtype != table_dtype and isinstance(ref, tuple) and len(ref) == len(inputs):
+                # mixed dtypes: the kernel returns the promoted dtype; the function may cast back
+                back = all(isinstance(r_, torch.Tensor) and r_.dtype == t.dtype for r_, t in zip(ref, inputs))
+                if cast_back is not None and back != cast_back:
+                    return ran, f"{key[0]}.{key[1]} returns different dtypes for different shapes", None
+                cast_back = back
+                if back:
+                    out = tuple(o.to(t.dtype) for o, t in zip(out, inputs))
+            why = _dtypes_returned(out, ref, len(inputs))
+            if why:
+                return ran, f"{key[0]}.{key[1]} with q/k in {dtype} and cos/sin in {table_dtype}: {why}", None
+            err = max(probe.rel_err(o, s_) for o, s_ in zip(out, ref))
+            limit = probe.bound(dtype)
+            if err > limit:
+                tables = "half-width tables" if plan.half_tables else "full-width tables"
+                return ran, _Mismatch(f"{key[0]}.{key[1]} differs from every RoPE form the kernel rotates "
+                                      f"(rotate-half; interleaved: DeepSeek's, GPT-J pairs) in {dtype} on {tables} "
+                                      f"(rotate-half: relative error {err:.2e} > {limit:.1e})"), None
+    return ran, cast_back, partial
+
+
+def _proves(original, plan, heads, kv_heads, dim, r, dtype, device, unsqueeze_dim, q_alone) -> bool:
+    """One more case the dispatcher may send: (B, S, H, D) tensors (unsqueeze_dim=2) or k=None.
+    True when the function takes it and the kernel matches it (values, dtypes, shapes)."""
+    shape = (lambda h: (2, h, 5, dim)) if unsqueeze_dim == 1 else (lambda h: (2, 5, h, dim))
+    q, k = probe.randn(shape(heads), dtype, device), probe.randn(shape(kv_heads), dtype, device)
+    width = r // 2 if plan.half_tables else r
+    cos, sin = probe.randn((2, 5, width), dtype, device), probe.randn((2, 5, width), dtype, device)
+    k = None if q_alone or plan.one_tensor else k
+    try:
+        args = (q, cos, sin) if plan.one_tensor else (q, k, cos, sin)
+        ref = original(*args, unsqueeze_dim=unsqueeze_dim) if unsqueeze_dim != 1 else original(*args)
+        out = _kernel(q, k, cos, sin, plan, unsqueeze_dim)
+    except Exception:
+        return False
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    pairs = [(o, r_) for o, r_ in zip(out, ref) if o is not None or r_ is not None]
+    return bool(pairs) and all(
+        isinstance(o, torch.Tensor) and isinstance(r_, torch.Tensor) and o.shape == r_.shape
+        and o.dtype == r_.dtype and probe.rel_err(o, r_) <= probe.bound(dtype) for o, r_ in pairs)
 
 
 def probe_verdict(key, module, config, act_dtype: torch.dtype):
-    """A `RopePlan` for `key` (the function to intercept) when the kernel reproduces it at this
-    attention's shapes and every dtype combination it will see (values, dtypes and shapes of what
-    it returns), else a refusal reason."""
+    """A `RopePlan` for `key` (the function to intercept) when the kernel reproduces it, in one of
+    the forms it rotates, at this attention's shapes and every dtype combination it will see
+    (values, dtypes and shapes of what it returns), else a refusal reason."""
+    from accel_kernels.ops.rope import FORMS
+
     heads, kv_heads, head_dim, rotary_dims = head_shape(module, config)
     if not (heads and kv_heads and head_dim):
         return "cannot tell the attention's head counts and head dim"
     original = interceptions.original(key)
-    form = _one_tensor_form(original)
-    if form:
-        return f"{key[0]}.{key[1]} {form}"
+    one_tensor = _one_tensor(original)
     device = probe.module_device(module)
-    ran = 0
-    cast_back = None
+    # (q/k dtype, cos/sin dtype): the activation dtype with tables in it and in float32, and float32
+    # and always one half-precision mix: whether the function casts back is a property of the
+    # function, and the dispatcher (one per global, shared by every model of the family) must
+    # know it even when the first model swapped runs in float32
+    combos = list(dict.fromkeys([(act_dtype, act_dtype), (act_dtype, torch.float32), (torch.float32, torch.float32),
+                                 (torch.bfloat16, torch.float32)]))
+    # q/k of the full head dim with rotary dim r (partial rotary inside the function), and q/k of
+    # dim r (the caller slices the rotary part off first, as Phi and StableLM do)
+    dims = sorted({(head_dim, r) for r in rotary_dims} | {(r, r) for r in rotary_dims}, reverse=True)
+    shapes = (heads, kv_heads, dims)
+    ran_any, mismatch = False, None
     with probe.probing(module):
-        # (q/k dtype, cos/sin dtype): the activation dtype with tables in it and in float32, and float32
-        # and always one half-precision mix: whether the function casts back is a property of the
-        # function, and the dispatcher (one per global, shared by every model of the family) must
-        # know it even when the first model swapped runs in float32
-        combos = dict.fromkeys([(act_dtype, act_dtype), (act_dtype, torch.float32), (torch.float32, torch.float32),
-                                (torch.bfloat16, torch.float32)])
-        # full-width tables first; half-width ones only for a function that takes no full-width one
-        for half_tables in (False, True):
-            for dtype, table_dtype in combos:
-                # q/k of the full head dim with rotary dim r (partial rotary inside the function), and
-                # q/k of dim r (the caller slices the rotary part off first, as Phi and StableLM do)
-                for dim, r in {(head_dim, r) for r in rotary_dims} | {(r, r) for r in rotary_dims}:
-                    width = r // 2 if half_tables else r
-                    q = probe.randn((2, heads, 5, dim), dtype, device)
-                    k = probe.randn((2, kv_heads, 5, dim), dtype, device)
-                    cos = probe.randn((2, 5, width), table_dtype, device)
-                    sin = probe.randn((2, 5, width), table_dtype, device)
-                    try:
-                        ref = original(q, k, cos, sin)
-                    except Exception:
-                        continue  # this function does not take this shape; the dispatcher never sends it
-                    ran += 1
-                    try:
-                        out = _kernel(q, k, cos, sin, half_tables)
-                    except ValueError as exc:
-                        return f"kernel refused the shapes the function takes: {exc}"
-                    if dtype != table_dtype and isinstance(ref, tuple) and len(ref) == 2:
-                        # mixed dtypes: the kernel returns the promoted dtype; the function may cast back
-                        back = all(isinstance(r_, torch.Tensor) and r_.dtype == t.dtype for r_, t in zip(ref, (q, k)))
-                        if cast_back is not None and back != cast_back:
-                            return f"{key[0]}.{key[1]} returns different dtypes for different shapes"
-                        cast_back = back
-                        if back:
-                            out = tuple(o.to(t.dtype) for o, t in zip(out, (q, k)))
-                    why = _dtypes_returned(out, ref)
-                    if why:
-                        return f"{key[0]}.{key[1]} with q/k in {dtype} and cos/sin in {table_dtype}: {why}"
-                    err = max(probe.rel_err(o, s) for o, s in zip(out, ref))
-                    limit = probe.bound(dtype)
-                    if err > limit:
-                        tables = "half-width tables" if half_tables else "full-width tables"
-                        return (f"{key[0]}.{key[1]} differs from rotate-half RoPE in {dtype} on {tables} (relative "
-                                f"error {err:.2e} > {limit:.1e}; interleaved or another convention)")
-            if ran:
-                break
-    if not ran:
+        # rotate-half first (the interleaved forms cannot pass where it does: they read other
+        # elements); full-width tables first, half-width ones only for a function that takes no full-width one
+        for form in FORMS:
+            for half_tables in (False, True):
+                plan = RopePlan(key, False, half_tables, form, one_tensor=one_tensor)
+                ran, found, partial = _probe_form(key, original, plan, shapes, combos, device)
+                if not ran:
+                    continue
+                ran_any = True
+                if isinstance(found, _Mismatch):
+                    mismatch = mismatch or found
+                    break
+                if isinstance(found, str):
+                    return found
+                plan = plan._replace(cast_back=bool(found), partial=partial)
+                dim, r = dims[0]
+                if _takes(original, "unsqueeze_dim"):
+                    plan = plan._replace(bshd=_proves(original, plan, heads, kv_heads, dim, r, act_dtype, device,
+                                                      2, False))
+                if not one_tensor:
+                    plan = plan._replace(q_alone=_proves(original, plan, heads, kv_heads, dim, r, act_dtype,
+                                                         device, 1, True))
+                return plan
+    if not ran_any:
         return f"{key[1]} could not be called with rotate-half shapes (full- or half-width cos/sin)"
-    return RopePlan(key, bool(cast_back), half_tables)
+    if one_tensor:
+        names = ", ".join(list(inspect.signature(original).parameters)[:3])
+        return f"{mismatch}; it rotates one tensor per call ({names}): the one-tensor form"
+    return str(mismatch)
 
 
 _forwards: dict[tuple, object] = {}

@@ -1,9 +1,23 @@
-"""Rotary position embedding (rotate-half convention), as transformers' `apply_rotary_pos_emb`.
+"""Rotary position embedding, as transformers' `apply_rotary_pos_emb` and its interleaved kin.
 
     out[..., :r]  = x[..., :r] * cos + rotate_half(x[..., :r]) * sin,  rotate_half(v) = cat(-v2, v1)
     out[..., r:]  = x[..., r:]                                          (partial rotary: r < head_dim)
 
-with r = cos.shape[-1]. A program takes a block of (batch, position) tokens and applies each
+with r = cos.shape[-1] (form "half"). Two interleaved forms rotate the pairs (x[2i], x[2i+1]) by
+the angle of cos[..., i], sin[..., i] (the first half of the table; the second half is not read):
+
+- "interleave", DeepSeek V3's `apply_rotary_pos_emb_interleave`: the rotated evens come out first,
+  then the rotated odds, `cat(x0 * c - x1 * s, x1 * c + x0 * s)` with x0 = x[..., 0:r:2],
+  x1 = x[..., 1:r:2] (the rotate-half layout the rest of the MLA attention expects);
+- "pairs", GPT-J style (ERNIE 4.5's `apply_rotary_pos_emb`): each pair stays where it was,
+  out[2i] = x0 * c - x1 * s, out[2i + 1] = x1 * c + x0 * s.
+
+"interleave_table" is "interleave" on the whole table (the first half rotates into the first
+half of the output, the second half into the second), what DeepSeek V3's interleave function was
+before transformers 5 (a view/transpose of q and k, then rotate-half): equal to "interleave"
+on tables that are `cat(freqs, freqs)`, different on any other.
+
+A program takes a block of (batch, position) tokens and applies each
 token's cos/sin row to all its query and key heads, so cos/sin are read once per token. The
 outputs are new tensors: q and k are never written. The backward applies the transposed rotation
 to the output gradients; the kernel gives cos and sin no gradient (they are position tables, built
@@ -26,6 +40,8 @@ from .._triton import cast_rounded, jit, tl
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 4096
+#: The layouts the kernel rotates (the FORM constexpr is the index).
+FORMS = ("half", "interleave", "pairs", "interleave_table")
 
 
 # --------------------------------------------------------------------------------------------
@@ -36,10 +52,13 @@ _TILE = 4096
 @jit
 def _rotate_heads(
     X, O, x_tok, o_tok, x_stride_h, o_stride_h, n_heads, tok_ok, c1, c2, s1, s2, half, n_pass,
-    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr, FORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
 ):
     """Rotate every head of a block of tokens. Tiles are (token, head, dim); x_tok/o_tok are the
-    (token, 1, 1) offsets of head 0, c1/c2/s1/s2 the (token, 1, dim) cos/sin halves."""
+    (token, 1, 1) offsets of head 0, c1/c2/s1/s2 the (token, 1, dim) cos/sin halves (FORM 0) or
+    c1 = c2, s1 = s2 the pair angles (FORM 1, 2). FORMs 1 and 3 read pairs and write halves
+    (their backward reads halves and writes pairs); FORM 2 keeps pairs both ways."""
     # int64: h * stride_h overflows int32 past 2**31 elements (a (B, H, S, D) layout with 32 heads
     # of 128 reaches it at about 541k tokens a sequence)
     h = tl.arange(0, BLOCK_H).to(tl.int64)[None, :, None]
@@ -47,8 +66,13 @@ def _rotate_heads(
     x = X + x_tok + h * x_stride_h
     o = O + o_tok + h * o_stride_h
     mask = tok_ok & (h < n_heads) & (d < half)
-    x1 = tl.load(x + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x + half + d, mask=mask, other=0.0).to(tl.float32)
+    # where the two elements rotated together sit: halves (d, half + d) or pairs (2d, 2d + 1)
+    if FORM == 2 or (FORM % 2 == 1 and not BACKWARD):
+        x1 = tl.load(x + 2 * d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x + 2 * d + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(x + d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x + half + d, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
         # transpose of [[c1, -s1], [s2, c2]]
         o1 = x1 * c1 + x2 * s2
@@ -56,8 +80,12 @@ def _rotate_heads(
     else:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-    tl.store(o + d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
-    tl.store(o + half + d, cast_rounded(o2, O.dtype.element_ty), mask=mask)
+    if FORM == 2 or (FORM % 2 == 1 and BACKWARD):
+        tl.store(o + 2 * d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
+        tl.store(o + 2 * d + 1, cast_rounded(o2, O.dtype.element_ty), mask=mask)
+    else:
+        tl.store(o + d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
+        tl.store(o + half + d, cast_rounded(o2, O.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:
         # partial rotary: the dims past the rotary ones pass through (their gradient too)
         p = 2 * half + tl.arange(0, BLOCK_PASS)[None, None, :]
@@ -72,7 +100,7 @@ def _rope_kernel(
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh,
     cos_sb, cos_ss, sin_sb, sin_ss,
     n_q_heads, n_k_heads, half, n_pass,
-    BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+    BACKWARD: tl.constexpr, FORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     # a block of BLOCK_S (batch, position) tokens; each token's cos/sin row is read once for all heads
@@ -86,13 +114,17 @@ def _rope_kernel(
     cos = COS + b * cos_sb + s * cos_ss
     sin = SIN + b * sin_sb + s * sin_ss
     c1 = tl.load(cos + d, mask=cs_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos + half + d, mask=cs_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin + d, mask=cs_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin + half + d, mask=cs_mask, other=0.0).to(tl.float32)
+    if FORM == 0 or FORM == 3:  # the whole table: each half of the output has its own angles
+        c2 = tl.load(cos + half + d, mask=cs_mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin + half + d, mask=cs_mask, other=0.0).to(tl.float32)
+    else:  # interleaved forms: one angle per pair, the table's first half
+        c2 = c1
+        s2 = s1
     _rotate_heads(Q, QO, b * q_sb + s * q_ss, b * qo_sb + s * qo_ss, q_sh, qo_sh, n_q_heads, tok_ok,
-                  c1, c2, s1, s2, half, n_pass, BACKWARD, BLOCK_QH, BLOCK_HALF, BLOCK_PASS)
+                  c1, c2, s1, s2, half, n_pass, BACKWARD, FORM, BLOCK_QH, BLOCK_HALF, BLOCK_PASS)
     _rotate_heads(K, KO, b * k_sb + s * k_ss, b * ko_sb + s * ko_ss, k_sh, ko_sh, n_k_heads, tok_ok,
-                  c1, c2, s1, s2, half, n_pass, BACKWARD, BLOCK_KH, BLOCK_HALF, BLOCK_PASS)
+                  c1, c2, s1, s2, half, n_pass, BACKWARD, FORM, BLOCK_KH, BLOCK_HALF, BLOCK_PASS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,8 +144,9 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward):
-    """Rotate q, k into q_out, k_out (backward=True: apply the transposed rotation, for gradients)."""
+def _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward, form=0):
+    """Rotate q, k into q_out, k_out (backward=True: apply the transposed rotation, for gradients);
+    form: an index into FORMS."""
     q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
     batch, seq_len, head_dim, rot_dim = q.shape[0], cos.shape[1], q.shape[-1], cos.shape[-1]
     n_q_heads, n_k_heads = q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]
@@ -139,7 +172,7 @@ def _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward):
         *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
         cos_sb, cos.stride(1), sin_sb, sin.stride(1),
         n_q_heads, n_k_heads, rot_dim // 2, n_pass,
-        BACKWARD=backward, BLOCK_S=block_s, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
+        BACKWARD=backward, FORM=form, BLOCK_S=block_s, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
     )
 
@@ -149,22 +182,22 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
-def _forward_triton(q, k, cos, sin, unsqueeze_dim):
+def _forward_triton(q, k, cos, sin, unsqueeze_dim, form=0):
     """(q_out, k_out), new tensors in the dtypes torch promotion gives."""
     q_out = _dispatch.empty(q.shape, dtype=_out_dtype(q, cos, sin), device=q.device)
     k_out = _dispatch.empty(k.shape, dtype=_out_dtype(k, cos, sin), device=k.device)
-    _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward=False)
+    _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward=False, form=form)
     return q_out, k_out
 
 
 def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
-                     forward_autocast):
+                     forward_autocast, form=0):
     """(dq, dk, None, None): the transposed rotation of the output gradients. Only taken when cos
     and sin want no gradient; q and k (None here) do not enter the gradients of q and k.
     (forward_autocast is for the twin, which recomputes the forward; the kernel does not.)"""
     dq = _dispatch.empty(dq_out.shape, dtype=q_dtype, device=dq_out.device)
     dk = _dispatch.empty(dk_out.shape, dtype=k_dtype, device=dk_out.device)
-    _rope_launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, backward=True)
+    _rope_launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, backward=True, form=form)
     return dq, dk, None, None
 
 
@@ -175,13 +208,13 @@ def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_d
 
 @_library.custom_op("rope")
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
-             triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = (_forward_triton if triton_path else _forward_torch)(q, k, cos, sin, unsqueeze_dim)
+             triton_path: bool, form: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = (_forward_triton if triton_path else _forward_torch)(q, k, cos, sin, unsqueeze_dim, form)
     return q_out.contiguous(), k_out.contiguous()
 
 
 @_rope_op.register_fake
-def _(q, k, cos, sin, unsqueeze_dim, triton_path):
+def _(q, k, cos, sin, unsqueeze_dim, triton_path, form=0):
     return q.new_empty(q.shape, dtype=_out_dtype(q, cos, sin)), k.new_empty(k.shape, dtype=_out_dtype(k, cos, sin))
 
 
@@ -189,11 +222,12 @@ def _(q, k, cos, sin, unsqueeze_dim, triton_path):
 def _rope_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, q: Optional[torch.Tensor],
                       k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
                       q_dtype: torch.dtype, k_dtype: torch.dtype, need_cos: bool, need_sin: bool,
-                      triton_path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      triton_path: bool, form: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dcos, dsin); dcos, dsin are (0,) unless asked for (then q and k are given)."""
     needs = (True, True, need_cos, need_sin)
     grads = (_backward_triton if triton_path else _backward_torch)(
-        dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs, None)
+        dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs, None, form)
     dq, dk, dcos, dsin = grads
     return (dq.contiguous(), dk.contiguous(),
             dcos.contiguous() if need_cos else _library.nothing(cos),
@@ -201,28 +235,28 @@ def _rope_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, q: Optional[to
 
 
 @_rope_backward_op.register_fake
-def _(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, need_cos, need_sin, triton_path):
+def _(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, need_cos, need_sin, triton_path, form=0):
     return (dq_out.new_empty(dq_out.shape, dtype=q_dtype), dk_out.new_empty(dk_out.shape, dtype=k_dtype),
             cos.new_empty(cos.shape) if need_cos else _library.nothing(cos),
             sin.new_empty(sin.shape) if need_sin else _library.nothing(sin))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, unsqueeze_dim, triton_path = inputs
+    q, k, cos, sin, unsqueeze_dim, triton_path, form = inputs
     # the rotation is linear in q and k: they are needed only for the gradients of cos and sin
     keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
     ctx.save_for_backward(cos, sin, *((q, k) if keep_qk else (None, None)))
-    ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype)
+    ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype, form)
 
 
 def _backward(ctx, dq_out, dk_out):
     _dispatch.check_first_order("rope")  # the op's backward is opaque to autograd
     cos, sin, q, k = ctx.saved_tensors
-    unsqueeze_dim, triton_path, q_dtype, k_dtype = ctx.options
+    unsqueeze_dim, triton_path, q_dtype, k_dtype, form = ctx.options
     needs = ctx.needs_input_grad[:4]
     grads = torch.ops.accel_kernels.rope_backward(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype,
-                                                  k_dtype, needs[2], needs[3], triton_path)
-    return (*(g if need else None for g, need in zip(grads, needs)), None, None)
+                                                  k_dtype, needs[2], needs[3], triton_path, form)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
 
 
 _rope_op.register_autograd(_backward, setup_context=_setup_context)
@@ -238,25 +272,39 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _reference(q, k, cos, sin, unsqueeze_dim):
-    """transformers' apply_rotary_pos_emb, with the dims past cos's width passing through."""
+def _rotated(x, cos, sin, form):
+    """One tensor's rotation in `FORMS[form]` (cos, sin unsqueezed to x), the dims past cos's width
+    passing through."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    if form == 0:
+        out = x_rot * cos + _rotate_half(x_rot) * sin
+    elif form == 3:  # DeepSeek's function before transformers 5: de-interleave, then rotate-half
+        x_h = torch.cat([x_rot[..., 0::2], x_rot[..., 1::2]], dim=-1)
+        out = x_h * cos + _rotate_half(x_h) * sin
+    else:  # DeepSeek's interleave function, term for term; "pairs" puts each pair back in place
+        c, s = cos[..., : r // 2], sin[..., : r // 2]
+        x0, x1 = x_rot[..., 0::2], x_rot[..., 1::2]
+        a, b = x0 * c - x1 * s, x1 * c + x0 * s
+        out = torch.cat([a, b], dim=-1) if form == 1 else torch.stack((a, b), dim=-1).flatten(-2)
+    return torch.cat([out, x_pass], dim=-1)
+
+
+def _reference(q, k, cos, sin, unsqueeze_dim, form=0):
+    """transformers' apply_rotary_pos_emb (form 0; its interleaved kin: see FORMS), with the dims
+    past cos's width passing through."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    r = cos.shape[-1]
-    q_rot, q_pass = q[..., :r], q[..., r:]
-    k_rot, k_pass = k[..., :r], k[..., r:]
-    q_out = torch.cat([q_rot * cos + _rotate_half(q_rot) * sin, q_pass], dim=-1)
-    k_out = torch.cat([k_rot * cos + _rotate_half(k_rot) * sin, k_pass], dim=-1)
-    return q_out, k_out
+    return _rotated(q, cos, sin, form), _rotated(k, cos, sin, form)
 
 
-def _forward_torch(q, k, cos, sin, unsqueeze_dim):
+def _forward_torch(q, k, cos, sin, unsqueeze_dim, form=0):
     """`_forward_triton` in plain torch: transformers' formula."""
-    return _reference(q, k, cos, sin, unsqueeze_dim)
+    return _reference(q, k, cos, sin, unsqueeze_dim, form)
 
 
 def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
-                    forward_autocast):
+                    forward_autocast, form=0):
     """(dq, dk, dcos, dsin), each None unless needed: the gradients of the formula, written out
     (the transposed rotation for q and k; for cos and sin, sums over heads, and over the batch
     where one table served it). Computed in the promoted dtype, rounded once to the input's.
@@ -266,14 +314,23 @@ def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dt
 
     def through(g, dtype):
         g_rot = g[..., :r]
-        gs = g_rot * sin_u
-        d_rot = g_rot * cos_u + torch.cat((gs[..., r // 2:], -gs[..., : r // 2]), dim=-1)
+        if form in (0, 3):
+            gs = g_rot * sin_u
+            d_rot = g_rot * cos_u + torch.cat((gs[..., r // 2:], -gs[..., : r // 2]), dim=-1)
+            if form == 3:  # back to pairs
+                d_rot = torch.stack((d_rot[..., : r // 2], d_rot[..., r // 2:]), dim=-1).flatten(-2)
+        else:  # the pair rotation transposed, the gradient put back in pairs
+            c, s = cos_u[..., : r // 2], sin_u[..., : r // 2]
+            g0, g1 = (g_rot[..., : r // 2], g_rot[..., r // 2:]) if form == 1 else (g_rot[..., 0::2], g_rot[..., 1::2])
+            d_rot = torch.stack((g0 * c + g1 * s, g1 * c - g0 * s), dim=-1).flatten(-2)
         return torch.cat((d_rot.to(dtype), g[..., r:].to(dtype)), dim=-1)
 
     dq = through(dq_out, q_dtype) if needs[0] else None
     dk = through(dk_out, k_dtype) if needs[1] else None
     dcos = dsin = None
     if needs[2] or needs[3]:
+        # rope() sends interleaved forms with tables that want a gradient to the formula itself
+        assert form == 0, "table gradients are written out for the rotate-half form only"
         head_dim = 1 if unsqueeze_dim == 1 else 2
 
         def table_grad(factor, dtype):  # sum over heads (and batch, for a shared table) of dout * factor(x)
@@ -331,26 +388,40 @@ def _check_inputs(q, k, cos, sin, unsqueeze_dim):
 # --------------------------------------------------------------------------------------------
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
-    """Rotary embedding of q and k, equal to transformers' apply_rotary_pos_emb; returns (q_out, k_out).
+def rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1,
+         form: str = "half"):
+    """Rotary embedding of q and k, equal to transformers' apply_rotary_pos_emb (form "half") or
+    to its interleaved kin (form "interleave": DeepSeek V3's `apply_rotary_pos_emb_interleave`;
+    "pairs": GPT-J style, ERNIE 4.5's; "interleave_table": DeepSeek's before transformers 5; see
+    the module docstring); returns (q_out, k_out).
 
     unsqueeze_dim=1: q (B, Hq, S, D), k (B, Hk, S, D); unsqueeze_dim=2: q (B, S, Hq, D),
-    k (B, S, Hk, D). Hq and Hk may differ (GQA). cos, sin: (B or 1, S, R) with R even, R <= D: the
-    first R dims of each head rotate, the last D - R pass through (partial rotary). Any strides.
-    Outputs are new tensors of q's/k's shape in the dtype torch promotion gives q (k) with
-    cos and sin. Differentiable in q and k. The kernel gives cos and sin no gradient: when either
-    requires grad, the plain-torch twin runs instead so that they get one. Raises ValueError
-    naming a bad argument. float32/bfloat16/float16 run the Triton kernel (on GPU, or on CPU when
-    the kernels run under Triton's interpreter); float64 and everything else run the plain-torch
-    twin.
+    k (B, S, Hk, D). Hq and Hk may differ (GQA). k may be None (one tensor rotated: k_out is
+    None). cos, sin: (B or 1, S, R) with R even, R <= D: the first R dims of each head rotate, the
+    last D - R pass through (partial rotary); "interleave" and "pairs" read the first R/2 columns
+    (one angle per pair). Any strides. Outputs are new tensors of q's/k's shape in the dtype torch
+    promotion gives q (k) with cos and sin. Differentiable in q and k. The kernel gives cos and
+    sin no gradient: when either requires grad, the plain-torch twin runs instead so that they get
+    one. Raises ValueError naming a bad argument. float32/bfloat16/float16 run the Triton kernel
+    (on GPU, or on CPU when the kernels run under Triton's interpreter); float64 and everything
+    else run the plain-torch twin.
     """
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    alone = k is None
+    if alone:  # no key heads: the kernel's key loop is masked off entirely
+        k = q.narrow(unsqueeze_dim if unsqueeze_dim in (1, 2) else 1, 0, 0) if isinstance(q, torch.Tensor) else q
     _check_inputs(q, k, cos, sin, unsqueeze_dim)
+    index = FORMS.index(form)
     # float64 (and empty) inputs take the twin: the kernel computes in float32; so do cos/sin that
     # require grad (transformers builds them under no_grad), which the kernel would not give one
-    if torch.float64 in (q.dtype, k.dtype, cos.dtype, sin.dtype):
-        # the formula in differentiable torch, outside the op: second derivatives stay exact
-        return _reference(q, k, cos, sin, unsqueeze_dim)
-    triton_path = (_dispatch.use_triton(q) and q.numel() > 0 and k.numel() > 0
-                   and all(t.dtype in _DTYPES for t in (q, k, cos, sin))
-                   and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)))
-    return torch.ops.accel_kernels.rope(q, k, cos, sin, unsqueeze_dim, triton_path)
+    grad_tables = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if torch.float64 in (q.dtype, k.dtype, cos.dtype, sin.dtype) or (index and grad_tables):
+        # the formula in differentiable torch, outside the op: second derivatives stay exact (and
+        # the interleaved forms' table gradients come from autograd)
+        q_out, k_out = _reference(q, k, cos, sin, unsqueeze_dim, index)
+    else:
+        triton_path = (_dispatch.use_triton(q) and q.numel() > 0
+                       and all(t.dtype in _DTYPES for t in (q, k, cos, sin)) and not grad_tables)
+        q_out, k_out = torch.ops.accel_kernels.rope(q, k, cos, sin, unsqueeze_dim, triton_path, index)
+    return (q_out, None) if alone else (q_out, k_out)

@@ -138,7 +138,7 @@ def test_the_probe_accepts_gpt_oss_half_width_tables_and_the_dispatcher_widens_t
     key = rope.rope_function(attn)
     verdict = rope.probe_verdict(key, attn, config, torch.float32)
     assert isinstance(verdict, rope.RopePlan) and verdict.half_tables and not verdict.cast_back, verdict
-    hold = rope.Hold(key, verdict.cast_back, verdict.half_tables)
+    hold = rope.Hold(verdict)
     try:
         torch.manual_seed(0)
         q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
