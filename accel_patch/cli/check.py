@@ -333,6 +333,10 @@ def add_parser(commands):
 def run(args) -> int:
     import torch
 
+    import warnings
+
+    # numpy's note on exp overflowing to inf in the interpreter (a sigmoid of a large gate: exact)
+    warnings.filterwarnings("ignore", message="overflow encountered in exp", category=RuntimeWarning)
     if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         # No GPU: check the Triton kernels themselves, on the CPU, under Triton's interpreter.
         os.environ["TRITON_INTERPRET"] = "1"
