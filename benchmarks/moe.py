@@ -175,6 +175,8 @@ def child(variant: str, mode: str, shape_name: str, device: str, steps: int, che
 def run_child(variant, mode, shape_name, device, steps, checkpointing=False) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS")}
     env["ACCEL_PATCH_KERNELS"] = "0"  # no swap at load: the variant decides
+    if device == "cpu":  # freed tensors leave the process, so resident memory follows live tensors
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--mode", mode, "--shape", shape_name,
            "--device", device, "--steps", str(steps)] + (["--checkpointing"] if checkpointing else [])
     proc = _children.run(cmd, env, dry=shape_name == "dry")
