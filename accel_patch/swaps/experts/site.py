@@ -442,7 +442,9 @@ def forward(self, *args, **kwargs):
         index, weights = dense_routes(hidden, experts)
     autocast_dtype = sites.autocast_dtype(hidden.device.type)
     chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
-    save = save_gate_up(self, site, hidden)
+    # a call long enough to tile is where memory pays: auto recomputes there (measured: saving the
+    # tiled chunks' gate/up cost 0.2-0.3x of stock's peak growth under checkpointing, docs/moe.md)
+    save = save_gate_up(self, site, hidden) and (chunk is None or site.gate_up == "save")
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save)) if on]
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:

@@ -245,8 +245,8 @@ def test_a_long_call_is_tiled_over_tokens_by_the_tiled_mlp_rule(monkeypatch):
     assert rel(loss1, loss0) <= 1e-5
     worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
     assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
-    # inside the checkpointed layer gate/up are saved for backward, not recomputed a third time
-    assert experts_calls(twin)["fused (tiled, saved gate/up)"] >= len(experts_modules(twin))
+    # a call long enough to tile is where memory pays: gate/up recomputed, not saved (auto)
+    assert experts_calls(twin)["fused (tiled)"] >= len(experts_modules(twin))
 
 
 @pytest.mark.slow
