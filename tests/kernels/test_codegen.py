@@ -50,6 +50,7 @@ def test_quick_matrix_compiles_within_budgets():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # every configuration of every kernel variant, two workers: past 300 s beside the suite
 def test_whole_matrix_compiles_within_budgets():
     records = codegen.run(quick=False)
     _check_matrix(records, set(kernels()))
