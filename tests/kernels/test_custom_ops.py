@@ -57,9 +57,11 @@ def rms_norm_cases(dtype, path):
     for weight, gated, casting in ((None, None, "gemma"), (w, gate, "llama"), (None, gate, "gemma")):
         activation = "silu" if gated is not None else ""
         yield ops.rms_norm, (x, weight, 1e-6, 0.0, casting, path, None, gated, activation)
-        y, rstd = ops.rms_norm(x.detach(), weight, 1e-6, 0.0, casting, path, None, gated, activation)
-        yield ops.rms_norm_backward, (torch.randn_like(y), x.detach(), weight, rstd, 1e-6, 0.0, casting, True,
-                                      weight is not None, path, None, gated, activation, gated is not None)
+        frozen_w = weight.detach() if weight is not None else None
+        frozen_gate = gated.detach() if gated is not None else None  # the backward op's inputs take no grad
+        y, rstd = ops.rms_norm(x.detach(), frozen_w, 1e-6, 0.0, casting, path, None, frozen_gate, activation)
+        yield ops.rms_norm_backward, (torch.randn_like(y), x.detach(), frozen_w, rstd, 1e-6, 0.0, casting, True,
+                                      weight is not None, path, None, frozen_gate, activation, gated is not None)
 
 
 def rope_cases(dtype, path):
