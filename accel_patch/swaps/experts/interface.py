@@ -104,8 +104,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def _count_eager(module, outcome: str) -> None:
-    table = module.__dict__.setdefault(CALLS_ATTR, {})
-    table[outcome] = table.get(outcome, 0) + 1
+    sites.count_into(module.__dict__, CALLS_ATTR, outcome)  # the module's own table, CALLS_ATTR
 
 
 @torch.compiler.assume_constant_result
