@@ -4,6 +4,7 @@ import torch
 import accel_kernels._dispatch as dispatch
 import accel_kernels.ops.rope as rope_module
 from _checks import assert_close, rel_err
+from _quick import matrix
 from accel_kernels import rope
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -71,14 +72,13 @@ def triton_only(monkeypatch):
 
 
 @pytest.mark.usefixtures("triton_only")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
-@pytest.mark.parametrize("n_q,n_k,head_dim,rot_dim", [
+@pytest.mark.parametrize("dtype, unsqueeze_dim, heads", matrix(DTYPES, [1, 2], [
     (4, 4, 64, 64),  # multi-head, full rotary
     (6, 3, 48, 48),  # GQA, head counts not powers of two
     (3, 1, 40, 16),  # GQA (one KV head) and partial rotary: 24 dims pass through
-])
-def test_matches_float64(device, dtype, unsqueeze_dim, n_q, n_k, head_dim, rot_dim):
+], quick=lambda dtype, unsqueeze_dim, heads: dtype == torch.float32 or heads == (3, 1, 40, 16)))
+def test_matches_float64(device, dtype, unsqueeze_dim, heads):
+    n_q, n_k, head_dim, rot_dim = heads
     inputs = make_inputs(device, dtype, n_q=n_q, n_k=n_k, head_dim=head_dim, rot_dim=rot_dim,
                          unsqueeze_dim=unsqueeze_dim)
     check_against_float64(*inputs, unsqueeze_dim=unsqueeze_dim)
@@ -359,11 +359,12 @@ FORM_REFERENCES = {"interleave": deepseek_interleave, "pairs": gptj_pairs,
 
 
 @pytest.mark.usefixtures("triton_only")
-@pytest.mark.parametrize("form", ["interleave", "pairs", "interleave_table"])
-@pytest.mark.parametrize("dtype,cos_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                             (torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
-def test_interleaved_forms_match_float64(device, form, dtype, cos_dtype, unsqueeze_dim):
+@pytest.mark.parametrize("form, dtypes, unsqueeze_dim", matrix(
+    ["interleave", "pairs", "interleave_table"],
+    [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)], [1, 2],
+    quick=lambda form, dtypes, unsqueeze_dim: unsqueeze_dim == 2 or dtypes == (torch.bfloat16, torch.float32)))
+def test_interleaved_forms_match_float64(device, form, dtypes, unsqueeze_dim):
+    dtype, cos_dtype = dtypes
     reference = FORM_REFERENCES[form]
     q, k, cos, sin = make_inputs(device, dtype, n_q=3, n_k=1, head_dim=12, unsqueeze_dim=unsqueeze_dim,
                                  cos_dtype=cos_dtype)

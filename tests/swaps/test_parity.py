@@ -58,7 +58,7 @@ def test_training_step_in_bfloat16_is_as_close_to_float64_as_stock(family):
         assert rel(grads1[name], ref) <= bound, name
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "phi3"])
+@pytest.mark.parametrize("family", ["llama"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("gemma", "phi3")])
 def test_each_kernel_kind_really_runs_in_a_training_step(family):
     from accel_kernels import _launch
 
