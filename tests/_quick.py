@@ -2,8 +2,9 @@
 
 `matrix(*axes, quick=...)` gives every combination of the axes as parameters for one
 `pytest.mark.parametrize` with several names; a combination for which `quick(*combination)` is
-false is marked slow, so `pytest -m "not slow"` runs the share that catches most breaks (every
-shape in float32, each half dtype at one shape) and the whole suite runs the rest.
+false is marked slow, so `pytest -m "not slow"` runs a share that still reaches every code path of
+the test (for a kernel: every shape in float32, each half dtype at one shape) and the whole suite
+runs every combination.
 """
 from __future__ import annotations
 
