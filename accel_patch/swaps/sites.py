@@ -201,6 +201,23 @@ def is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def python_function(obj):
+    """The Python function behind a module-level function of a modeling file: `obj` itself, or,
+    where transformers decorated it with `use_kernel_forward_from_hub` and the `kernels` package
+    is installed (a dependency of transformers from 5.25), the function that package's wrapper
+    (an `nn.Module` instance standing in the global's place) calls when no hub kernel replaced
+    it. Its signature is the function's; calling the wrapper runs it (or the hub kernel)."""
+    if inspect.isfunction(obj):
+        return obj
+    forward = getattr(type(obj), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is not None and "func" in code.co_freevars and isinstance(obj, torch.nn.Module):
+        inner = forward.__closure__[code.co_freevars.index("func")].cell_contents
+        if inspect.isfunction(inner):
+            return inner
+    return obj
+
+
 def storage_freed(t: torch.Tensor) -> bool:
     """Whether `t` holds fewer bytes than its view needs (a sharding engine freed or released it).
     False while compiling: a compiled graph reads the parameter dynamo guards on."""

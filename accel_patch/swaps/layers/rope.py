@@ -296,7 +296,7 @@ def _dispatcher(plan: RopePlan, original):
     from accel_kernels import _dispatch
 
     key, cast_back = plan.key, plan.cast_back
-    signature = inspect.signature(original)
+    signature = inspect.signature(sites.python_function(original))
     the_gate = gate(key)
     params = list(signature.parameters.values())
     # The first four parameters are q, k, cos, sin whatever their names (three, x, cos, sin, for
@@ -415,7 +415,7 @@ def _one_tensor(function) -> bool:
     """Whether a RoPE function rotates one tensor per call (Gemma 4's and DeepSeek V4's
     `apply_rotary_pos_emb(x, cos, sin)`): three required parameters."""
     try:
-        params = list(inspect.signature(function).parameters.values())
+        params = list(inspect.signature(sites.python_function(function)).parameters.values())
     except (TypeError, ValueError):
         return False
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -424,7 +424,7 @@ def _one_tensor(function) -> bool:
 
 def _takes(function, name: str) -> bool:
     try:
-        return name in inspect.signature(function).parameters
+        return name in inspect.signature(sites.python_function(function)).parameters
     except (TypeError, ValueError):
         return False
 
@@ -550,7 +550,7 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
     if not ran_any:
         return f"{key[1]} could not be called with rotate-half shapes (full- or half-width cos/sin)"
     if one_tensor:
-        names = ", ".join(list(inspect.signature(original).parameters)[:3])
+        names = ", ".join(list(inspect.signature(sites.python_function(original)).parameters)[:3])
         return f"{mismatch}; it rotates one tensor per call ({names}): the one-tensor form"
     return str(mismatch)
 
