@@ -364,6 +364,13 @@ def _dispatcher(plan: RopePlan, original):
         return original(*args, **kwargs)
 
     dispatch.__accel_patch_original__ = original
+    if sites.python_function(original) is not original:
+        # The `kernels` package's wrapper (an nn.Module instance in the global's place): the
+        # dispatcher is one more instance of its class, calling `dispatch`, because that
+        # package unpickles a model's private copy of the wrapper as `type(global)()`.
+        wrapper = type(original)()
+        wrapper.forward = dispatch
+        return wrapper
     return dispatch
 
 
