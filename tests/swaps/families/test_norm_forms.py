@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def _cls(family: str, name: str):
 # (family, class, constructor keyword arguments, gated); the quick loop takes one class of each
 # formula (the rest repeat a formula under another name: slow)
 SWAPPED = [
-    ("gemma4", "Gemma4RMSNorm", dict(dim=W, with_scale=False), False),
+    ("gemma4", "Gemma4RMSNorm", dict(with_scale=False), False),
     ("llama4", "Llama4TextL2Norm", dict(), False),
     ("deepseek_v4", "DeepseekV4UnweightedRMSNorm", dict(), False),
     ("glm5_next", "Glm5NextTextUnweightedRMSNorm", dict(), False, "slow"),
@@ -58,6 +59,17 @@ REFUSED = [
     ("dory", "DoryL2Norm", dict(), "differs from every weightless RMSNorm variant"),
     ("hy_v4", "HYV4UnweightedRMSNorm", dict(), "differs from every weightless RMSNorm variant"),  # returns 1/rms
 ]
+
+
+def _make(cls, kwargs):
+    """`cls(eps=1e-6, **kwargs)`, the width passed by position where the constructor requires one
+    that `kwargs` lacks (Gemma 4's weightless norm names it `dim` up to transformers 5.24,
+    `hidden_size` from 5.25)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    first = params[0] if params else None
+    if first is not None and first.default is first.empty and first.name not in kwargs and first.name != "eps":
+        return cls(W, eps=1e-6, **kwargs)
+    return cls(eps=1e-6, **kwargs)
 
 
 def _params(cases):
@@ -99,7 +111,7 @@ def _run(module, x, gate, dy):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_the_norm_runs_the_kernel_with_the_stock_outputs_and_gradients(family, name, kwargs, gated, dtype):
     cls = _cls(family, name)
-    stock, container, report = _swapped(cls(eps=1e-6, **kwargs), dtype)
+    stock, container, report = _swapped(_make(cls, kwargs), dtype)
     assert report.swapped.get("rms_norm") == 1, report.refused
     x, gate = _inputs(dtype, gated)
     dy = torch.randn(x.shape).to(dtype)
@@ -119,7 +131,7 @@ def test_the_norm_runs_the_kernel_with_the_stock_outputs_and_gradients(family, n
 @pytest.mark.parametrize("family,name,kwargs,words", _params(REFUSED))
 def test_a_form_without_a_kernel_is_refused_with_the_form_named(family, name, kwargs, words):
     cls = _cls(family, name)
-    _, container, report = _swapped(cls(eps=1e-6, **kwargs), torch.float32)
+    _, container, report = _swapped(_make(cls, kwargs), torch.float32)
     assert not report.swapped.get("rms_norm"), report
     reasons = [r.reason for r in report.refused if r.op == "rms_norm"]
     assert len(reasons) == 1 and words in reasons[0], reasons
@@ -200,7 +212,7 @@ def test_a_hybrid_model_runs_its_gated_norm_on_the_kernel(config_name):
     ("llama4", "Llama4TextL2Norm", dict())])
 def test_a_swapped_norm_compiles_fullgraph_into_one_op_node(family, name, kwargs):
     cls = _cls(family, name)
-    stock, container, report = _swapped(cls(eps=1e-6, **kwargs), torch.float32)
+    stock, container, report = _swapped(_make(cls, kwargs), torch.float32)
     assert report.swapped.get("rms_norm") == 1
     gated = "gate" in name.lower() or "Gated" in name
     x, gate = _inputs(torch.float32, gated)
