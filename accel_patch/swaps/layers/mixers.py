@@ -22,7 +22,11 @@ DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1
 
 def _fallback_parts(func):
     """(function name, package, implementation, torch reference) of a transformers fallback
-    wrapper (read from its closure), else None."""
+    wrapper (read from its closure; from transformers 5.25 that wrapper sits inside the `kernels`
+    package's hub wrapper), else None."""
+    from .. import sites
+
+    func = sites.python_function(func) if func is not None else None
     seen = 0
     while func is not None and seen < 8:
         code = getattr(func, "__code__", None)
@@ -33,8 +37,13 @@ def _fallback_parts(func):
     return None
 
 
-def _class_names(cls) -> set[str]:
-    """Every global name the methods of `cls` (and its bases in the same module) refer to."""
+def _class_names(cls, owner) -> set[str]:
+    """Every global name the methods of `cls` (and its bases in the same module) refer to, and
+    the names referred to by the module-level functions of `owner` that those wrap with the
+    `kernels` package's hub wrapper (from transformers 5.25 a mixer calls e.g.
+    `causal_conv1d_forward`, whose function calls the fallback-wrapped `causal_conv1d_fn`)."""
+    from .. import sites
+
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass.__module__ != cls.__module__:
@@ -43,6 +52,14 @@ def _class_names(cls) -> set[str]:
             code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
             if code is not None:
                 names.update(code.co_names)
+    pending = list(names)
+    while pending:
+        value = owner.__dict__.get(pending.pop())
+        inner = sites.python_function(value) if value is not None else None
+        if inner is not value and getattr(inner, "__module__", None) == owner.__name__:
+            new = set(inner.__code__.co_names) - names
+            names |= new
+            pending.extend(new)
     return names
 
 
@@ -55,7 +72,7 @@ def what_runs(module) -> str | None:
     if owner is None:
         return None
     groups: dict[tuple[str, bool], list[str]] = {}
-    for name in sorted(_class_names(cls)):
+    for name in sorted(_class_names(cls, owner)):
         found = _fallback_parts(owner.__dict__.get(name))
         if found is None:
             continue
