@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.sh, the prepared run for a lent GPU, checked here without one: its dry run
-runs every step on the CPU at tiny shapes through the same scripts and arguments (each step rc 0,
-each writing its JSON); a step that fails, or exits 0 without its JSON, makes the script exit
+runs each step on the CPU at tiny shapes through the same scripts and arguments (each step rc 0,
+each writing its JSON: the default steps in the suite, every step in the audit job); a step that fails, or exits 0 without its JSON, makes the script exit
 non-zero; the default steps fit one 10-minute call."""
 from __future__ import annotations
 
@@ -75,14 +75,28 @@ def test_bad_arguments_and_steps_are_refused_by_name(tmp_path):
     assert proc.returncode == 2 and "'e2ee'" in proc.stderr and "e2e" in proc.stderr
 
 
+@pytest.mark.slow  # the default steps' dry run: ~40 s
+def test_the_dry_run_of_the_default_steps_runs_each_and_each_writes_its_json(tmp_path):
+    """The steps a lent GPU runs first, on this CPU at tiny shapes, in one dry run; every other
+    step's dry run is the audit job's (below)."""
+    _, default, _ = steps(tmp_path)
+    _dry_runs(tmp_path, {"default": list(default)})
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # every step's dry run (15 steps, about 90 s on two idle cores): past the suite's 300 s a test under load
+@pytest.mark.audit  # every step's dry run: ~3 min of CPU, .ci/run's audit job
+@pytest.mark.timeout(900)
 def test_the_dry_run_runs_every_step_and_each_writes_its_json(tmp_path):
     """Every step of the table, on this CPU at tiny shapes: two dry runs side by side, each taking
     every other step (the machine's two cores), each exiting 0 with every step's JSON."""
     every, _, _ = steps(tmp_path)
     names = list(every)
-    halves = {f"part{i}": names[i::2] for i in range(2)}
+    _dry_runs(tmp_path, {f"part{i}": names[i::2] for i in range(2)})
+
+
+def _dry_runs(tmp_path, halves: dict[str, list[str]]) -> None:
+    """One `--dry-run` per entry of `halves` (name -> its steps), side by side; each must exit 0
+    with every step's JSON (and an archive where more than 7 come back)."""
     procs = {}
     for part, chosen in halves.items():
         out = tmp_path / part
