@@ -1,8 +1,9 @@
 """Shared helpers for the integration tests: launch real processes, bound them in time, read
 what each rank wrote, and check the results a user cares about.
 
-Every launch runs with a deadline; on expiry the whole process group is killed and the test fails
-with the tail of every process's stdout and stderr. Processes run in a temporary directory, never
+Every launch runs with a deadline; on expiry the whole process group is sent SIGABRT (each
+Python process prints its stacks: faulthandler is on), then killed, and the test fails with the
+tail of every process's stdout and stderr. Processes run in a temporary directory, never
 the repository root, so that they import the installed package as a user's script would, not
 whatever the checkout puts on sys.path.
 """
@@ -33,9 +34,10 @@ def free_port():
 def worker_env(home, **overrides):
     """A clean environment for a launch (`child_env`: no inherited launcher variables, no
     TRITON_INTERPRET), one thread per process, offline, accelerators hidden (these tests exercise
-    the CPU/gloo path), HF_HOME private so no user accelerate config is read."""
+    the CPU/gloo path), HF_HOME private so no user accelerate config is read; faulthandler on, so
+    a launch killed at its deadline leaves every process's Python stacks in its stderr."""
     return child_env(**{**dict(
-        OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(home),
+        PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(home),
         CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"), **overrides})
 
 
@@ -81,8 +83,8 @@ class Proc:
                 f"--- stdout (tail) ---\n{last(self.stdout)}\n--- stderr (tail) ---\n{last(self.stderr)}")
 
 
-def tails(procs):
-    return "\n\n".join(p.tail() for p in procs)
+def tails(procs, n=40):
+    return "\n\n".join(p.tail(n) for p in procs)
 
 
 def run_concurrently(cmds, env, workdir, timeout=LAUNCH_TIMEOUT_S):
@@ -113,15 +115,25 @@ def run_concurrently(cmds, env, workdir, timeout=LAUNCH_TIMEOUT_S):
             codes.append(None)
     elapsed = time.monotonic() - t0
     if timed_out:
-        for _, p, _, _ in started:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the group we created: launcher + its workers
-                p.wait()
+        alive = [p for _, p, _, _ in started if p.poll() is None]
+        for p in alive:  # every Python process of the group prints its stacks (PYTHONFAULTHANDLER)
+            _signal_group(p, signal.SIGABRT)
+        time.sleep(3)
+        for p in alive:
+            _signal_group(p, signal.SIGKILL)  # the group we created: launcher + its workers
+            p.wait()
     procs = [Proc(cmd, p.returncode, elapsed, out.read_text(errors="replace"),
                   err.read_text(errors="replace")) for (cmd, p, out, err) in started]
     if timed_out:
-        pytest.fail(f"launch did not finish within {timeout} s (killed)\n\n{tails(procs)}")
+        pytest.fail(f"launch did not finish within {timeout} s (killed; the stacks are in stderr)\n\n{tails(procs, 200)}")
     return procs
+
+
+def _signal_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def run(cmd, env, workdir, timeout=LAUNCH_TIMEOUT_S):
