@@ -51,7 +51,9 @@ q or k.
 On CPU without Triton (`accel_kernels._dispatch.use_triton` false) the dispatcher calls the
 original function: the kernel's plain-torch twin computes the same thing more slowly there.
 
-Every eager call of a swapped attention is counted in the model's `calls["rope"]`: "fused" when
+Every eager call of a swapped attention is counted in the model's `calls["rope"]`, and each compiled
+graph of one once, as "compiled: <outcome>" (what that graph runs at every call), as the other
+sites count: "fused" when
 the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) or k=None
 call the probe did not prove, a call it cannot bind, no Triton; "another function" when the
 forward never reached the dispatcher). Attentions that call a complex RoPE function (Llama 4's
@@ -354,13 +356,18 @@ def _dispatcher(plan: RopePlan, original):
         if the_gate.is_open():
             counter = the_gate.counter()
             out = kernel_or_why(args, kwargs)
+            eager = counter is the_gate.local
             if not isinstance(out, str):
-                if counter is the_gate.local:
+                if eager:
                     counter.ran += 1
+                else:
+                    _traced_note(key, FUSED)
                 return out
-            if counter is the_gate.local:
+            if eager:
                 counter.fell += 1
                 counter.why = out
+            else:
+                _traced_note(key, out)
         return original(*args, **kwargs)
 
     dispatch.__accel_patch_original__ = original
@@ -563,6 +570,24 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
 
 
 _forwards: dict[tuple, object] = {}
+#: RoPE global -> what its dispatcher ran in the trace under way (see `_traced_note`).
+_traced: dict[tuple[str, str], str] = {}
+
+
+@torch.compiler.assume_constant_result
+def _traced_note(key: tuple[str, str], outcome: str) -> bool:
+    """While dynamo traces a swapped attention forward, the dispatcher notes what the graph runs for
+    `key` (the kernel, or the function and why). Dynamo runs this at trace time and keeps only its
+    result, so the note is made once per trace and the compiled graph carries nothing of it."""
+    _traced[key] = outcome
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _traced_take(key: tuple[str, str]) -> str:
+    """The outcome noted for `key` since the last take ("" when the dispatcher was not reached),
+    at trace time (a constant of the graph)."""
+    return _traced.pop(key, "")
 
 
 @sites.made_by  # a pickled model makes its forward again
@@ -571,25 +596,31 @@ def forward_for(key: tuple[str, str]):
     (the gate's depth raised around it)."""
     if key not in _forwards:
         the_gate = gate(key)
+        another = f"another function: the forward did not call {key[1]} (another RoPE form, or no positions)"
 
         def forward(self, *args, **kwargs):
             counter = the_gate.counter()
             site = self.__dict__.get(SITE_ATTR)
             eager = counter is the_gate.local
             ran, fell = (counter.ran, counter.fell) if eager else (0, 0)
+            if not eager:
+                _traced_take(key)  # a trace of this forward starts with no outcome noted
             counter.depth += 1
             try:
                 out = sites.call_inner(self, *args, **kwargs)
             finally:
                 counter.depth -= 1
-            if eager and site is not None:  # what this call's RoPE ran (compiled graphs are not counted)
+            if site is None:
+                return out
+            if eager:  # what this call's RoPE ran
                 if counter.ran > ran and counter.fell == fell:
                     site.count(FUSED)
                 elif counter.fell > fell:
                     site.count(counter.why)
                 else:
-                    site.count(f"another function: the forward did not call {key[1]} (another RoPE form, "
-                               f"or no positions)")
+                    site.count(another)
+            else:  # what the graph's RoPE runs, once per compiled graph ("compiled: fused", ...)
+                sites.count(site, _traced_take(key) or another)
             return out
 
         _forwards[key] = forward

@@ -29,6 +29,28 @@ def test_rope_calls_are_counted_fused_where_the_kernel_ran():
     assert calls == {rope.FUSED: len(model.model.layers)}, calls
 
 
+def test_a_compiled_graph_counts_its_rope_once_per_attention_with_what_it_runs(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model = _swapped_llama()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for _ in range(2):  # the second call runs the same graph: no second count
+        training_step(compiled, padded_batch())
+    calls = accel_patch.report(model).calls["rope"]
+    assert calls == {"compiled: " + rope.FUSED: len(model.model.layers)}, calls
+    # a graph whose attention never reaches the dispatched function says so, never "fused"
+    other = _swapped_llama()
+    key = (modeling_llama.__name__, "apply_rotary_pos_emb")
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rope.interceptions.original(key))
+    torch._dynamo.reset()
+    training_step(torch.compile(other, backend="aot_eager", fullgraph=True), padded_batch())
+    calls = accel_patch.report(other).calls["rope"]
+    assert [k for k in calls if rope.FUSED in k] == [] and sum(calls.values()) == len(other.model.layers), calls
+    assert all(k.startswith("compiled: another function") and is_fallback(k) for k in calls), calls
+    torch._dynamo.reset()
+
+
 def test_a_call_that_ran_another_function_is_counted_as_a_fallback_not_fused(monkeypatch):
     from transformers.models.llama import modeling_llama
 
