@@ -153,6 +153,26 @@ def forward_slot(module) -> str:
     return "_old_forward" if "_hf_hook" in d and "_old_forward" in d else "forward"
 
 
+def bind_for_call(module, forward) -> tuple:
+    """Bind `forward` in `module`'s forward slot for one call (the LM head's capturing forward, in
+    eager and compiled calls alike); returns what `unbind` puts back. Plain dict operations, which
+    dynamo traces and replays."""
+    slot = forward_slot(module)
+    had = slot in module.__dict__
+    previous = module.__dict__.get(slot)
+    module.__dict__[slot] = forward
+    return slot, had, previous
+
+
+def unbind(module, bound: tuple) -> None:
+    """Put back what `bind_for_call` replaced (or remove the binding where there was none)."""
+    slot, had, previous = bound
+    if had:
+        module.__dict__[slot] = previous
+    elif slot in module.__dict__:
+        del module.__dict__[slot]
+
+
 def call_kept(attr: str, module, *args, **kwargs):
     """Call the forward a wrapper replaced: the instance forward kept in `attr` at swap time, else
     the class's."""

@@ -145,18 +145,12 @@ def fused_call(model, leaf, args, kwargs):
     """The model's own forward with `leaf` (the head's linear layer) returning a stand-in, traced.
     The slot is rebound for the call only, with a functools.partial: dynamo cannot build a
     types.MethodType; it replays the slot's final state (as it was) after the graph."""
-    slot = sites.forward_slot(leaf)
-    had = slot in leaf.__dict__
-    previous = leaf.__dict__.get(slot)
     forward = leaf.__dict__.get(CAPTURE_ATTR)
     if not (isinstance(forward, functools.partial) and forward.args[0] is leaf):
         forward = functools.partial(capture, leaf)  # a head copied after the swap: made per call
-    leaf.__dict__[slot] = forward
+    bound = sites.bind_for_call(leaf, forward)
     try:
         output = sites.call_inner(model, *args, **kwargs)
     finally:
-        if had:
-            leaf.__dict__[slot] = previous
-        else:
-            del leaf.__dict__[slot]
+        sites.unbind(leaf, bound)
     return without_stand_in(output)

@@ -135,14 +135,8 @@ class capturing:
         def capture(module, *args, **kwargs):
             return deferred_head(DeferredLogits, module, state, args, kwargs)
 
-        self.slot = sites.forward_slot(leaf)
-        self.had = self.slot in leaf.__dict__
-        self.previous = leaf.__dict__.get(self.slot)
-        leaf.__dict__[self.slot] = types.MethodType(capture, leaf)
+        self.bound = sites.bind_for_call(leaf, types.MethodType(capture, leaf))
 
     def __exit__(self, *exc):
-        if self.had:
-            self.leaf.__dict__[self.slot] = self.previous
-        else:
-            self.leaf.__dict__.pop(self.slot, None)
+        sites.unbind(self.leaf, self.bound)
         return False
