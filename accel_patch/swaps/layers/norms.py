@@ -7,15 +7,17 @@
   `norm(x) * weight * act(gate)` (Qwen3.5 / Qwen3-Next / Olmo hybrid `RMSNormGated` with silu,
   Kimi Linear / GLM-5-next with sigmoid, Falcon-H1 with `norm_before_gate`), or gating before
   normalizing, `norm(x * silu(gate)) * weight` (Mamba2, Nemotron-H, Granite 4 hybrid, Bamba,
-  Zamba2 `RMSNormGated`, Falcon-H1 with `norm_before_gate=False`) where one group spans the width.
+  Zamba2 `RMSNormGated`, Falcon-H1 with `norm_before_gate=False`); normalized over the whole width
+  or per group (`group_size` below the width, `n_groups` above 1: Mamba2Config's and
+  NemotronHConfig's defaults, n_groups=8): per group, the weightless kernel runs on each group and
+  the weight multiplies after it (`grouped_rms_norm`), as those modules compute.
 
 The probe runs the module's own forward (with a random weight substituted, so `w` and `1 + w`
 differ; a random gate at magnitudes where silu and sigmoid differ) against `accel_kernels.rms_norm`
 in each casting variant of families.NORM_VARIANTS (NORM_WEIGHTLESS_VARIANTS without a weight;
 times each of NORM_GATE_ACTIVATIONS with a gate), in the activation dtype, float32 and bfloat16;
 the variant that matches in all of them is swapped in. Refused, with the form named:
-- normalizing per group (`group_size` below the width, `n_groups` above 1: Mamba2Config's and
-  NemotronHConfig's defaults, n_groups=8; Granite 4 hybrid, Bamba, Zamba2, Falcon-H1 default to 1): no kernel;
+- groups that do not divide the width;
 - LayerNorm (mean-centred, with a bias); a weightless norm whose output is no RMSNorm's (an L2
   norm over the sum, not the mean: Dory's).
 
@@ -35,13 +37,14 @@ from .. import families, probe, sites
 
 OP = "rms_norm"
 
-#: A candidate's form: its epsilon attribute, whether it has a weight, and for the gated form the
-#: names of its two inputs (None for one input).
-NormForm = namedtuple("NormForm", "eps_attr weighted inputs", defaults=(True, None))
+#: A candidate's form: its epsilon attribute, whether it has a weight, for the gated form the
+#: names of its two inputs (None for one input), and the groups a gated norm normalizes over
+#: (contiguous, equal, across the width; 1: the whole width).
+NormForm = namedtuple("NormForm", "eps_attr weighted inputs groups", defaults=(True, None, 1))
 
 
-class NormVariant(namedtuple("NormVariant", "casting offset eps_attr weighted inputs activation",
-                             defaults=(True, None, ""))):
+class NormVariant(namedtuple("NormVariant", "casting offset eps_attr weighted inputs activation groups",
+                             defaults=(True, None, "", 1))):
     __slots__ = ()
 
 
@@ -78,13 +81,35 @@ def gated_inputs(cls: type) -> tuple[str, str] | None:
     return x.name, gate.name
 
 
-def _group_refusal(module, n: int) -> str | None:
+def _groups(module, n: int) -> int | None:
+    """How many contiguous equal groups of the width `n` a gated norm normalizes over, by its
+    `group_size` or `n_groups` (1: the whole width); None when they do not divide the width."""
     group_size, n_groups = getattr(module, "group_size", None), getattr(module, "n_groups", None)
-    if isinstance(group_size, int) and group_size != n:
-        return f"gated RMSNorm normalized per group of group_size={group_size} (width {n}): no kernel"
-    if isinstance(n_groups, int) and n_groups != 1:
-        return f"gated RMSNorm normalized per group (n_groups={n_groups}): no kernel"
-    return None
+    if isinstance(group_size, int) and not isinstance(group_size, bool) and group_size != n:
+        return n // group_size if 0 < group_size < n and n % group_size == 0 else None
+    if isinstance(n_groups, int) and not isinstance(n_groups, bool) and n_groups != 1:
+        return n_groups if 0 < n_groups < n and n % n_groups == 0 else None
+    return 1
+
+
+def _group_refusal(module, n: int) -> str | None:
+    if _groups(module, n) is not None:
+        return None
+    group_size, n_groups = getattr(module, "group_size", None), getattr(module, "n_groups", None)
+    return (f"gated RMSNorm normalized per group (group_size={group_size!r}, n_groups={n_groups!r}) that do "
+            f"not divide its width {n}: no kernel")
+
+
+def grouped_rms_norm(x, weight, gate, groups: int, eps: float, casting: str, activation: str):
+    """A gated norm normalized per group: the weightless kernel on each group of the width (x and
+    gate viewed as (..., groups, n / groups)), then times the weight, as Mamba2's and Nemotron-H's
+    `weight * normed.to(input_dtype)` does (the probe proves it for each module)."""
+    from accel_kernels import rms_norm
+
+    shape = (groups, x.shape[-1] // groups)
+    y = rms_norm(x.unflatten(-1, shape), None, eps=eps, casting=casting, gate=gate.unflatten(-1, shape),
+                 activation=activation).flatten(-2)
+    return weight * y
 
 
 def candidate(module) -> NormForm | None:
@@ -107,9 +132,10 @@ def candidate(module) -> NormForm | None:
     if sites.single_input(type(module)) is not None:
         return NormForm(eps_attr)
     inputs = gated_inputs(type(module))
-    if inputs is None or _group_refusal(module, weight.shape[0]):
+    groups = _groups(module, weight.shape[0]) if inputs is not None else None
+    if groups is None:
         return None
-    return NormForm(eps_attr, inputs=inputs)
+    return NormForm(eps_attr, inputs=inputs, groups=groups)
 
 
 def refusal(module) -> str | None:
@@ -145,15 +171,17 @@ def probe_verdict(module, act_dtype: torch.dtype, form: NormForm, device: torch.
     from accel_kernels import rms_norm
 
     device = device or probe.module_device(module)
-    eps_attr, weighted, inputs = form
+    eps_attr, weighted, inputs, groups = form
     weight = module.weight if weighted else None
     n = weight.shape[0] if weighted else 64
     eps = getattr(module, eps_attr)
     dtypes = list(dict.fromkeys([act_dtype, torch.float32, torch.bfloat16]))
-    base = families.NORM_VARIANTS if weighted else families.NORM_WEIGHTLESS_VARIANTS
+    # per group: the weightless kernel's castings, the weight applied after it (grouped_rms_norm)
+    base = families.NORM_VARIANTS if weighted and groups == 1 else families.NORM_WEIGHTLESS_VARIANTS
     acts = families.NORM_GATE_ACTIVATIONS if inputs else ("",)
     errors = {(c, o, a): 0.0 for c, o in base for a in acts}
-    kind = ("gated " if inputs else "") + ("RMSNorm" if weighted else "weightless RMSNorm")
+    kind = ("gated " if inputs else "") + ("RMSNorm" if weighted else "weightless RMSNorm") + (
+        f" normalized per group ({groups} groups)" if groups > 1 else "")
     with probe.probing(module):
         for dtype in dtypes:
             # The activation dtype probe uses the module's own weight dtype; the others cast both,
@@ -171,7 +199,10 @@ def probe_verdict(module, act_dtype: torch.dtype, form: NormForm, device: torch.
             limit = probe.bound(dtype)
             for variant in list(errors):
                 casting, offset, act = variant
-                out = rms_norm(x, w, eps=kernel_eps, offset=offset, casting=casting, gate=gate, activation=act)
+                if groups > 1:
+                    out = grouped_rms_norm(x, w, gate, groups, kernel_eps, casting, act)
+                else:
+                    out = rms_norm(x, w, eps=kernel_eps, offset=offset, casting=casting, gate=gate, activation=act)
                 err = probe.rel_err(out, ref) if out.dtype == ref.dtype else float("inf")
                 if err > limit:
                     del errors[variant]
@@ -182,7 +213,7 @@ def probe_verdict(module, act_dtype: torch.dtype, form: NormForm, device: torch.
                     return f"LayerNorm (mean-centred): no kernel; its output differs from every RMSNorm variant in {dtype}"
                 return f"output differs from every {kind} variant in {dtype} (not an RMSNorm?)"
     casting, offset, act = min(errors, key=errors.get)
-    return NormVariant(casting, offset, eps_attr, weighted, inputs, act)
+    return NormVariant(casting, offset, eps_attr, weighted, inputs, act, groups)
 
 
 _forwards: dict[NormVariant, object] = {}
@@ -195,7 +226,7 @@ def forward_for(variant: NormVariant):
     if variant not in _forwards:
         from accel_kernels import _dispatch, rms_norm
 
-        casting, offset, eps_attr, weighted, inputs, activation = variant
+        casting, offset, eps_attr, weighted, inputs, activation, groups = variant
 
         def forward(self, *args, **kwargs):
             if inputs is None:
@@ -209,6 +240,8 @@ def forward_for(variant: NormVariant):
                 return sites.call_inner(self, *args, **kwargs)
             eps = getattr(self, eps_attr)
             eps = torch.finfo(x.dtype).eps if eps is None else float(eps)  # torch.nn.RMSNorm(eps=None)
+            if groups > 1:
+                return grouped_rms_norm(x, self.weight, gate, groups, eps, casting, activation)
             return rms_norm(x, self.weight if weighted else None, eps=eps, offset=offset, casting=casting,
                             gate=gate, activation=activation)
 

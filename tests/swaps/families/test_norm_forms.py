@@ -50,12 +50,15 @@ SWAPPED = [
     ("bamba", "BambaRMSNormGated", dict(hidden_size=W, group_size=W), True, "slow"),
     ("zamba2", "Zamba2RMSNormGated", dict(hidden_size=W, group_size=W), True, "slow"),
     ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=W, norm_before_gate=False), True, "slow"),
+    # normalized per group: the weightless kernel per group, then the weight (NemotronHConfig's and
+    # Mamba2Config's default n_groups=8)
+    ("nemotron_h", "NemotronHRMSNormGated", dict(hidden_size=W, group_size=W // 4), True),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=W, n_groups=2), True, "slow"),
 ]
 
 # (family, class, constructor keyword arguments, words of the refusal)
 REFUSED = [
-    ("nemotron_h", "NemotronHRMSNormGated", dict(hidden_size=W, group_size=W // 4), "per group of group_size=12"),
-    ("falcon_h1", "FalconH1RMSNormGated", dict(hidden_size=W, n_groups=2), "per group (n_groups=2)"),
+    ("nemotron_h", "NemotronHRMSNormGated", dict(hidden_size=W, group_size=W // 4 + 1), "that do not divide its width"),
     ("dory", "DoryL2Norm", dict(), "differs from every weightless RMSNorm variant"),
     ("hy_v4", "HYV4UnweightedRMSNorm", dict(), "differs from every weightless RMSNorm variant"),  # returns 1/rms
 ]
@@ -169,9 +172,9 @@ HYBRIDS = {  # config class: (its gated norm's class, tiny configuration)
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
         num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"])),
-    "NemotronHConfig": ("NemotronHRMSNormGated", dict(  # n_groups=1: one group over the width
+    "NemotronHConfig": ("NemotronHRMSNormGated", dict(  # n_groups=2: the mixer's norm per group of 16
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1,
+        num_key_value_heads=1, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
         hybrid_override_pattern="M*")),
 }
 
