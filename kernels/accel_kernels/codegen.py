@@ -206,6 +206,9 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int, rope_forms=None):
     act = _glu.ACTIVATIONS[model.activation]
     _glu._forward_triton(gate, up, act)
     _glu._backward_triton(torch.empty_like(gate), gate, up, act)
+    if act == _glu.SILU:  # the clamped variant (DeepSeek V4's and GLM-5-next's swiglu_limit): same shapes
+        _glu._forward_triton(gate, up, act, 10.0)
+        _glu._backward_triton(torch.empty_like(gate), gate, up, act, 10.0)
     relu_squared._forward_triton(up)  # Nemotron-H's non-gated MLP: the same elementwise shapes
     relu_squared._backward_triton(torch.empty_like(up), up)
     labels = _meta((tokens,), torch.int64)

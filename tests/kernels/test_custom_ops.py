@@ -83,6 +83,10 @@ def glu_cases(dtype, path):
     for activation in ("silu", "gelu", "gelu_tanh"):
         yield ops.glu, (gate, up, activation, path)
         yield ops.glu_backward, (torch.randn(3, 70).to(dtype), gate.detach(), up.detach(), activation, path)
+    big_gate = (torch.randn(3, 70) * 12).to(dtype).requires_grad_()  # past the clamp
+    big_up = (torch.randn(3, 70) * 12).to(dtype).requires_grad_()
+    yield ops.glu, (big_gate, big_up, "silu", path, 10.0)
+    yield ops.glu_backward, (torch.randn(3, 70).to(dtype), big_gate.detach(), big_up.detach(), "silu", path, 10.0)
 
 
 def relu_squared_cases(dtype, path):

@@ -26,6 +26,33 @@ def test_matches_float64(device, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_limit_clamps_gate_and_up_as_torch_clamp_does(device, dtype, plain, monkeypatch):
+    # DeepSeek V4's and GLM-5-next's swiglu_limit: gate.clamp(max=L), up.clamp(-L, L), with
+    # torch.clamp's gradients (zero where the clamp bound the input, passed on the bound itself)
+    from accel_kernels import _launch
+
+    limit = 10.0
+    gate, up, dout = (torch.randn(4, 333, device=device).mul(12).to(dtype) for _ in range(3))
+    gate[0, :3] = limit  # on the bound: the gradient passes, as torch's
+    up[0, 3:6] = -limit
+    assert float((gate > limit).float().mean()) > 0.1 and float((up.abs() > limit).float().mean()) > 0.2
+    if plain:
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    with _launch.recording() as launched:
+        check_against_float64(lambda g, u: swiglu(g, u, limit=limit),
+                              lambda g, u: eager(g.clamp(max=limit), u.clamp(-limit, limit)), gate, up, dout)
+    assert plain or {"_glu_forward_kernel", "_glu_backward_kernel"} <= set(launched), launched
+
+
+def test_a_bad_limit_is_refused_by_name():
+    gate = up = torch.randn(2, 8)
+    for bad in (0.0, -1.0, True, "10"):
+        with pytest.raises(ValueError, match="limit must be a positive number or None"):
+            swiglu(gate, up, limit=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_non_contiguous_inputs(device, dtype):
     # gate and up as halves of one fused projection, and a transposed view; the upstream grad strided too.
     gate_up = torch.randn(6, 2 * 300, device=device, dtype=dtype)

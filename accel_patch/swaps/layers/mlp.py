@@ -28,10 +28,12 @@ from .. import families, probe, sites
 OP = "glu"
 
 
-class GluPlan(namedtuple("GluPlan", "names act order")):
+class GluPlan(namedtuple("GluPlan", "names act order limit", defaults=(None,))):
     """names: (gate, up, down) or (gate_up, down), or (up, down) for act "relu2" (non-gated:
     `down(relu(up(x))²)`); act: "silu" | "gelu" | "gelu_tanh" | "relu2"; order: for a fused
-    projection, "gate_up" (gate first) or "up_gate"; "plain" for the non-gated form."""
+    projection, "gate_up" (gate first) or "up_gate"; "plain" for the non-gated form; limit: the
+    clamp the SwiGLU kernel applies first (gate at most, up within plus or minus it: DeepSeek V4's
+    and GLM-5-next's `swiglu_limit`), None for none."""
 
     __slots__ = ()
 
@@ -148,11 +150,11 @@ _REFERENCE = {
 }
 
 
-def glu(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def glu(act: str, gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     from accel_kernels import geglu, swiglu
 
     if act == "silu":
-        return swiglu(gate, up)
+        return swiglu(gate, up, limit=limit)
     return geglu(gate, up, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
@@ -213,7 +215,16 @@ def probe_verdict(module, act_dtype: torch.dtype, names: tuple[str, ...], act: s
         ref = module(far)
         probe.seeded()
         out = forward_for(plan, stock_without_triton=False)(module, far)
-    return probe.past_limits_refusal(module, out, ref, _form(act), magnitude, act_dtype) or plan
+        refusal = probe.past_limits_refusal(module, out, ref, _form(act), magnitude, act_dtype)
+        named = sorted(set(probe.limits(module)))
+        if refusal and act == "silu" and len(named) == 1:
+            # the module clamps at the limit it names: the kernel clamps too, proved past it
+            clamped = plan._replace(limit=named[0])
+            probe.seeded()
+            out = forward_for(clamped, stock_without_triton=False)(module, far)
+            if not probe.past_limits_refusal(module, out, ref, _form(act), magnitude, act_dtype):
+                return clamped
+    return refusal or plan
 
 
 def _form(act: str) -> str:
@@ -232,7 +243,7 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
     if key not in _forwards:
         from accel_kernels import _dispatch
 
-        names, act, order = plan
+        names, act, order, _ = plan
         if act == "relu2":
             from accel_kernels import relu_squared
 
@@ -252,7 +263,7 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
                     return sites.call_inner(self, *args, **kwargs)
                 gate = getattr(self, gate_name)(x)  # gate before up, as stock: same RNG order for dropout
                 up = getattr(self, up_name)(x)
-                return getattr(self, down_name)(glu(act, gate, up))
+                return getattr(self, down_name)(glu(act, gate, up, plan.limit))
         else:
             fused_name, down_name = names
             gate_first = order == "gate_up"
@@ -263,7 +274,7 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
                     return sites.call_inner(self, *args, **kwargs)
                 first, second = getattr(self, fused_name)(x).chunk(2, dim=-1)
                 gate, up = (first, second) if gate_first else (second, first)
-                return getattr(self, down_name)(glu(act, gate, up))
+                return getattr(self, down_name)(glu(act, gate, up, plan.limit))
 
         _forwards[key] = forward
     return _forwards[key]

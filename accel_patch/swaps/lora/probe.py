@@ -131,6 +131,9 @@ def probe_mlp(module, act_dtype, names, act):
     plan = mlp.probe_verdict(module, act_dtype, names, act)
     if isinstance(plan, str):
         return plan
+    if plan.limit is not None:
+        return (f"the module clamps gate/up at {plan.limit:g} (the glu kernel does too): the fused LoRA MLP "
+                f"does not clamp")
     bases = _bases(module, names)
     act_fn = mlp.activation(module)
     device = probe.module_device(module)

@@ -135,7 +135,7 @@ def mlp_forward(self, *args, **kwargs):
     if isinstance(x, torch.Tensor) and x.dim() > 0 and _decode_shape(x):
         _count(site, MLP_OP, DECODE)
         return call_inner(self, *args, **kwargs)
-    names, act, order = site.glu_plan
+    names, act, order, _ = site.glu_plan  # a clamped plan never reaches here (lora.probe refuses it)
     found = _plan([getattr(self, n) for n in names], x) if isinstance(x, torch.Tensor) else "input is not a tensor"
     if isinstance(found, str):
         _count(site, MLP_OP, _outcome(found))

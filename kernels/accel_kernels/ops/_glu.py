@@ -10,6 +10,11 @@ the flat, contiguous tensor in 1-D blocks and compute in fp32; outputs are in th
 Memory: the forward saves only gate and up and the backward recomputes act(gate), so an MLP keeps
 two activation-sized tensors for backward where eager `act(gate) * up` keeps three.
 
+`limit` > 0 clamps the pre-activations first, in the kernels (DeepSeek V4's and GLM-5-next's
+`swiglu_limit`): gate at most `limit`, up within [-limit, limit], their gradients zero where the
+clamp bound them (torch.clamp's rule: passed where the input lies within the bounds, inclusive).
+The saved gate and up are the unclamped ones; the backward clamps them again. 0: no clamp.
+
 float64 inputs take the plain-torch twin everywhere (the kernels compute in fp32).
 """
 from __future__ import annotations
@@ -54,29 +59,40 @@ def _act_and_grad(g, ACT: tl.constexpr):
 
 
 @jit
-def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, limit, ACT: tl.constexpr, CLAMP: tl.constexpr,
+                        BLOCK: tl.constexpr):
     # int64 block start: tensors of 2**31 elements and more are common at LLM scale.
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
     g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
     a, _ = _act_and_grad(g, ACT)
     tl.store(out_ptr + start + offs, cast_rounded(a * u, out_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
-def _glu_backward_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n,
-                         ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_backward_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, limit,
+                         ACT: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = tl.arange(0, BLOCK)
     mask = offs < n - start
     dout = tl.load(dout_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+    dg_pass = 1.0
+    du_pass = 1.0
+    if CLAMP:  # torch.clamp's gradient: passed where the input lies within the bounds
+        dg_pass = tl.where(g <= limit, 1.0, 0.0)
+        du_pass = tl.where((u >= -limit) & (u <= limit), 1.0, 0.0)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
     a, da = _act_and_grad(g, ACT)
-    tl.store(dgate_ptr + start + offs, cast_rounded(dout * u * da, dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + start + offs, cast_rounded(dout * a, dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + start + offs, cast_rounded(dout * u * da * dg_pass, dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + start + offs, cast_rounded(dout * a * du_pass, dup_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,23 +104,23 @@ def _grid(n: int) -> tuple[int]:
     return (_launch.cdiv(n, BLOCK),)
 
 
-def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float = 0.0) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = _dispatch.empty_like(gate)
     n = gate.numel()
     if n:
-        _launch.launch(_glu_forward_kernel, _grid(n), gate, up, out, n, ACT=act, BLOCK=BLOCK,
-                       num_warps=NUM_WARPS)
+        _launch.launch(_glu_forward_kernel, _grid(n), gate, up, out, n, float(limit), ACT=act,
+                       CLAMP=limit > 0, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
 
 
-def _backward_triton(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_triton(dout, gate, up, act: int, limit: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
     dgate, dup = _dispatch.empty_like(gate), _dispatch.empty_like(up)
     n = gate.numel()
     if n:
-        _launch.launch(_glu_backward_kernel, _grid(n), dout, gate, up, dgate, dup, n, ACT=act,
-                       BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _launch.launch(_glu_backward_kernel, _grid(n), dout, gate, up, dgate, dup, n, float(limit), ACT=act,
+                       CLAMP=limit > 0, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return dgate, dup
 
 
@@ -119,42 +135,44 @@ _OP_NAMES = {SILU: "swiglu", GELU_ERF: "geglu", GELU_TANH: "geglu"}
 
 
 @_library.custom_op("glu")
-def _glu_op(gate: torch.Tensor, up: torch.Tensor, activation: str, triton_path: bool) -> torch.Tensor:
-    """act(gate) * up for activation "silu" (SwiGLU), "gelu" (erf) or "gelu_tanh" (GeGLU)."""
+def _glu_op(gate: torch.Tensor, up: torch.Tensor, activation: str, triton_path: bool,
+            limit: float = 0.0) -> torch.Tensor:
+    """act(gate) * up for activation "silu" (SwiGLU), "gelu" (erf) or "gelu_tanh" (GeGLU); gate
+    and up clamped at `limit` first where it is > 0 (module docstring)."""
     act = ACTIVATIONS[activation]
-    return (_forward_triton if triton_path else _forward_torch)(gate, up, act).contiguous()
+    return (_forward_triton if triton_path else _forward_torch)(gate, up, act, limit).contiguous()
 
 
 @_glu_op.register_fake
-def _(gate, up, activation, triton_path):
+def _(gate, up, activation, triton_path, limit=0.0):
     return gate.new_empty(gate.shape)
 
 
 @_library.custom_op("glu_backward")
 def _glu_backward_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str,
-                     triton_path: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     triton_path: bool, limit: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     act = ACTIVATIONS[activation]
-    dgate, dup = (_backward_triton if triton_path else _backward_torch)(dout, gate, up, act)
+    dgate, dup = (_backward_triton if triton_path else _backward_torch)(dout, gate, up, act, limit)
     return dgate.contiguous(), dup.contiguous()
 
 
 @_glu_backward_op.register_fake
-def _(dout, gate, up, activation, triton_path):
+def _(dout, gate, up, activation, triton_path, limit=0.0):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    gate, up, activation, triton_path = inputs
+    gate, up, activation, triton_path, limit = inputs
     ctx.save_for_backward(gate, up)  # the originals: a contiguous copy here would be a third tensor
-    ctx.options = (activation, triton_path)
+    ctx.options = (activation, triton_path, limit)
 
 
 def _backward(ctx, dout):
-    activation, triton_path = ctx.options
+    activation, triton_path, limit = ctx.options
     _dispatch.check_first_order(_OP_NAMES[ACTIVATIONS[activation]])
     gate, up = ctx.saved_tensors
-    dgate, dup = torch.ops.accel_kernels.glu_backward(dout, gate, up, activation, triton_path)
-    return dgate, dup, None, None
+    dgate, dup = torch.ops.accel_kernels.glu_backward(dout, gate, up, activation, triton_path, limit)
+    return dgate, dup, None, None, None
 
 
 _glu_op.register_autograd(_backward, setup_context=_setup_context)
@@ -174,9 +192,15 @@ def _sigmoid_of_z(g: torch.Tensor, act: int) -> torch.Tensor:
     return torch.square(g).mul_(0.044715).add_(1.0).mul_(g).mul_(1.5957691216057308).sigmoid_()
 
 
-def _forward_torch(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+def _clamped(g: torch.Tensor, u: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if limit > 0:
+        return g.clamp(max=limit), u.clamp(-limit, limit)
+    return g, u
+
+
+def _forward_torch(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float = 0.0) -> torch.Tensor:
     ct = _compute_dtype(gate)
-    g, u = gate.to(ct), up.to(ct)
+    g, u = _clamped(gate.to(ct), up.to(ct), limit)
     if act == GELU_ERF:
         a = torch.mul(g, 0.7071067811865476).erf_().add_(1.0).mul_(0.5).mul_(g)
     else:
@@ -184,9 +208,13 @@ def _forward_torch(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tens
     return a.mul_(u).to(gate.dtype)
 
 
-def _backward_torch(dout, gate, up, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_torch(dout, gate, up, act: int, limit: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     ct = _compute_dtype(gate)
     g, u, d = gate.to(ct), up.to(ct), dout.to(ct)
+    if limit > 0:  # torch.clamp's gradient: passed where the input lies within the bounds
+        dg_pass, du_pass = (g <= limit).to(ct), ((u >= -limit) & (u <= limit)).to(ct)
+        (dgate, dup) = _backward_torch(dout, gate.clamp(max=limit), up.clamp(-limit, limit), act)
+        return (dgate.to(ct) * dg_pass).to(gate.dtype), (dup.to(ct) * du_pass).to(up.dtype)
     if act == GELU_ERF:
         cdf = torch.mul(g, 0.7071067811865476).erf_().add_(1.0).mul_(0.5)
         da = torch.square(g).mul_(-0.5).exp_().mul_(0.3989422804014327).mul_(g).add_(cdf)
@@ -231,8 +259,13 @@ def _check_inputs(gate, up) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def gated_unit(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
-    """Validate, pick the backend from the tensors, and run act(gate) * up with autograd."""
+def gated_unit(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float | None = None) -> torch.Tensor:
+    """Validate, pick the backend from the tensors, and run act(gate) * up with autograd (gate and
+    up clamped at `limit` first, when given)."""
     _check_inputs(gate, up)
+    if limit is not None and not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
+        raise ValueError(f"limit must be a positive number or None, got {limit!r}")
     triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64
-    return torch.ops.accel_kernels.glu(gate, up, _ACTIVATION_NAMES[act], triton_path)
+    if limit is None:  # the op's schema as before: compiled graphs keep their nodes
+        return torch.ops.accel_kernels.glu(gate, up, _ACTIVATION_NAMES[act], triton_path)
+    return torch.ops.accel_kernels.glu(gate, up, _ACTIVATION_NAMES[act], triton_path, float(limit))

@@ -1,8 +1,11 @@
 """SwiGLU clamped at a limit (DeepSeek V4's and GLM-5-next's `swiglu_limit`): the probe drives the
-pre-activations past it (the small random inputs of the first probe stay far below 10), so the plain kernels are refused with the reason instead of training
-with wrong gradients; an unclamped module of the same shape still swaps."""
+pre-activations past it (the small random inputs of the first probe stay far below 10); the
+kernel clamps as the module does (gate at most the limit, up within it) and equals stock there,
+and a clamp of another form is refused with the reason instead of training with wrong
+gradients; an unclamped module of the same shape still swaps."""
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -41,13 +44,64 @@ def fresh_probes():
     probe.cache.clear()
 
 
-@pytest.mark.parametrize("path, cls, op", [("deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP", "glu"),
-                                           ("glm5_next.modeling_glm5_next", "Glm5NextTextMLP", "glu")])
-def test_a_clamped_gated_mlp_is_refused_with_its_limit(path, cls, op):
+CLAMPED = [("deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP"), ("glm5_next.modeling_glm5_next", "Glm5NextTextMLP")]
+
+
+@pytest.mark.parametrize("path, cls", CLAMPED)
+def test_a_clamped_gated_mlp_runs_the_clamp_in_the_kernel_and_equals_stock_past_it(path, cls):
+    from accel_kernels import _launch
+    from accel_patch.swaps.layers import mlp
+
+    module = _module(path, cls, **MLP)
+    stock = copy.deepcopy(module)
+    model = Holder(module)
+    report = swap_kernels(model, ops=["glu"])
+    assert report.swapped.get("glu") == 1 and not report.refused, report.refused
+    plan = mlp.probe_verdict(stock, torch.float32, *mlp.candidate(stock))
+    assert isinstance(plan, mlp.GluPlan) and plan.limit == 10.0, plan
+    x = (torch.randn(2, 7, 16) * 60).requires_grad_()  # pre-activations far past 10
+    with torch.no_grad():
+        pre = torch.cat([stock.gate_proj(x), stock.up_proj(x)], -1)
+    assert float((pre.abs() > 10).float().mean()) > 0.05, "the input does not reach the clamp"
+    x2 = x.detach().requires_grad_()
+    with _launch.recording() as launched:
+        y = model.child(x)
+        y.sum().backward()
+    assert {"_glu_forward_kernel", "_glu_backward_kernel"} <= set(launched), launched
+    want = stock(x2)
+    want.sum().backward()
+    assert probe.rel_err(y, want) <= 1e-5 and probe.rel_err(x.grad, x2.grad) <= 1e-5
+    for (name, p), q in zip(model.child.named_parameters(), stock.parameters()):
+        assert probe.rel_err(p.grad, q.grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize("path, cls", CLAMPED[:1])
+def test_a_clamped_mlp_refuses_the_fused_lora_mlp_which_does_not_clamp(path, cls):
     model = Holder(_module(path, cls, **MLP))
-    report = swap_kernels(model, ops=[op])
-    assert report.swapped.get(op, 0) == 0, report
-    (refusal,) = [r for r in report.refused if r.op == op]
+    report = swap_kernels(model, ops=["glu", "lora_mlp"])
+    assert report.swapped.get("glu") == 1, report
+    (refusal,) = [r for r in report.refused if r.op == "lora_mlp"]
+    assert "clamps gate/up at 10" in refusal.reason and "does not clamp" in refusal.reason, refusal
+
+
+def test_a_clamp_of_another_form_is_refused_with_its_limit():
+    # gate clamped on both sides: not the kernel's clamp (gate at most the limit), so past the limit
+    # the kernel would compute another function
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+    class BothSides(modeling.DeepseekV4MLP):
+        def forward(self, x):
+            gate = self.gate_proj(x).clamp(min=-self.limit, max=self.limit)
+            up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+            return self.down_proj(self.act_fn(gate) * up)
+
+    torch.manual_seed(0)
+    module = BothSides(types.SimpleNamespace(**MLP))
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    report = swap_kernels(Holder(module), ops=["glu"])
+    assert report.swapped.get("glu", 0) == 0, report
+    (refusal,) = [r for r in report.refused if r.op == "glu"]
     assert "limit of 10" in refusal.reason and "pre-activations" in refusal.reason, refusal
 
 
