@@ -29,6 +29,7 @@ def test_rope_calls_are_counted_fused_where_the_kernel_ran():
     assert calls == {rope.FUSED: len(model.model.layers)}, calls
 
 
+@pytest.mark.slow  # two aot_eager compiles of a training step: ~7 s
 def test_a_compiled_graph_counts_its_rope_once_per_attention_with_what_it_runs(monkeypatch):
     from transformers.models.llama import modeling_llama
 
