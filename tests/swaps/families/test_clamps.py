@@ -110,3 +110,24 @@ def test_the_same_mlp_with_its_clamp_out_of_reach_swaps():
     model = Holder(_module("deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP", **{**MLP, "swiglu_limit": 1e6}))
     report = swap_kernels(model, ops=["glu"])
     assert report.swapped.get("glu") == 1, report
+
+
+@pytest.mark.slow  # dynamo and AOTAutograd over the clamped op
+def test_a_clamped_mlp_compiles_fullgraph_with_the_clamp_in_the_graph_and_equals_stock():
+    module = _module("deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP", **MLP)
+    stock = copy.deepcopy(module)
+    model = Holder(module)
+    assert swap_kernels(model, ops=["glu"]).swapped.get("glu") == 1
+    x = (torch.randn(2, 7, 16) * 60).requires_grad_()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model.child)(x)
+    assert explained.graph_break_count == 0
+    nodes = [n for g in explained.graphs for n in g.graph.nodes if "accel_kernels.glu" in str(n.target)]
+    assert nodes and all(10.0 in n.args for n in nodes), [n.args for n in nodes]
+    x1, x2 = x.detach().requires_grad_(), x.detach().requires_grad_()
+    y = torch.compile(model.child, backend="aot_eager", fullgraph=True)(x1)
+    y.sum().backward()
+    want = stock(x2)
+    want.sum().backward()
+    assert probe.rel_err(y, want) <= 1e-5 and probe.rel_err(x1.grad, x2.grad) <= 1e-5
+    torch._dynamo.reset()
