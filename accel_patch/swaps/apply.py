@@ -312,7 +312,9 @@ class _Walk:
             return
         names, act = found
         act_fn = mlp.activation(module)
-        self.probe_and_swap(where, mlp.OP, module, (names, type(act_fn), getattr(act_fn, "approximate", None)),
+        # the limits it names change the function within a class: part of the verdict's key
+        structure = (names, type(act_fn), getattr(act_fn, "approximate", None), tuple(sorted(set(probe.limits(module)))))
+        self.probe_and_swap(where, mlp.OP, module, structure,
                             lambda: mlp.probe_verdict(module, self.dtype, names, act), mlp.forward_for)
 
     def rope(self, where, module, ops=(rope.OP,)) -> None:

@@ -105,6 +105,22 @@ def test_a_clamp_of_another_form_is_refused_with_its_limit():
     assert "limit of 10" in refusal.reason and "pre-activations" in refusal.reason, refusal
 
 
+def test_two_limits_of_one_class_get_their_own_verdicts():
+    # one process, one class, two configurations: the first's plain plan must not serve the second
+    from accel_kernels import _launch
+
+    far = Holder(_module("deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP", **{**MLP, "swiglu_limit": 1e6}))
+    near_module = _module("deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP", **MLP)
+    stock = copy.deepcopy(near_module)
+    near = Holder(near_module)
+    assert swap_kernels(far, ops=["glu"]).swapped.get("glu") == 1
+    assert swap_kernels(near, ops=["glu"]).swapped.get("glu") == 1
+    x = torch.randn(2, 7, 16) * 60
+    with _launch.recording() as launched:
+        y = near.child(x)
+    assert "_glu_forward_kernel" in launched and probe.rel_err(y, stock(x)) <= 1e-5
+
+
 def test_the_same_mlp_with_its_clamp_out_of_reach_swaps():
     # a limit far past anything pre-activations reach (1e6, beyond probe.LIMIT_REACHED): the function is plain SwiGLU, and swaps
     model = Holder(_module("deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP", **{**MLP, "swiglu_limit": 1e6}))
