@@ -18,15 +18,6 @@ def rows_by(rows):
     return {(r.name, r.where): r for r in rows}
 
 
-@pytest.mark.slow  # over 1.5 s: the quick loop keeps to one minute
-def test_kernels_pass_on_both_cpu_paths():
-    rows = rows_by(check.check_kernels(CPU))
-    for op in ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "moe_experts",
-               "moe_experts_gpt_oss"):
-        for path in ("cpu triton (interpreter)", "cpu torch twin"):
-            assert rows[(op, path)].ok, rows[(op, path)]
-
-
 @pytest.mark.slow  # over 2 s: every kernel row of the check, interpreted
 def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
     from accel_kernels.ops import rms_norm
@@ -98,22 +89,9 @@ def test_accel_patch_check_passes_here():
     report = json.loads(proc.stdout)
     failed = [r for r in report["rows"] if not r["ok"]]
     assert proc.returncode == 0 and report["passed"] and not failed, failed
-    wheres = {r["where"] for r in report["rows"] if r["part"] == "kernels"}
-    assert "cpu triton (interpreter)" in wheres  # no GPU here: the Triton code itself was checked
+    kernels = {(r["name"], r["where"]) for r in report["rows"] if r["part"] == "kernels"}
+    for op in ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy", "moe_experts",
+               "moe_experts_gpt_oss"):
+        # no GPU here: the check turns the interpreter on itself, so the Triton code was checked, and the twin
+        assert {(op, "cpu triton (interpreter)"), (op, "cpu torch twin")} <= kernels, (op, kernels)
     assert {r["name"] for r in report["rows"] if r["part"] == "models"} == set(check.FAMILIES)
-
-
-@pytest.mark.slow
-def test_codegen_part_prints_each_configuration_and_fails_on_a_bad_one(monkeypatch, capsys):
-    from accel_kernels import codegen
-
-    real = codegen.run
-    records = real(quick=True)  # the quick subset: the whole matrix is tests/kernels/test_codegen.py's
-    monkeypatch.setattr(codegen, "run", lambda quick=False: [dict(r) for r in records])
-    assert check.main(parts=("codegen",)) == 0
-    out = capsys.readouterr().out
-    assert out.count("\ncodegen ") == len(records) and "regs, spill" in out and "/SM" in out
-    bad = dict(records[0], ok=False, problems=["255 registers > 128 at 16 warps"])
-    monkeypatch.setattr(codegen, "run", lambda quick=False: [bad] + records[1:])
-    assert check.main(parts=("codegen",)) == 1
-    assert "255 registers > 128 at 16 warps" in capsys.readouterr().out

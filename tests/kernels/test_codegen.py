@@ -40,13 +40,34 @@ def _check_matrix(records, expected_kernels):
             assert r["blocks_per_sm"] >= host_per_sm, r
 
 
+@pytest.fixture(scope="module")
+def quick_records():
+    """The quick matrix's records, compiled once for the tests of this module that read them."""
+    return codegen.run(quick=True)
+
+
 @pytest.mark.slow  # over 2 s: a compile per configuration (the whole matrix is slow too)
-def test_quick_matrix_compiles_within_budgets():
-    records = codegen.run(quick=True)
+def test_quick_matrix_compiles_within_budgets(quick_records):
+    records = [dict(r) for r in quick_records]
     # the dot pass only runs for rows wider than 8192: Llama-3-405B in the whole matrix
     _check_matrix(records, set(kernels()) - {"_rms_norm_bwd_dot_kernel"})
     assert {r["dtype"] for r in records} == set(codegen.QUICK_DTYPES)
     print("\n" + codegen.table(records))
+
+
+@pytest.mark.slow
+def test_check_codegen_part_prints_each_configuration_and_fails_on_a_bad_one(quick_records, monkeypatch, capsys):
+    from accel_patch.cli import check
+
+    records = [dict(r) for r in quick_records]  # `accel-patch check` reads the whole matrix: the quick one here
+    monkeypatch.setattr(codegen, "run", lambda quick=False: [dict(r) for r in records])
+    assert check.main(parts=("codegen",)) == 0
+    out = capsys.readouterr().out
+    assert out.count("\ncodegen ") == len(records) and "regs, spill" in out and "/SM" in out
+    bad = dict(records[0], ok=False, problems=["255 registers > 128 at 16 warps"])
+    monkeypatch.setattr(codegen, "run", lambda quick=False: [bad] + records[1:])
+    assert check.main(parts=("codegen",)) == 1
+    assert "255 registers > 128 at 16 warps" in capsys.readouterr().out
 
 
 @pytest.mark.slow
