@@ -71,9 +71,10 @@ ACTIVATION_NAMES = {
 #: Attributes (of the module, else of its configuration) that clamp pre-activations: DeepSeek V4's
 #: and GLM-5-next's `swiglu_limit`, gpt-oss's `limit`. The probe drives inputs past them.
 LIMIT_ATTRIBUTES = ("limit", "swiglu_limit", "clamp_limit")
-#: How far the past-limits probe drives pre-activations where no limit is named: a clamp below it
-#: that nobody listed is still seen.
-UNNAMED_REACH = 32.0
+#: How far the past-limits probe drives pre-activations (the largest |gate/up| over its rows): PAST_LIMIT
+#: times the largest limit named, and at least UNNAMED_REACH, so a clamp below it that nobody listed
+#: is still seen. One rule for the dense MLP's probe and the experts'.
+PAST_LIMIT, UNNAMED_REACH = 4.0, 40.0
 
 # --- fused LoRA (lora/) -----------------------------------------------------------------
 #: Input projections of an attention block, one group read from the same x (q/k/v or fused).

@@ -42,7 +42,8 @@ def rel_err(out, ref) -> float:
 class ProbeCache:
     """Verdicts of past probes, keyed by (op, class, dtype, device type, structure).
 
-    A verdict is whatever the op's probe returns: the variant to run, or a refusal reason.
+    A verdict is whatever the op's probe returns: the variant to run, or a refusal reason (a str,
+    kept as a `sites.Refused`, so a cached refusal reads as a fresh one does).
     """
 
     def __init__(self) -> None:
@@ -52,7 +53,12 @@ class ProbeCache:
     def get_or_probe(self, key: tuple, probe):
         with self._lock:
             if key not in self._verdicts:
-                self._verdicts[key] = probe()
+                verdict = probe()
+                if isinstance(verdict, str):
+                    from .sites import Refused
+
+                    verdict = Refused(verdict)
+                self._verdicts[key] = verdict
             return self._verdicts[key]
 
     def clear(self) -> None:
@@ -130,12 +136,17 @@ def limits(module, config=None) -> list[float]:
     return found
 
 
-def reach(module, config=None) -> float:
-    """The pre-activation magnitude the past-limits probe drives to: twice the largest limit the
-    module names, at least families.UNNAMED_REACH."""
-    from .families import UNNAMED_REACH
+def reach_past(bounds) -> float:
+    """The pre-activation magnitude the past-limits probe drives to, given the clamp bounds in
+    play: families.PAST_LIMIT times the largest, at least families.UNNAMED_REACH."""
+    from .families import PAST_LIMIT, UNNAMED_REACH
 
-    return max([UNNAMED_REACH] + [2.0 * v for v in limits(module, config)])
+    return max([UNNAMED_REACH] + [PAST_LIMIT * v for v in bounds])
+
+
+def reach(module, config=None) -> float:
+    """`reach_past` of the limits the module (or its configuration) names."""
+    return reach_past(limits(module, config))
 
 
 def past_limits(x: torch.Tensor, pre: torch.Tensor, magnitude: float) -> torch.Tensor:

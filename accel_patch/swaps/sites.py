@@ -200,8 +200,8 @@ def install(state: SwapState, module, func, inner_attr: str = INNER_ATTR) -> Non
 
 class Refused(str):
     """A site's (or a call's) refusal: a value that is its reason. A str, so it reads, logs and
-    compares as the reason; tested with isinstance(decision, Refused) (or str, where the probe
-    cache answers with plain reasons)."""
+    compares as the reason; tested with isinstance(decision, Refused). The probe cache keeps every
+    reason a probe returns as one."""
 
     __slots__ = ()
 

@@ -21,8 +21,9 @@ interleaved (gpt-oss), the activation the module names (SiLU, GELU, tanh-GELU; e
 it names none, as GLM-5-next's forward calls F.silu), clamped or not at the bound it holds
 (`limit` or `swiglu_limit`: DeepSeek V4, GLM-5-next), or gpt-oss's clamped GLU with its `alpha`
 and `limit`. Each reading runs twice: at unit scale and with the tokens scaled so that the gate/up
-pre-activations reach PAST_LIMIT times the bound (UNBOUNDED_REACH without one), so a clamp the
-plan misses, declared or not, is a difference the probe sees. The reading within the dtype's bound
+pre-activations reach the dense probe's distance (`probe.reach_past`: families.PAST_LIMIT times
+the bound, at least families.UNNAMED_REACH), so a clamp the plan misses, declared or not, is a
+difference the probe sees. The reading within the dtype's bound
 at both is the plan; none within it is a refusal that says how far the closest one was.
 
 Decided at every call and counted in `calls["experts"]` (`forward`): "fused", "fused (LoRA)"
@@ -171,8 +172,9 @@ def _number(value) -> float | None:
 
 
 def limit_of(module) -> float | None:
-    """The clamp bound the module holds (its first finite positive LIMIT_ATTRIBUTES), or None."""
-    return next((v for v in (_number(getattr(module, n, None)) for n in LIMIT_ATTRIBUTES) if v is not None), None)
+    """The clamp bound the module (or its configuration) names, the dense probe's reading
+    (`probe.limits`): its first, or None."""
+    return next(iter(probe.limits(module)), None)
 
 
 def _activations(module) -> tuple[list[tuple[str, float, float]], str | None]:
@@ -195,12 +197,6 @@ def _activations(module) -> tuple[list[tuple[str, float, float]], str | None]:
     if alpha is not None and limit is not None:
         tried.append(("gpt_oss", alpha, limit))
     return tried, own_name
-
-
-#: How far past the largest clamp bound the second probe's pre-activations reach (the largest
-#: |gate/up| over the probe's rows, as a multiple of the bound), and where they reach when the
-#: module holds no bound (a clamp the forward hides shows up to there).
-PAST_LIMIT, UNBOUNDED_REACH = 4.0, 40.0
 
 
 def _reach_scale(module, names, biases, transposed, hidden, index, reach: float, routed: int | None = None) -> float:
@@ -297,7 +293,7 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
                 index, weights = dense_routes(unit, experts)
             # once at unit scale, once with pre-activations past every clamp bound (or far out)
             bound_at = max((lim for _, _, lim in acts if math.isfinite(lim)), default=None)
-            reach = PAST_LIMIT * bound_at if bound_at is not None else UNBOUNDED_REACH
+            reach = probe.reach_past([bound_at] if bound_at is not None else [])
             scale = _reach_scale(module, names, biases, transposed, unit, index, reach, routed)
             for hidden in (unit, (unit.float() * scale).to(act_dtype)):
                 hidden = hidden.requires_grad_()

@@ -105,7 +105,9 @@ def test_clamped_experts_run_the_clamp_and_equal_stock_past_the_limit(name):
 def test_a_clamp_no_attribute_names_is_refused_with_the_reason():
     stock = experts_module("DeepseekV4Experts")
     bound = stock.limit
-    del stock.limit  # the forward clamps at a bound the module no longer declares
+    del stock.limit  # the forward clamps at a bound neither the module nor its configuration declares
+    if getattr(stock, "config", None) is not None:
+        stock.config.swiglu_limit = 1e6  # "no clamp": past probe.LIMIT_REACHED
 
     def apply_gate(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)

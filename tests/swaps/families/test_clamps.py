@@ -105,6 +105,30 @@ def test_a_clamp_of_another_form_is_refused_with_its_limit():
     assert "limit of 10" in refusal.reason and "pre-activations" in refusal.reason, refusal
 
 
+def test_a_clamp_no_limit_names_is_seen_up_to_the_reach_the_experts_probe_uses_too():
+    # the forward clamps at 35, a bound neither the module nor its configuration names: the dense
+    # probe drives pre-activations to families.UNNAMED_REACH (40), past it, as the experts' does
+    from accel_patch.swaps import families
+
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+    class Hidden(modeling.DeepseekV4MLP):
+        def forward(self, x):
+            gate = self.gate_proj(x).clamp(max=35.0)
+            return self.down_proj(self.act_fn(gate) * self.up_proj(x))
+
+    torch.manual_seed(0)
+    module = Hidden(types.SimpleNamespace(**{**MLP, "swiglu_limit": 1e6}))
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    assert probe.reach(module) == probe.reach_past([]) == families.UNNAMED_REACH > 35.0
+    report = swap_kernels(Holder(module), ops=["glu"])
+    assert report.swapped.get("glu", 0) == 0, report
+    (refusal,) = [r for r in report.refused if r.op == "glu"]
+    assert "pre-activations up to 40" in refusal.reason, refusal
+    assert probe.reach_past([10.0]) == 40.0 and probe.reach_past([20.0]) == 80.0  # 4x the largest limit named
+
+
 def test_two_limits_of_one_class_get_their_own_verdicts():
     # one process, one class, two configurations: the first's plain plan must not serve the second
     from accel_kernels import _launch
