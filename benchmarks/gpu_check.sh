@@ -31,7 +31,8 @@
 # (the rank-sync checksum of a 1B parameter set), compile (e2e eager vs Inductor), lora-compile, qlora
 # (only where bitsandbytes is), moe (benchmarks/moe.py: Qwen3-30B-A3B experts, 4 layers, bf16, full and
 # LoRA on experts, against transformers' grouped_mm), moe-checkpointed (the same, non-reentrant
-# gradient checkpointing, where the experts save or recompute gate/up per call), trl-post (benchmarks/trl_post.py: DPO, KTO, GRPO
+# gradient checkpointing, where the experts save or recompute gate/up per call), moe-block (one
+# Qwen3-30B-A3B sparse block alone: the experts' forward and backward peak without a model around it), trl-post (benchmarks/trl_post.py: DPO, KTO, GRPO
 # with LoRA against TRL's head; the image has no trl, so it says skipped), bench (python -m accel_kernels.bench --quick), check (accel-patch check),
 # unit-tests (the quick loop without tests/kernels, real kernels: the versions themselves are tested by
 # .ci/run's floor job on a CPU, since triton 3.6's interpreter cannot run with numpy 2.5). The
@@ -117,6 +118,8 @@ add moe            300  '$PY benchmarks/moe.py --device cuda --json "$OUT/$STEP.
                         '$PY benchmarks/moe.py --dry-run --json "$OUT/$STEP.json"'
 add moe-checkpointed 300  '$PY benchmarks/moe.py --device cuda --checkpointing --variants grouped_mm,ours --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe.py --dry-run --checkpointing --modes lora --variants grouped_mm,ours --json "$OUT/$STEP.json"'
+add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants grouped_mm,ours --json "$OUT/$STEP.json"' \
+                        '$PY benchmarks/moe.py --dry-run --block --variants grouped_mm,ours --json "$OUT/$STEP.json"'
 add trl-post       300  'if $PY -c "import trl" 2>/dev/null; then $PY benchmarks/trl_post.py --device cuda --trainers dpo,kto,grpo --tunings lora --json "$OUT/$STEP.json"; else echo "skipped: trl is not installed"; echo "{\"skipped\": \"no trl\"}" > "$OUT/$STEP.json"; fi' \
                         'if $PY -c "import trl" 2>/dev/null; then $PY benchmarks/trl_post.py --dry-run --trainers dpo,grpo --tunings lora --json "$OUT/$STEP.json"; else echo "{\"skipped\": \"no trl\"}" > "$OUT/$STEP.json"; fi'
 add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' tests --ignore=tests/kernels" \

@@ -247,8 +247,8 @@ def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = Tr
         params = moe_experts._Params(gate_up, down, *biases, *(adapter or (None,) * 4), 2.0, model.transposed,
                                      model.interleaved, act, 1.702, 7.0 if model.activation == "gpt_oss" else model.limit,
                                      dtype)
-        moe_experts._forward_triton(hidden, weights, order, offsets, params)
-        moe_experts._backward_triton(grad, hidden, weights, order, offsets, params, needs)
+        moe_experts._forward(hidden, weights, order, offsets, params, moe_experts._TritonOps)
+        moe_experts._backward(grad, hidden, weights, order, offsets, params, needs, moe_experts._TritonOps)
 
 
 def _shape_of(launch: _launch.Launch) -> str:

@@ -79,10 +79,16 @@ Paths. Triton on GPU tensors and under the interpreter; the plain-torch twin els
 same saved tensors and the same hand-written backward (so the memory holds on CPU too), computing
 with `torch._grouped_mm` where it takes the operands (float32/bf16/fp16 with 16-byte strides:
 torch >= 2.9 on CPU, feature-detected per call) and a loop over the experts elsewhere (float64).
+The forward and the backward are written once (`_forward`, `_backward`) over two sets of
+primitives with one interface (`_TritonOps`: launches over every sorted row; `_TorchOps`: the
+valid rows, their count read on the host). The backward holds at once h [rows, I], dgu
+[rows, 2I] and one [rows, H] product (two with its LoRA term on the twin): x and g are gathered
+where a product reads them (inside the kernels, or as a temporary on the twin), never kept.
 """
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from typing import Optional
 
 import torch
@@ -487,7 +493,7 @@ def _gate_up(hidden, r: _Routing, p: "_Params", xa, *, dh=None) -> tuple:
     dgu = h if forward else _dispatch.empty((r.rows, 2 * I), dtype=p.ct, device=hidden.device)
     dw = h if forward else _dispatch.empty((n_blocks, r.rows), dtype=torch.float32, device=hidden.device)
     bias = p.gate_up_bias
-    lb = p.gu_b.transpose(1, 2) if xa is not None else None  # [E, r, 2I]
+    lb = p.gate_up_lora_b.transpose(1, 2) if xa is not None else None  # [E, r, 2I]
     rank = xa.shape[1] if xa is not None else 1
     col_mult, up_offset = (2, 1) if p.interleaved else (1, I)
     _launch.launch(
@@ -534,97 +540,165 @@ def _combine(y, r: _Routing, T: int, dtype) -> torch.Tensor:
     return out
 
 
-def _forward_triton(hidden, top_k_weights, order, offsets, p):
-    T, H = hidden.shape
-    if T == 0:
-        return _dispatch.empty((0, H), dtype=hidden.dtype, device=hidden.device)
-    r = _Routing(order, offsets, top_k_weights, p.num_experts)
-    ct = p.ct
-    xa = _gemm(hidden, r, p.gu_a.transpose(1, 2), p.gu_a.shape[1], ct, gather=True) if p.gu_a is not None else None
-    (h,) = _gate_up(hidden, r, p, xa)
+# --------------------------------------------------------------------------------------------
+# The plan: forward and backward written once, over two sets of primitives with one interface,
+# Triton launches (_TritonOps) and the plain-torch twin (_TorchOps)
+# --------------------------------------------------------------------------------------------
+
+# the gradients the backward op returns, in the order of the forward op's tensor inputs that have one
+_GRADS = ("hidden", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias", "gate_up_lora_a",
+          "gate_up_lora_b", "down_lora_a", "down_lora_b")
+#: Which of _GRADS a backward computes, by name.
+_Needs = namedtuple("_Needs", _GRADS)
+
+
+def _ops(path, order, offsets, top_k_weights, p):
+    """The primitives of one call: `path`'s (_TritonOps or _TorchOps); a call without tokens runs
+    the twin (no launch has rows)."""
+    if path is _TritonOps and top_k_weights.shape[0] == 0:
+        path = _TorchOps
+    return path(order, offsets, top_k_weights, p)
+
+
+def _forward(hidden, top_k_weights, order, offsets, p, path, save: bool = False):
+    """(out [T, H] in hidden's dtype, the fp32 gate/up pre-activations [T*K, 2I] of the sorted rows
+    where `save` asks and the path keeps them (the twin), else None)."""
+    T = hidden.shape[0]
+    ops = _ops(path, order, offsets, top_k_weights, p)
+    xa = ops.gemm(hidden, p.gate_up_lora_a.transpose(1, 2), gather=True) if p.gate_up_lora_a is not None else None
+    h, saved = ops.gate_up(hidden, xa, save)
     del xa
     lora = None
-    if p.d_a is not None:
-        lora = (_gemm(h, r, p.d_a.transpose(1, 2), p.d_a.shape[1], ct), p.d_b.transpose(1, 2))
-    y = _gemm(h, r, p.in_out(p.down), H, ct, bias=p.down_bias, scale=r.weights, lora=lora, lora_scale=p.scaling)
+    if p.down_lora_a is not None:  # (h A_e^T, B_e^T)
+        lora = (ops.gemm(h, p.down_lora_a.transpose(1, 2)), p.down_lora_b.transpose(1, 2))
+    y = ops.gemm(h, p.in_out(p.down), bias=p.down_bias, scaled=True, lora=lora)
     del h, lora
-    return _combine(y, r, T, hidden.dtype)
+    return ops.combine(y, T, hidden.dtype), saved
 
 
-def _backward_triton(grad_out, hidden, top_k_weights, order, offsets, p, needs):
-    (need_x, need_w, need_gu, need_d, need_gub, need_db, need_gua, need_gub_l, need_da, need_db_l) = needs
-    T, H = hidden.shape
-    K = top_k_weights.shape[1]
+def _backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, path, saved=None):
+    """The gradients named by _GRADS (None where not needed), by the math of the module docstring;
+    gate/up read from `saved` (what the twin's forward kept) where given, else recomputed. What is
+    held at once: the sorted rows' h [rows, I] and dgu [rows, 2I], with one [rows, H] product (or
+    gathered operand) at a time; x and g are gathered where a product reads them, never kept."""
+    needs = _Needs(*needs)
+    T, K = top_k_weights.shape
+    ops = _ops(path, order, offsets, top_k_weights, p)
     grads = dict.fromkeys(_GRADS)
-    if T == 0:
-        return _backward_torch(grad_out, hidden, top_k_weights, order, offsets, p, needs)
-    r = _Routing(order, offsets, top_k_weights, p.num_experts)
-    ct = p.ct
-    # dh_u = g @ down_e^T (+ s (g B) A): the upstream gradient at act(gate, up), before the weight
-    down_t = p.in_out(p.down).transpose(1, 2)  # [E, H, I]
-    lora = gb_d = None
-    if p.d_a is not None:
-        gb_d = _gemm(grad_out, r, p.d_b, p.d_b.shape[2], ct, gather=True)  # g B_e [rows, r]
-        lora = (gb_d, p.d_a)
-    dh = _gemm(grad_out, r, down_t, p.intermediate, ct, gather=True, lora=lora, lora_scale=p.scaling)
-    xa = _gemm(hidden, r, p.gu_a.transpose(1, 2), p.gu_a.shape[1], ct, gather=True) if p.gu_a is not None else None
-    h, dgu, dw_part = _gate_up(hidden, r, p, xa, dh=dh)
+    # dh = g down_e^T (+ s (g B_e) A_e): the upstream gradient at act(gate, up), before the routing weight
+    g_b = down_lora = None
+    if p.down_lora_a is not None:
+        g_b = ops.gemm(grad_out, p.down_lora_b, gather=True)  # g B_e [rows, r]
+        down_lora = (g_b, p.down_lora_a)
+    dh = ops.gemm(grad_out, p.in_out(p.down).transpose(1, 2), gather=True, lora=down_lora)
+    del down_lora
+    xa = ops.gemm(hidden, p.gate_up_lora_a.transpose(1, 2), gather=True) if p.gate_up_lora_a is not None else None
+    h, dgu, dw = ops.gate_up_backward(hidden, xa, dh, saved)  # dw = <dh, h> per row, fp32
     del dh
-    valid = torch.arange(r.rows, device=hidden.device) < offsets[-1]
-    if need_w:
-        dw = dw_part.sum(0)
+    if needs.top_k_weights:
         if p.down_bias is not None:  # + <g, down_bias_e>
-            gb = grad_out.to(ct).float() @ p.down_bias.to(ct).float().t()  # [T, E]
-            experts = torch.searchsorted(offsets[1:], torch.arange(r.rows, device=hidden.device, dtype=offsets.dtype),
-                                         right=True).clamp(max=p.num_experts - 1)
-            dw += gb[r.tokens.long(), experts]
-        dw = torch.where(valid, dw, 0.0)
-        flat = torch.empty(r.rows, dtype=torch.float32, device=hidden.device).scatter_(0, order.long(), dw)
-        grads["top_k_weights"] = flat.view(T, K).to(top_k_weights.dtype)
-    del dw_part
-    if need_x or need_gua:
-        dgu_b = _gemm(dgu, r, p.gu_b, p.gu_b.shape[2], ct) if p.gu_a is not None else None  # dgu B_e
-    if need_x:
-        lora = (dgu_b, p.gu_a) if p.gu_a is not None else None
-        dx = _gemm(dgu, r, p.in_out(p.gate_up).transpose(1, 2), H, ct, lora=lora, lora_scale=p.scaling)
-        grads["hidden"] = _combine(dx, r, T, hidden.dtype)
-        del dx
+            biased = grad_out.to(p.ct).to(ops.acc) @ p.down_bias.to(p.ct).to(ops.acc).t()  # [T, E]
+            dw = dw + biased[ops.row_tokens, ops.row_experts]
+            del biased
+        grads["top_k_weights"] = ops.per_slot(dw).view(T, K).to(top_k_weights.dtype)
+    del dw
+    dgu_b = None
+    if p.gate_up_lora_a is not None and (needs.hidden or needs.gate_up_lora_a):
+        dgu_b = ops.gemm(dgu, p.gate_up_lora_b)  # dgu B_e [rows, r]
+    if needs.hidden:
+        lora = (dgu_b, p.gate_up_lora_a) if p.gate_up_lora_a is not None else None
+        grads["hidden"] = ops.combine(ops.gemm(dgu, p.in_out(p.gate_up).transpose(1, 2), lora=lora), T, hidden.dtype)
     layout = (2, 1) if p.transposed else (1, 2)  # where (out, in) of gate_up / down sit in their layout
-    if need_gu or need_gub:
-        if need_gu:
-            grads["gate_up"], grads["gate_up_bias"] = _weight_grad(
-                dgu, hidden, r, p.gate_up, layout, ct, gather_b=True, bias_like=p.gate_up_bias if need_gub else None)
-        else:
-            grads["gate_up_bias"] = _expert_sums_sorted(dgu, r, p).to(p.gate_up_bias.dtype)
-    if need_d or need_db:
-        if need_d:
-            grads["down"], grads["down_bias"] = _weight_grad(
-                grad_out, h, r, p.down, layout, ct, gather_a=True, scale=r.weights,
-                bias_like=p.down_bias if need_db else None)
-        else:
-            gw = grad_out[r.tokens.long()].float() * r.weights.float()[:, None]
-            grads["down_bias"] = _expert_sums_sorted(gw, r, p).to(p.down_bias.dtype)
-    if need_gua:  # dA = s (dgu B)^T x
-        grads["gate_up_lora_a"], _ = _weight_grad(dgu_b, hidden, r, p.gu_a, (1, 2), ct, gather_b=True,
+    if needs.gate_up:
+        grads["gate_up"], grads["gate_up_bias"] = ops.weight_grad(
+            dgu, hidden, p.gate_up, layout, gather_b=True, bias_like=p.gate_up_bias if needs.gate_up_bias else None)
+    elif needs.gate_up_bias:
+        grads["gate_up_bias"] = ops.expert_sums(dgu).to(p.gate_up_bias.dtype)
+    if needs.down:
+        grads["down"], grads["down_bias"] = ops.weight_grad(
+            grad_out, h, p.down, layout, gather_a=True, scaled=True, bias_like=p.down_bias if needs.down_bias else None)
+    elif needs.down_bias:
+        grads["down_bias"] = ops.expert_sums(ops.gathered(grad_out, scaled=True)).to(p.down_bias.dtype)
+    if needs.gate_up_lora_a:  # dA = s (dgu B)^T x
+        grads["gate_up_lora_a"], _ = ops.weight_grad(dgu_b, hidden, p.gate_up_lora_a, (1, 2), gather_b=True,
+                                                     out_scale=p.scaling)
+    if needs.gate_up_lora_b:  # dB = s dgu^T (x A^T)
+        grads["gate_up_lora_b"], _ = ops.weight_grad(dgu, xa, p.gate_up_lora_b, (1, 2), out_scale=p.scaling)
+    del dgu, dgu_b, xa
+    if needs.down_lora_a:  # dA = s (w g B)^T h
+        grads["down_lora_a"], _ = ops.weight_grad(g_b, h, p.down_lora_a, (1, 2), scaled=True, out_scale=p.scaling)
+    if needs.down_lora_b:  # dB = s (w g)^T (h A^T)
+        h_a = ops.gemm(h, p.down_lora_a.transpose(1, 2))
+        grads["down_lora_b"], _ = ops.weight_grad(grad_out, h_a, p.down_lora_b, (1, 2), gather_a=True, scaled=True,
                                                   out_scale=p.scaling)
-    if need_gub_l:  # dB = s dgu^T (x A^T)
-        grads["gate_up_lora_b"], _ = _weight_grad(dgu, xa, r, p.gu_b, (1, 2), ct,
-                                                  out_scale=p.scaling)
-    if need_da:  # dA = s (w g B)^T h
-        grads["down_lora_a"], _ = _weight_grad(gb_d, h, r, p.d_a, (1, 2), ct, scale=r.weights, out_scale=p.scaling)
-    if need_db_l:  # dB = s (w g)^T (h A^T)
-        ha = _gemm(h, r, p.d_a.transpose(1, 2), p.d_a.shape[1], ct)
-        grads["down_lora_b"], _ = _weight_grad(grad_out, ha, r, p.d_b, (1, 2), ct, gather_a=True,
-                                               scale=r.weights, out_scale=p.scaling)
     return tuple(grads[name] for name in _GRADS)
 
 
-def _expert_sums_sorted(rows: torch.Tensor, r: _Routing, p) -> torch.Tensor:
-    """Per expert, the sum of its sorted rows (fp32) — a bias gradient without its weight's."""
-    experts = torch.searchsorted(r.offsets[1:], torch.arange(r.rows, device=rows.device, dtype=r.offsets.dtype),
-                                 right=True)
-    out = torch.zeros((p.num_experts + 1, rows.shape[1]), dtype=torch.float32, device=rows.device)
-    return out.index_add_(0, experts, rows.float())[:-1]
+class _TritonOps:
+    """The plan's primitives as launches over every sorted row (T*K: the rows past offsets[E] are
+    "no expert" slots, which the kernels skip). No host synchronisation."""
+
+    acc = torch.float32
+
+    def __init__(self, order, offsets, top_k_weights, p):
+        self.p, self.r = p, _Routing(order, offsets, top_k_weights, p.num_experts)
+
+    def gemm(self, a, w, *, gather=False, bias=None, scaled=False, lora=None):
+        """[rows, out] in ct: each sorted row of `a` (a[token] when gather) times its expert's w
+        ([E, in, out] view), + s * la[row] @ lb[e] (lora = (la [rows, rank], lb [E, rank, out]
+        view)), + bias[e], times the routing weight where `scaled`."""
+        return _gemm(a, self.r, w, w.shape[2], self.p.ct, gather=gather, bias=bias,
+                     scale=self.r.weights if scaled else None, lora=lora, lora_scale=self.p.scaling)
+
+    def gate_up(self, hidden, xa, save=False):
+        """(h = act(gate, up) [rows, I] in ct, None): the gate/up GEMM with the GLU in its epilogue
+        writes no gate/up, so there is none to save."""
+        return _gate_up(hidden, self.r, self.p, xa)[0], None
+
+    def gate_up_backward(self, hidden, xa, dh, saved=None):
+        """(h, dgu [rows, 2I] in ct, dw [rows] fp32): gate/up recomputed with the GLU backward of
+        w * dh in the same kernel."""
+        h, dgu, dw_part = _gate_up(hidden, self.r, self.p, xa, dh=dh)
+        return h, dgu, dw_part.sum(0)
+
+    def combine(self, y, T: int, dtype):
+        return _combine(y, self.r, T, dtype)
+
+    def weight_grad(self, a, b, like, layout, *, gather_a=False, gather_b=False, scaled=False, out_scale=1.0,
+                    bias_like=None):
+        """(out_scale * (w a)_e^T b_e per expert, written shaped and typed like `like`, whose dims
+        `layout` = (dim of a's columns, dim of b's); with bias_like the per-expert sums of w a)."""
+        return _weight_grad(a, b, self.r, like, layout, self.p.ct, gather_a=gather_a, gather_b=gather_b,
+                            scale=self.r.weights if scaled else None, out_scale=out_scale, bias_like=bias_like)
+
+    def gathered(self, a, scaled=False):
+        """a's rows by token for each sorted row, in fp32, times the routing weight where `scaled`."""
+        rows = a[self.r.tokens.long()].float()
+        return rows * self.r.weights.float()[:, None] if scaled else rows
+
+    @property
+    def row_tokens(self):
+        return self.r.tokens.long()
+
+    @property
+    def row_experts(self):
+        """Each sorted row's expert (E - 1 past the last: those rows are masked by per_slot)."""
+        return self._experts().clamp(max=self.p.num_experts - 1)
+
+    def _experts(self):
+        rows = torch.arange(self.r.rows, device=self.r.order.device, dtype=self.r.offsets.dtype)
+        return torch.searchsorted(self.r.offsets[1:], rows, right=True)
+
+    def per_slot(self, rows):
+        """[T*K] fp32: the value of each (token, slot) pair from its sorted row (0 for no expert)."""
+        valid = torch.arange(self.r.rows, device=rows.device) < self.r.offsets[-1]
+        flat = torch.empty(self.r.rows, dtype=torch.float32, device=rows.device)
+        return flat.scatter_(0, self.r.order.long(), torch.where(valid, rows, 0.0))
+
+    def expert_sums(self, rows):
+        """[E, cols] fp32: per expert, the sum of its sorted rows (a bias gradient)."""
+        out = torch.zeros((self.p.num_experts + 1, rows.shape[1]), dtype=torch.float32, device=rows.device)
+        return out.index_add_(0, self._experts(), rows.float())[:-1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,10 +722,8 @@ def _moe_experts_op(
     params = _Params(gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
                      down_lora_b, lora_scaling, transposed, interleaved, ACTIVATIONS[activation], alpha, limit,
                      _compute_dtype(hidden, autocast))
-    if triton_path:
-        out, saved = _forward_triton(hidden, top_k_weights, order, offsets, params), None
-    else:
-        out, saved = _forward_torch(hidden, top_k_weights, order, offsets, params, save_gate_up)
+    out, saved = _forward(hidden, top_k_weights, order, offsets, params, _TritonOps if triton_path else _TorchOps,
+                          save_gate_up)
     return out, order, offsets, saved if saved is not None else _library.nothing(hidden, torch.float32)
 
 
@@ -665,11 +737,6 @@ def _(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias
              else _library.nothing(hidden, torch.float32))
     return (hidden.new_empty(hidden.shape), top_k_index.new_empty((rows,), dtype=torch.int32),
             top_k_index.new_empty((gate_up.shape[0] + 1,), dtype=torch.int32), saved)
-
-
-# the gradients the backward op returns, in the order of the forward op's tensor inputs that have one
-_GRADS = ("hidden", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias", "gate_up_lora_a",
-          "gate_up_lora_b", "down_lora_a", "down_lora_b")
 
 
 @_library.custom_op("moe_experts_backward")
@@ -693,11 +760,9 @@ def _moe_experts_backward_op(
     inputs = (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b,
               down_lora_a, down_lora_b)
     needs = tuple(bool(n) and t is not None for n, t in zip(needs, inputs))
-    if triton_path:
-        grads = _backward_triton(grad_out, hidden, top_k_weights, order, offsets, params, needs)
-    else:
-        saved = saved_gate_up if saved_gate_up.numel() else None
-        grads = _backward_torch(grad_out, hidden, top_k_weights, order, offsets, params, needs, saved)
+    saved = saved_gate_up if saved_gate_up.numel() and not triton_path else None
+    grads = _backward(grad_out, hidden, top_k_weights, order, offsets, params, needs,
+                      _TritonOps if triton_path else _TorchOps, saved)
     return tuple(g.contiguous() if g is not None else _library.nothing(hidden) for g in grads)
 
 
@@ -711,34 +776,38 @@ def _(grad_out, hidden, top_k_weights, order, offsets, saved_gate_up, gate_up, d
                  for n, t in zip(needs, inputs))
 
 
+#: The forward op's tensor inputs in its schema's order (those named in _GRADS have a gradient), and
+#: the options the backward op takes after its tensors; the forward op ends with triton_path, save_gate_up.
+_TENSORS = ("hidden", "top_k_index", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias",
+            "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b")
+_OPTIONS = ("lora_scaling", "transposed", "interleaved", "activation", "alpha", "limit", "autocast")
+
+
 def _setup_context(ctx, inputs, output):
-    (hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gu_a, gu_b, d_a, d_b,
-     lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, triton_path, _) = inputs
+    named = dict(zip(_TENSORS + _OPTIONS + ("triton_path", "save_gate_up"), inputs))
     _, order, offsets, saved = output
-    # x, the routing weights and the sort; gate/up only where the caller asked to save them (else (0,))
-    ctx.save_for_backward(hidden, top_k_weights, order, offsets, saved, gate_up, down, gate_up_bias, down_bias,
-                          gu_a, gu_b, d_a, d_b)
-    ctx.options = (lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, triton_path)
+    # x, the routing weights and the sort; gate/up only where the caller asked to save them (else
+    # (0,)); the weights by reference
+    ctx.save_for_backward(named["hidden"], named["top_k_weights"], order, offsets, saved,
+                          *(named[name] for name in _TENSORS[3:]))
+    ctx.options = tuple(named[name] for name in _OPTIONS) + (named["triton_path"],)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_out, *_unused):
+def _autograd_backward(ctx, grad_out, *_unused):
     _dispatch.check_first_order("moe_experts")
-    n = ctx.needs_input_grad
-    # hidden, top_k_weights, gate_up, down, the biases, the four LoRA tensors (top_k_index has none)
-    needs = [n[0], n[2], n[3], n[4], n[5], n[6], n[7], n[8], n[9], n[10]]
+    needs = [ctx.needs_input_grad[_TENSORS.index(name)] for name in _GRADS]
     if grad_out is None or not any(needs):
-        return (None,) * 20
-    hidden, top_k_weights, order, offsets, saved, gate_up, down, gub, db, gu_a, gu_b, d_a, d_b = ctx.saved_tensors
-    lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, triton_path = ctx.options
-    grads = torch.ops.accel_kernels.moe_experts_backward(
-        grad_out, hidden, top_k_weights, order, offsets, saved, gate_up, down, gub, db, gu_a, gu_b, d_a, d_b,
-        lora_scaling, transposed, interleaved, activation, alpha, limit, autocast, needs, triton_path)
-    g = [grad if need else None for grad, need in zip(grads, needs)]
-    return (g[0], None, g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], *(None,) * 9)
+        return (None,) * len(ctx.needs_input_grad)
+    hidden, top_k_weights, order, offsets, saved, *weights = ctx.saved_tensors
+    *options, triton_path = ctx.options
+    grads = torch.ops.accel_kernels.moe_experts_backward(grad_out, hidden, top_k_weights, order, offsets, saved,
+                                                         *weights, *options, needs, triton_path)
+    by_name = {name: grad if need else None for name, grad, need in zip(_GRADS, grads, needs)}
+    return tuple(by_name.get(name) for name in _TENSORS) + (None,) * (len(ctx.needs_input_grad) - len(_TENSORS))
 
 
-_moe_experts_op.register_autograd(_backward, setup_context=_setup_context)
+_moe_experts_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -750,10 +819,11 @@ class _Params:
     """The experts' weights and options of one call, with the math views the paths share:
     every weight as [E, in, out] (y = x @ w[e])."""
 
-    def __init__(self, gate_up, down, gate_up_bias, down_bias, gu_a, gu_b, d_a, d_b, scaling, transposed,
-                 interleaved, act, alpha, limit, compute_dtype):
+    def __init__(self, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
+                 down_lora_b, scaling, transposed, interleaved, act, alpha, limit, compute_dtype):
         self.gate_up, self.down, self.gate_up_bias, self.down_bias = gate_up, down, gate_up_bias, down_bias
-        self.gu_a, self.gu_b, self.d_a, self.d_b = gu_a, gu_b, d_a, d_b
+        self.gate_up_lora_a, self.gate_up_lora_b = gate_up_lora_a, gate_up_lora_b
+        self.down_lora_a, self.down_lora_b = down_lora_a, down_lora_b
         self.scaling, self.transposed, self.interleaved = scaling, transposed, interleaved
         self.act, self.alpha, self.limit, self.ct = act, alpha, limit, compute_dtype
         self.clamp = act != GPT_OSS and math.isfinite(limit)  # the clamped SwiGLU (gpt-oss clamps always)
@@ -889,138 +959,101 @@ def _join_gate_up(dgate: torch.Tensor, dup: torch.Tensor, p: _Params) -> torch.T
     return torch.cat((dgate, dup), dim=-1)
 
 
-class _Sorted:
-    """The sorted rows of one call on the twin: slot and token of each valid row, its expert, the
-    per-expert counts (on the host) and ends (int32, for grouped_mm)."""
+class _TorchOps:
+    """The plan's primitives on the twin, over the valid sorted rows only (their count read on the
+    host: the twin runs on the CPU, where a sync costs nothing). The same roundings as the
+    kernels': products accumulate in fp32 (float64 stays) and come back in the compute dtype."""
 
-    def __init__(self, order, offsets, top_k):
-        self.rows = int(offsets[-1])  # the twin runs on the CPU: a host sync costs nothing
+    def __init__(self, order, offsets, top_k_weights, p):
+        T, K = top_k_weights.shape
+        self.p, self.slots_total = p, T * K
+        self.acc = torch.float64 if p.ct == torch.float64 else torch.float32
+        self.rows = int(offsets[-1])
         self.slots = order[:self.rows].long()
-        self.tokens = self.slots // top_k
+        self.row_tokens = self.slots // K
         self.counts = offsets.diff().tolist()
         self.ends = offsets[1:].contiguous()
-        self.experts = torch.repeat_interleave(torch.arange(len(self.counts), device=order.device),
-                                               offsets.diff().long(), output_size=self.rows)
+        self.row_experts = torch.repeat_interleave(torch.arange(len(self.counts), device=order.device),
+                                                   offsets.diff().long(), output_size=self.rows)
+        self.weights = top_k_weights.reshape(-1)[self.slots].to(self.acc)[:, None]
 
+    def _rows(self, a, gather):
+        return a[self.row_tokens] if gather else a
 
-def _lora_in(x, a, s: _Sorted, p: _Params):
-    """x A_e^T for the sorted rows (A [E, r, in]), rounded to the compute dtype."""
-    return _grouped(x, a.to(p.ct).transpose(1, 2), s.counts, s.ends)
+    def gemm(self, a, w, *, gather=False, bias=None, scaled=False, lora=None):
+        p = self.p
+        out = _grouped(self._rows(a, gather).to(p.ct), w.to(p.ct), self.counts, self.ends)
+        if lora is None and bias is None and not scaled:
+            return out
+        out = out.to(self.acc)
+        if lora is not None:
+            out.add_(_grouped(lora[0].to(p.ct), lora[1].to(p.ct), self.counts, self.ends), alpha=p.scaling)
+        if bias is not None:
+            out += bias.to(p.ct)[self.row_experts].to(self.acc)
+        if scaled:
+            out *= self.weights
+        return out.to(p.ct)
 
+    def _gate_up_rows(self, hidden, xa) -> torch.Tensor:
+        """The gate/up pre-activations [rows, 2I] in fp32 (float64 stays)."""
+        p = self.p
+        gu = _grouped(hidden[self.row_tokens].to(p.ct), p.in_out(p.gate_up).to(p.ct), self.counts,
+                      self.ends).to(self.acc)
+        if xa is not None:
+            gu.add_(_grouped(xa, p.gate_up_lora_b.to(p.ct).transpose(1, 2), self.counts, self.ends), alpha=p.scaling)
+        if p.gate_up_bias is not None:
+            gu += p.gate_up_bias.to(p.ct)[self.row_experts].to(self.acc)
+        return gu
 
-def _gate_up_torch(x, s: _Sorted, p: _Params):
-    """(gate, up) in fp32 (float64 stays) for the sorted rows x (compute dtype)."""
-    return _split_gate_up(_gate_up_rows(x, s, p), p)
+    def gate_up(self, hidden, xa, save=False):
+        """(h [rows, I] in ct, gate/up [T*K, 2I] fp32 when `save` (the rows of "no expert" slots
+        zeros, as the op's schema says), else None)."""
+        gu = self._gate_up_rows(hidden, xa)
+        h = _act_torch(*_split_gate_up(gu, self.p), self.p).to(self.p.ct)
+        if not save:
+            return h, None
+        if self.rows < self.slots_total:
+            gu = torch.cat((gu, gu.new_zeros((self.slots_total - self.rows, gu.shape[1]))))
+        return h, gu
 
+    def gate_up_backward(self, hidden, xa, dh, saved=None):
+        p = self.p
+        gu = saved[:self.rows] if saved is not None else self._gate_up_rows(hidden, xa)
+        gate, up = _split_gate_up(gu, p)
+        h = _act_torch(gate, up, p).to(p.ct)
+        dh = dh.to(self.acc)
+        dw = (dh * h.to(self.acc)).sum(-1)
+        dgate, dup = _act_backward_torch(gate, up, dh * self.weights, p)
+        del gate, up, gu, dh
+        return h, _join_gate_up(dgate, dup, p).to(p.ct), dw
 
-def _gate_up_rows(x, s: _Sorted, p: _Params) -> torch.Tensor:
-    """The gate/up pre-activations [rows, 2I] in fp32 (float64 stays) for the sorted rows x."""
-    acc = torch.float64 if p.ct == torch.float64 else torch.float32
-    gu = _grouped(x, p.in_out(p.gate_up).to(p.ct), s.counts, s.ends).to(acc)
-    if p.gu_a is not None:
-        xa = _lora_in(x, p.gu_a, s, p)
-        gu = gu + p.scaling * _grouped(xa, p.gu_b.to(p.ct).transpose(1, 2), s.counts, s.ends).to(gu.dtype)
-    if p.gate_up_bias is not None:
-        gu = gu + p.gate_up_bias.to(p.ct)[s.experts].to(gu.dtype)
-    return gu
+    def combine(self, y, T: int, dtype):
+        out = torch.zeros((T, y.shape[1]), dtype=self.acc, device=y.device)
+        return out.index_add_(0, self.row_tokens, y.to(self.acc)).to(dtype)
 
+    def weight_grad(self, a, b, like, layout, *, gather_a=False, gather_b=False, scaled=False, out_scale=1.0,
+                    bias_like=None):
+        a = self._rows(a, gather_a)
+        if scaled:
+            a = a.to(self.acc) * self.weights
+        grad = _grouped_weight_grad(a, self._rows(b, gather_b), self.counts, self.ends)
+        if out_scale != 1.0:
+            grad = grad * out_scale
+        grad = (grad if layout == (1, 2) else grad.transpose(1, 2)).to(like.dtype).contiguous()
+        bias = self.expert_sums(a).to(bias_like.dtype) if bias_like is not None else None
+        return grad, bias
 
-def _forward_torch(hidden, top_k_weights, order, offsets, p: _Params, save: bool = False):
-    """(out, the gate/up pre-activations [T*K, 2I] of the sorted rows when `save`, else None)."""
-    T, K = top_k_weights.shape
-    s = _Sorted(order, offsets, K)
-    acc = torch.float64 if p.ct == torch.float64 else torch.float32
-    x = hidden[s.tokens].to(p.ct)
-    gu = _gate_up_rows(x, s, p)
-    gate, up = _split_gate_up(gu, p)
-    h = _act_torch(gate, up, p).to(p.ct)
-    saved = None
-    if save:  # [T*K, 2I], as the op's schema says: the rows of "no expert" slots are zeros
-        saved = gu if s.rows == T * K else torch.cat((gu, gu.new_zeros((T * K - s.rows, gu.shape[1]))))
-    del gate, up, gu
-    y = _grouped(h, p.in_out(p.down).to(p.ct), s.counts, s.ends).to(acc)
-    if p.d_a is not None:
-        ha = _lora_in(h, p.d_a, s, p)
-        y += p.scaling * _grouped(ha, p.d_b.to(p.ct).transpose(1, 2), s.counts, s.ends).to(acc)
-    if p.down_bias is not None:
-        y += p.down_bias.to(p.ct)[s.experts].to(acc)
-    y *= top_k_weights.reshape(-1)[s.slots].to(acc)[:, None]
-    out = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device)
-    return out.index_add_(0, s.tokens, y).to(hidden.dtype), saved
+    def gathered(self, a, scaled=False):
+        rows = a[self.row_tokens].to(self.acc)
+        return rows * self.weights if scaled else rows
 
+    def per_slot(self, rows):
+        flat = torch.zeros(self.slots_total, dtype=rows.dtype, device=rows.device)
+        return flat.index_put_((self.slots,), rows)
 
-def _backward_torch(grad_out, hidden, top_k_weights, order, offsets, p: _Params, needs, saved=None):
-    """The gradients named by _GRADS (None where not needed), by the math of the module docstring;
-    gate/up read from `saved` (what the forward kept) where given, else recomputed."""
-    T, K = top_k_weights.shape
-    s = _Sorted(order, offsets, K)
-    acc = torch.float64 if p.ct == torch.float64 else torch.float32
-    x = hidden[s.tokens].to(p.ct)
-    if saved is not None:
-        gate, up = _split_gate_up(saved[:s.rows], p)
-    else:
-        gate, up = _gate_up_torch(x, s, p)  # recomputed: the forward kept none of it
-    h = _act_torch(gate, up, p).to(p.ct)
-    g = grad_out[s.tokens].to(p.ct)
-    w = top_k_weights.reshape(-1)[s.slots].to(acc)[:, None]
-    dh = _grouped(g, p.in_out(p.down).to(p.ct).transpose(1, 2), s.counts, s.ends).to(acc)
-    if p.d_a is not None:
-        gb_d = _grouped(g, p.d_b.to(p.ct), s.counts, s.ends)  # g B_e  [rows, r]
-        dh += p.scaling * _grouped(gb_d, p.d_a.to(p.ct), s.counts, s.ends).to(acc)
-    grads = dict.fromkeys(_GRADS)
-    (need_x, need_w, need_gu, need_d, need_gub, need_db, need_gua, need_gub_l, need_da, need_db_l) = needs
-    if need_w:
-        dw = (dh * h.to(acc)).sum(-1)
-        if p.down_bias is not None:
-            dw += (g.to(acc) * p.down_bias.to(p.ct)[s.experts].to(acc)).sum(-1)
-        flat = torch.zeros(T * K, dtype=acc, device=hidden.device)
-        grads["top_k_weights"] = flat.index_put_((s.slots,), dw).view(T, K).to(top_k_weights.dtype)
-    dgate, dup = _act_backward_torch(gate, up, dh * w, p)
-    del gate, up, dh
-    dgu = _join_gate_up(dgate, dup, p).to(p.ct)
-    del dgate, dup
-    gw = (g.to(acc) * w).to(p.ct) if (need_d or need_db or need_da or need_db_l) else None
-    if need_x or need_gua:
-        dgu_b = _grouped(dgu, p.gu_b.to(p.ct), s.counts, s.ends) if p.gu_a is not None else None
-    if need_x:
-        dx = _grouped(dgu, p.in_out(p.gate_up).to(p.ct).transpose(1, 2), s.counts, s.ends).to(acc)
-        if p.gu_a is not None:
-            dx += p.scaling * _grouped(dgu_b, p.gu_a.to(p.ct), s.counts, s.ends).to(acc)
-        out = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device)
-        grads["hidden"] = out.index_add_(0, s.tokens, dx).to(hidden.dtype)
-    if need_gu:
-        grads["gate_up"] = _from_in_out(_grouped_weight_grad(x, dgu, s.counts, s.ends), p, p.gate_up)
-    if need_d:
-        grads["down"] = _from_in_out(_grouped_weight_grad(h, gw, s.counts, s.ends), p, p.down)
-    if need_gub:
-        grads["gate_up_bias"] = _expert_sums(dgu, s, p).to(p.gate_up_bias.dtype)
-    if need_db:
-        grads["down_bias"] = _expert_sums(gw, s, p).to(p.down_bias.dtype)
-    if need_gua:  # dA = s (dgu B)^T x
-        grads["gate_up_lora_a"] = (p.scaling * _grouped_weight_grad(dgu_b, x, s.counts, s.ends)).to(p.gu_a.dtype)
-    if need_gub_l:  # dB = s dgu^T (x A^T)
-        xa = _lora_in(x, p.gu_a, s, p)
-        grads["gate_up_lora_b"] = (p.scaling * _grouped_weight_grad(dgu, xa, s.counts, s.ends)).to(p.gu_b.dtype)
-    if need_da:  # dA = s ((w g) B)^T h
-        gwb = _grouped(gw, p.d_b.to(p.ct), s.counts, s.ends)
-        grads["down_lora_a"] = (p.scaling * _grouped_weight_grad(gwb, h, s.counts, s.ends)).to(p.d_a.dtype)
-    if need_db_l:  # dB = s (w g)^T (h A^T)
-        ha = _lora_in(h, p.d_a, s, p)
-        grads["down_lora_b"] = (p.scaling * _grouped_weight_grad(gw, ha, s.counts, s.ends)).to(p.d_b.dtype)
-    return tuple(grads[name] for name in _GRADS)
-
-
-def _from_in_out(grad: torch.Tensor, p: _Params, like: torch.Tensor) -> torch.Tensor:
-    """An [E, in, out] gradient in the layout (and dtype) of the weight `like`."""
-    return (grad if p.transposed else grad.transpose(1, 2)).to(like.dtype).contiguous()
-
-
-def _expert_sums(rows: torch.Tensor, s: _Sorted, p: _Params) -> torch.Tensor:
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    out = torch.zeros((p.num_experts, rows.shape[1]), dtype=acc, device=rows.device)
-    return out.index_add_(0, s.experts, rows.to(acc))
-
-
+    def expert_sums(self, rows):
+        out = torch.zeros((self.p.num_experts, rows.shape[1]), dtype=self.acc, device=rows.device)
+        return out.index_add_(0, self.row_experts, rows.to(self.acc))
 # --------------------------------------------------------------------------------------------
 # Input checks
 # --------------------------------------------------------------------------------------------
@@ -1159,9 +1192,9 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, transposed,
                   interleaved, activation, alpha, limit, lora, autocast_dtype)
     inter = down.shape[1] if transposed else down.shape[2]
-    gu_a, gu_b, d_a, d_b, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
+    *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
     triton_path = _dispatch.use_triton(hidden) and hidden.dtype != torch.float64
     return torch.ops.accel_kernels.moe_experts(
-        hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gu_a, gu_b, d_a, d_b, scaling,
-        transposed, interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path,
+        hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, scaling, transposed,
+        interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path,
         bool(save_gate_up) and not triton_path)[0]
