@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.sh, the prepared run for a lent GPU, checked here without one: its dry run
 runs each step on the CPU at tiny shapes through the same scripts and arguments (each step rc 0,
-each writing its JSON: the default steps in the suite, every step in the audit job); a step that fails, or exits 0 without its JSON, makes the script exit
-non-zero; the default steps fit one 10-minute call."""
+each writing its JSON: every step, in .ci/run's audit job); a step that fails, or exits 0 without
+its JSON, makes the script exit non-zero; the default steps fit one 10-minute call."""
 from __future__ import annotations
 
 import json
@@ -75,16 +75,8 @@ def test_bad_arguments_and_steps_are_refused_by_name(tmp_path):
     assert proc.returncode == 2 and "'e2ee'" in proc.stderr and "e2e" in proc.stderr
 
 
-@pytest.mark.slow  # the default steps' dry run: ~40 s
-def test_the_dry_run_of_the_default_steps_runs_each_and_each_writes_its_json(tmp_path):
-    """The steps a lent GPU runs first, on this CPU at tiny shapes, in one dry run; every other
-    step's dry run is the audit job's (below)."""
-    _, default, _ = steps(tmp_path)
-    _dry_runs(tmp_path, {"default": list(default)})
-
-
 @pytest.mark.slow
-@pytest.mark.audit  # every step's dry run: ~3 min of CPU, .ci/run's audit job
+@pytest.mark.audit  # every step's dry run (the default steps' among them): ~3 min of CPU, .ci/run's audit job
 @pytest.mark.timeout(900)
 def test_the_dry_run_runs_every_step_and_each_writes_its_json(tmp_path):
     """Every step of the table, on this CPU at tiny shapes: two dry runs side by side, each taking
