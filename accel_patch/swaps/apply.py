@@ -284,7 +284,7 @@ class _Walk:
         config = getattr(module, "config", None)
         act_fn = mlp.activation(module)
         structure = (found.names, found.biases, found.style, type(act_fn), getattr(act_fn, "approximate", None),
-                     getattr(module, "alpha", None), *(getattr(module, n, None) for n in experts.LIMIT_ATTRIBUTES),
+                     getattr(module, "alpha", None), tuple(probe.limits(module)),  # the probe's own reading
                      getattr(config, "_experts_implementation", None))
         def install(plan):  # a site with call-time data: its plan, the model's call counts
             experts.install(self.state, module, sites.signed(experts.forward, type(module), experts.OP),

@@ -14,4 +14,4 @@ probe, report, families), layers/mlp.py (the activation a module declares) and
 layers/tiled_mlp.py (the rule that tiles a long call over tokens), and accel_kernels; never
 another room's modules.
 """
-from .site import LIMIT_ATTRIBUTES, OP, SITE_ATTR, ExpertsPlan, Site, candidate, forward, install, probe_verdict
+from .site import OP, SITE_ATTR, ExpertsPlan, Site, candidate, forward, install, probe_verdict

@@ -158,9 +158,6 @@ def _layouts(gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[bool, int,
     return found
 
 
-#: Attributes holding a SwiGLU clamp's bound (gpt-oss's and DeepSeek V4's `limit`, GLM-5-next's
-#: `swiglu_limit`): the one table the dense probe reads too.
-LIMIT_ATTRIBUTES = families.LIMIT_ATTRIBUTES
 #: The activations tried when the module holds none (its forward calls one, as GLM-5-next's F.silu).
 KERNEL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -399,9 +396,7 @@ def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
     """Tokens per chunk when this call is tiled by the tiled MLP's rule (long enough, on the K
     expert rows a token has; under gradient checkpointing or named), else None. Where the twin
     saves gate/up in a checkpointed layer (auto) the call is not tiled unless the tiled MLP is
-    named: measured on the CPU, tiling there cost 1.30x (full) and 1.64x (LoRA) of stock's step
-    against 1.10x and 1.16x untiled and saving, for 432 against 520 MiB (full) and the same
-    421 MiB (LoRA) of peak growth (docs/moe.md)."""
+    named: measured faster there at about the same memory (docs/moe.md)."""
     if not site.requested and site.gate_up == "auto" and save_gate_up(module, site, hidden):
         return None
     plan = site.plan
