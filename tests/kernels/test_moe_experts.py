@@ -531,3 +531,60 @@ def test_saving_gate_up_gives_the_recompute_s_gradients_with_one_grouped_gemm_le
     (out0, grads0, gemms0), (out1, grads1, gemms1) = results[False], results[True]
     assert torch.equal(out0, out1) and all(torch.equal(grads0[k], grads1[k]) for k in grads0)
     assert gemms1 == gemms0 - 1, (gemms0, gemms1)
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_the_twin_in_windows_of_experts_gives_the_unwindowed_results_bit_for_bit(monkeypatch, save):
+    # every layout option, biases, LoRA on both projections, an empty expert and "no expert" slots:
+    # one window per expert against one window for all, output and every gradient identical
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
+    T, H, I, E, K = 40, 32, 16, 6, 2
+    hidden, index, weights, gate_up, down, gub, db = make(T=T, H=H, I=I, E=E, K=K, bias=True, transposed=True,
+                                                          routing="middle")
+    index = index.clone()
+    index[3, 1], index[5, 0] = E, -1
+    leaves, lora = peft_lora(E, H, I, r=4)
+    dout = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    counted, real = [], moe_module._windows
+    monkeypatch.setattr(moe_module, "_windows", lambda *a: counted.append(len(real(*a))) or real(*a))
+    results = {}
+    for budget in (moe_module.TWIN_WINDOW_BYTES, 1):  # 1 byte: a window per expert
+        monkeypatch.setattr(moe_module, "TWIN_WINDOW_BYTES", budget)
+        counted.clear()
+        out, grads = run(lambda *a, **k: moe_experts(*a, **k, save_gate_up=save), hidden, index, weights, gate_up,
+                         down, gub, db, dout=dout, lora_leaves=leaves, lora=lora, transposed=True, interleaved=True,
+                         activation="gpt_oss")
+        results[budget] = out, grads, list(counted)
+    (out1, grads1, windows1), (out_e, grads_e, windows_e) = results.values()
+    assert windows1 == [1, 1] and windows_e == [E, E], (windows1, windows_e)
+    assert torch.equal(out1, out_e)
+    assert set(grads1) == set(grads_e) and len(grads1) == 10
+    for name in grads1:
+        assert torch.equal(grads1[name], grads_e[name]), name
+
+
+def test_a_window_of_experts_bounds_what_the_twin_backward_holds():
+    # the same call as above, in four windows of two experts: the per-row temporaries are a window's
+    T, H, I, E, K, r = 256, 96, 32, 8, 4, 8
+    hidden, index, weights, gate_up, down, _, _ = make(T=T, H=H, I=I, E=E, K=K)
+    _, lora = peft_lora(E, H, I, r=r)
+    (gu_a, gu_b), (d_a, d_b) = (lora_views(lora, E)[n] for n in ("gate_up", "down"))
+    order, offsets = moe_module._route(index, E)
+    params = moe_module._Params(gate_up, down, None, None, gu_a, gu_b, d_a, d_b, 2.0, False, False,
+                                moe_module.SILU, 1.702, float("inf"), torch.float32)
+    needs = (True, True, False, False, False, False, True, True, True, True)
+    dout = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    peaks = {}
+    for windowed in (False, True):
+        largest = max(offsets[e + 2] - offsets[e] for e in range(0, E, 2))  # two experts' rows
+        budget = int(largest) * H * 4 if windowed else 1 << 40
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(moe_module, "TWIN_WINDOW_BYTES", budget)
+            assert len(moe_module._windows(offsets, params, hidden)) == (4 if windowed else 1)
+            held = LiveBytes([hidden, weights, gate_up, down, gu_a, gu_b, d_a, d_b, dout, order, offsets])
+            with held:
+                moe_module._twin_backward(dout, hidden, weights, order, offsets, params, needs)
+        peaks[windowed] = held.peak
+    rows = int(largest)
+    design = 4 * (rows * I + rows * 2 * I + 2 * rows * H + 2 * T * H)  # a window's rows, dx's accumulator
+    assert peaks[True] <= 1.1 * design < peaks[False], (peaks, design)

@@ -83,10 +83,15 @@ The forward and the backward are written once (`_forward`, `_backward`) over two
 primitives with one interface (`_TritonOps`: launches over every sorted row; `_TorchOps`: the
 valid rows, their count read on the host). The backward holds at once h [rows, I], dgu
 [rows, 2I] and one [rows, H] product (two with its LoRA term on the twin): x and g are gathered
-where a product reads them (inside the kernels, or as a temporary on the twin), never kept.
+where a product reads them (inside the kernels, or as a temporary on the twin), never kept. The
+twin runs the plan in windows of whole experts (`_twin_forward`, `_twin_backward`,
+`TWIN_WINDOW_BYTES`), so "rows" there are one window's: the CPU's grouped GEMM is a loop over the
+experts, so a window changes no product, and the per-token sums accumulate into one buffer in
+the same order (bit-identical to one window).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import namedtuple
 from typing import Optional
@@ -597,9 +602,7 @@ def _backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, path, s
     del dh
     if needs.top_k_weights:
         if p.down_bias is not None:  # + <g, down_bias_e>
-            biased = grad_out.to(p.ct).to(ops.acc) @ p.down_bias.to(p.ct).to(ops.acc).t()  # [T, E]
-            dw = dw + biased[ops.row_tokens, ops.row_experts]
-            del biased
+            dw = dw + ops.bias_dots(grad_out, p.down_bias)
         grads["top_k_weights"] = ops.per_slot(dw).view(T, K).to(top_k_weights.dtype)
     del dw
     dgu_b = None
@@ -671,6 +674,11 @@ class _TritonOps:
         return _weight_grad(a, b, self.r, like, layout, self.p.ct, gather_a=gather_a, gather_b=gather_b,
                             scale=self.r.weights if scaled else None, out_scale=out_scale, bias_like=bias_like)
 
+    def bias_dots(self, g, bias):
+        """[rows] fp32: <g[token], bias[e]> of each sorted row (through [T, E] products)."""
+        biased = g.to(self.p.ct).float() @ bias.to(self.p.ct).float().t()
+        return biased[self.row_tokens, self.row_experts]
+
     def gathered(self, a, scaled=False):
         """a's rows by token for each sorted row, in fp32, times the routing weight where `scaled`."""
         rows = a[self.r.tokens.long()].float()
@@ -722,8 +730,10 @@ def _moe_experts_op(
     params = _Params(gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
                      down_lora_b, lora_scaling, transposed, interleaved, ACTIVATIONS[activation], alpha, limit,
                      _compute_dtype(hidden, autocast))
-    out, saved = _forward(hidden, top_k_weights, order, offsets, params, _TritonOps if triton_path else _TorchOps,
-                          save_gate_up)
+    if triton_path:
+        out, saved = _forward(hidden, top_k_weights, order, offsets, params, _TritonOps)
+    else:
+        out, saved = _twin_forward(hidden, top_k_weights, order, offsets, params, save_gate_up)
     return out, order, offsets, saved if saved is not None else _library.nothing(hidden, torch.float32)
 
 
@@ -761,8 +771,10 @@ def _moe_experts_backward_op(
               down_lora_a, down_lora_b)
     needs = tuple(bool(n) and t is not None for n, t in zip(needs, inputs))
     saved = saved_gate_up if saved_gate_up.numel() and not triton_path else None
-    grads = _backward(grad_out, hidden, top_k_weights, order, offsets, params, needs,
-                      _TritonOps if triton_path else _TorchOps, saved)
+    if triton_path:
+        grads = _backward(grad_out, hidden, top_k_weights, order, offsets, params, needs, _TritonOps)
+    else:
+        grads = _twin_backward(grad_out, hidden, top_k_weights, order, offsets, params, needs, saved)
     return tuple(g.contiguous() if g is not None else _library.nothing(hidden) for g in grads)
 
 
@@ -840,6 +852,21 @@ class _Params:
     def in_out(self, w: torch.Tensor) -> torch.Tensor:
         """gate_up or down as [E, in, out]."""
         return w if self.transposed else w.transpose(1, 2)
+
+    def window(self, first: int, end: int) -> "_Params":
+        """These parameters for the experts first..end - 1 alone (views: every per-expert tensor
+        has its expert dim first)."""
+        other = object.__new__(_Params)
+        other.__dict__.update(self.__dict__, num_experts=end - first)
+        for name in _EXPERT_TENSORS:
+            tensor = getattr(self, name)
+            setattr(other, name, tensor[first:end] if tensor is not None else None)
+        return other
+
+
+#: The per-expert tensors of a call (expert dim first), which a window slices.
+_EXPERT_TENSORS = ("gate_up", "down", "gate_up_bias", "down_bias", "gate_up_lora_a", "gate_up_lora_b",
+                   "down_lora_a", "down_lora_b")
 
 
 def _compute_dtype(hidden: torch.Tensor, autocast: Optional[torch.dtype]) -> torch.dtype:
@@ -964,9 +991,9 @@ class _TorchOps:
     host: the twin runs on the CPU, where a sync costs nothing). The same roundings as the
     kernels': products accumulate in fp32 (float64 stays) and come back in the compute dtype."""
 
-    def __init__(self, order, offsets, top_k_weights, p):
+    def __init__(self, order, offsets, top_k_weights, p, into=None):
         T, K = top_k_weights.shape
-        self.p, self.slots_total = p, T * K
+        self.p, self.slots_total, self.into = p, T * K, into
         self.acc = torch.float64 if p.ct == torch.float64 else torch.float32
         self.rows = int(offsets[-1])
         self.slots = order[:self.rows].long()
@@ -1008,15 +1035,10 @@ class _TorchOps:
         return gu
 
     def gate_up(self, hidden, xa, save=False):
-        """(h [rows, I] in ct, gate/up [T*K, 2I] fp32 when `save` (the rows of "no expert" slots
-        zeros, as the op's schema says), else None)."""
+        """(h [rows, I] in ct, the rows' gate/up [rows, 2I] fp32 when `save`, else None)."""
         gu = self._gate_up_rows(hidden, xa)
         h = _act_torch(*_split_gate_up(gu, self.p), self.p).to(self.p.ct)
-        if not save:
-            return h, None
-        if self.rows < self.slots_total:
-            gu = torch.cat((gu, gu.new_zeros((self.slots_total - self.rows, gu.shape[1]))))
-        return h, gu
+        return h, (gu if save else None)
 
     def gate_up_backward(self, hidden, xa, dh, saved=None):
         p = self.p
@@ -1030,6 +1052,11 @@ class _TorchOps:
         return h, _join_gate_up(dgate, dup, p).to(p.ct), dw
 
     def combine(self, y, T: int, dtype):
+        """[T, H] in dtype: each token's rows of y summed in the accumulation dtype; with `into`
+        (a window's call) added to that accumulator, returned in its dtype, for the caller to round
+        once after the last window."""
+        if self.into is not None:
+            return self.into.index_add_(0, self.row_tokens, y.to(self.acc))
         out = torch.zeros((T, y.shape[1]), dtype=self.acc, device=y.device)
         return out.index_add_(0, self.row_tokens, y.to(self.acc)).to(dtype)
 
@@ -1045,6 +1072,12 @@ class _TorchOps:
         bias = self.expert_sums(a).to(bias_like.dtype) if bias_like is not None else None
         return grad, bias
 
+    def bias_dots(self, g, bias):
+        """[rows]: <g[token], bias[e]> of each sorted row, one row at a time (a [T, E] product's
+        rounding would depend on how many experts a window holds)."""
+        rows = self._rows(g.to(self.p.ct), True).to(self.acc)
+        return (rows * bias.to(self.p.ct)[self.row_experts].to(self.acc)).sum(-1)
+
     def gathered(self, a, scaled=False):
         rows = self._rows(a, True).to(self.acc)
         return rows * self.weights if scaled else rows
@@ -1056,6 +1089,77 @@ class _TorchOps:
     def expert_sums(self, rows):
         out = torch.zeros((self.p.num_experts, rows.shape[1]), dtype=self.acc, device=rows.device)
         return out.index_add_(0, self.row_experts, rows.to(self.acc))
+#: The twin runs a call in windows of whole experts, each holding sorted rows of at most this many
+#: bytes per [rows, max(H, 2I)] product in the accumulation dtype (one expert at least): the
+#: forward's and the backward's temporaries are a window's, not the call's. On the CPU a grouped
+#: GEMM is a loop over the experts, so a window changes no product's size, and every per-token sum
+#: accumulates into one buffer in the same order: the results are the unwindowed ones, bit for bit.
+#: 16 MiB: at the benchmark's MoE shape (4096 tokens, top-8, H 512, 32 experts) four windows of
+#: eight experts.
+TWIN_WINDOW_BYTES = 16 << 20
+
+
+def _windows(offsets: torch.Tensor, p: _Params, hidden: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(first expert, end expert, first row, end row) of each window, in expert order."""
+    ends = offsets.tolist()
+    element = 8 if p.ct == torch.float64 else 4
+    most = max(1, TWIN_WINDOW_BYTES // (max(hidden.shape[1], 2 * p.intermediate) * element))
+    windows, first = [], 0
+    for e in range(1, p.num_experts):
+        if ends[e + 1] - ends[first] > most:
+            windows.append((first, e, ends[first], ends[e]))
+            first = e
+    windows.append((first, p.num_experts, ends[first], ends[p.num_experts]))
+    return windows
+
+
+def _window_args(order, offsets, p, window):
+    """(order, offsets, params) of one window: its sorted rows, offsets from its first row."""
+    first, end, row, row_end = window
+    return order[row:row_end], offsets[first:end + 1] - row, p.window(first, end)
+
+
+def _twin_forward(hidden, top_k_weights, order, offsets, p, save: bool):
+    """_forward on the twin, window by window: (out, gate/up [T*K, 2I] fp32 where `save`, the
+    rows of "no expert" slots zeros, as the op's schema says, else None)."""
+    T, K = top_k_weights.shape
+    acc = torch.float64 if p.ct == torch.float64 else torch.float32
+    out = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device)
+    saved = hidden.new_zeros((T * K, 2 * p.intermediate), dtype=acc) if save else None
+    for window in _windows(offsets, p, hidden):
+        _, gate_up = _forward(hidden, top_k_weights, *_window_args(order, offsets, p, window),
+                              functools.partial(_TorchOps, into=out), save)
+        if save:
+            saved[window[2]:window[3]] = gate_up
+        del gate_up
+    return out.to(hidden.dtype), saved
+
+
+def _twin_backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, saved=None):
+    """_backward on the twin, window by window: dx summed into one buffer, the routing weights'
+    gradient from each window's slots, the per-expert gradients written at each window's experts."""
+    T = hidden.shape[0]
+    acc = torch.float64 if p.ct == torch.float64 else torch.float32
+    dx = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device) if needs[0] else None
+    grads = dict.fromkeys(_GRADS)
+    for window in _windows(offsets, p, hidden):
+        first, end, row, row_end = window
+        parts = _backward(grad_out, hidden, top_k_weights, *_window_args(order, offsets, p, window), needs,
+                          functools.partial(_TorchOps, into=dx), saved[row:row_end] if saved is not None else None)
+        for name, part in zip(_GRADS, parts):
+            if part is None or name == "hidden":
+                continue
+            if name == "top_k_weights":  # each window's slots, zeros elsewhere
+                grads[name] = part if grads[name] is None else grads[name].add_(part)
+                continue
+            if grads[name] is None:
+                grads[name] = part.new_empty((p.num_experts, *part.shape[1:]))
+            grads[name][first:end] = part
+    if dx is not None:
+        grads["hidden"] = dx.to(hidden.dtype)
+    return tuple(grads[name] for name in _GRADS)
+
+
 # --------------------------------------------------------------------------------------------
 # Input checks
 # --------------------------------------------------------------------------------------------
