@@ -48,8 +48,8 @@ OP = "experts"
 SITE_ATTR = "_accel_patch_experts_site"
 
 FUSED = "fused"
-#: The option that decides whether the op keeps gate/up for backward: "auto" (save inside a
-#: checkpointed layer, recompute elsewhere), "save" or "recompute" (forced). See `save_gate_up`.
+#: The option that decides whether the op keeps gate/up for backward: "auto" (recompute, measured
+#: cheaper in memory at about the same time), "save" or "recompute" (forced). See `save_gate_up`.
 GATE_UP_SWITCH = "ACCEL_PATCH_EXPERTS_GATE_UP"
 GATE_UP_MODES = ("auto", "save", "recompute")
 #: The note of a call whose op kept gate/up for its backward.
@@ -376,28 +376,30 @@ def gate_up_mode() -> str:
     return "auto"
 
 
-def save_gate_up(module, site: Site, hidden: torch.Tensor) -> bool:
-    """Whether this call's op keeps gate/up for backward instead of recomputing them there. Inside a
-    checkpointed layer the forward already runs twice (once more in backward, under the layer's
-    checkpoint), so a recompute in the op's backward would be the third gate/up GEMM: there the op
-    saves them, and they live only from that recompute to the layer's backward. Elsewhere every
-    layer's gate/up would be held until the backward reaches it: recomputed (the memory is what
-    pays). Only the plain-torch twin saves (the Triton path always recomputes); no grad, no saving."""
+def save_gate_up(site: Site, hidden: torch.Tensor) -> bool:
+    """Whether this call's op keeps gate/up for backward instead of recomputing them there: where
+    ACCEL_PATCH_EXPERTS_GATE_UP=save says so, on the plain-torch twin (the Triton path always
+    recomputes), with grad. Auto recomputes, also inside a checkpointed layer, where a saved
+    gate/up would spare the backward its third gate/up GEMM: non-reentrant checkpointing demands
+    that the layer's first forward save what its recompute saves, so the first forward allocates
+    them too (for the checkpoint to drop), and the recompute's stay until the layer's backward.
+    Measured on the CPU (two checkpointed Qwen3-MoE layers, docs/moe.md): saving took 0.53x
+    (full) and 0.40x (LoRA) of stock's peak growth for 0.84x and 0.86x of its time, recomputing
+    0.43x and 0.29x for 0.88x and 0.92x."""
     from accel_kernels import _dispatch
 
-    if site.gate_up == "recompute" or not torch.is_grad_enabled() or _dispatch.use_triton(hidden):
-        return False
-    if site.gate_up == "save":
-        return True
-    return tiled_mlp.Site(hidden.shape[-1], 0, {}, False, site.holders).checkpointed() and module.training
+    return site.gate_up == "save" and torch.is_grad_enabled() and not _dispatch.use_triton(hidden)
 
 
 def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
     """Tokens per chunk when this call is tiled by the tiled MLP's rule (long enough, on the K
-    expert rows a token has; under gradient checkpointing or named), else None. Where the twin
-    saves gate/up in a checkpointed layer (auto) the call is not tiled unless the tiled MLP is
-    named: measured faster there at about the same memory (docs/moe.md)."""
-    if not site.requested and site.gate_up == "auto" and save_gate_up(module, site, hidden):
+    expert rows a token has; under gradient checkpointing or named), else None. On the plain-torch
+    twin a call tiles only where the tiled MLP is named: the twin runs in windows of whole experts,
+    which bound its temporaries as tiles do without shrinking its per-expert GEMMs (tiles made the
+    CPU step 1.3-1.6x slower, docs/moe.md)."""
+    from accel_kernels import _dispatch
+
+    if not site.requested and not _dispatch.use_triton(hidden):
         return None
     plan = site.plan
     gate_up = adapters.base(module, plan.names[0])
@@ -439,9 +441,7 @@ def forward(self, *args, **kwargs):
         index, weights = dense_routes(hidden, experts)
     autocast_dtype = sites.autocast_dtype(hidden.device.type)
     chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
-    # a tiled call (the tiled MLP named, or gate/up told to recompute) is where memory pays: auto
-    # recomputes there (saving every chunk's gate/up cost 0.2-0.3x of stock's peak growth, docs/moe.md)
-    save = save_gate_up(self, site, hidden) and (chunk is None or site.gate_up == "save")
+    save = save_gate_up(site, hidden)
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save)) if on]
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:

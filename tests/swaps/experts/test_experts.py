@@ -227,34 +227,36 @@ def test_the_router_and_its_aux_loss_stay_stock_and_restore_puts_the_forward_bac
 
 
 @pytest.mark.slow
-def test_a_long_call_is_tiled_over_tokens_by_the_tiled_mlp_rule_where_gate_up_are_not_saved(monkeypatch):
+def test_a_long_checkpointed_call_runs_in_windows_on_the_twin_and_tiles_on_the_triton_path(monkeypatch):
     on_the_twin(monkeypatch)
+    import accel_kernels.ops.moe_experts as op
+    from accel_kernels import _dispatch
+
     stock, twin = pair("qwen3_moe")
     swap_kernels(twin, ops="experts")  # the experts alone: the other kernels, interpreted, add only time
     monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
     monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)  # chunks of `hidden` (64) tokens
-    batch = {k: v.repeat(1, 30) for k, v in padded_batch().items()}  # 3 x 300 tokens: 15 chunks
+    monkeypatch.setattr(op, "TWIN_WINDOW_BYTES", 1)  # a window per expert
+    batch = {k: v.repeat(1, 30) for k, v in padded_batch().items()}  # 3 x 300 tokens
     batch["labels"][:, :5] = -100
-    # by default, as the tiled MLP: not tiled without gradient checkpointing (it would cost a forward)
-    training_step(twin, batch)
-    assert "fused (tiled)" not in experts_calls(twin), experts_calls(twin)
     loss0, grads0, _ = training_step(stock, batch)
-    for mode, outcome in (("auto", "fused (saved gate/up)"), ("recompute", "fused (tiled)")):
-        # auto: the twin saves gate/up in a checkpointed layer, untiled (faster at about the same
-        # memory, docs/moe.md); told to recompute, the call tiles where memory pays
-        monkeypatch.setenv(experts.site.GATE_UP_SWITCH, mode)
-        if mode != "auto":
-            _, twin = pair("qwen3_moe")
-            swap_kernels(twin, ops="experts")  # the switch is read at the swap
-        twin.gradient_checkpointing_enable()  # where the recompute is paid anyway
-        twin.config.use_cache = False
-        for calls in twin.__dict__[sites.STATE_ATTR].calls.values():
-            calls.clear()
-        loss1, grads1, _ = training_step(twin, batch)
-        assert rel(loss1, loss0) <= 1e-5, mode
-        worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
-        assert rel(grads1[worst], grads0[worst]) <= 1e-4, (mode, worst)
-        assert set(experts_calls(twin)) == {outcome}, (mode, experts_calls(twin))
+    twin.gradient_checkpointing_enable()  # where the recompute is paid anyway
+    twin.config.use_cache = False
+    loss1, grads1, _ = training_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
+    # the twin: not tiled (its windows bound what a call holds), the forward and its recompute
+    assert experts_calls(twin) == {"fused": 2 * len(experts_modules(twin))}, experts_calls(twin)
+    # the Triton path: the same call tiles by the tiled MLP's rule (its kernels have no windows)
+    module = next(iter(experts_modules(twin).values()))
+    site = module.__dict__[experts.SITE_ATTR]
+    hidden = torch.zeros(900, twin.config.hidden_size)
+    for triton, want in ((False, None), (True, twin.config.hidden_size)):
+        monkeypatch.setattr(_dispatch, "use_triton", lambda t, triton=triton: triton)
+        assert experts.site._tiling(module, site, hidden, 2) == want, triton
+    twin.gradient_checkpointing_disable()
+    assert experts.site._tiling(module, site, hidden, 2) is None  # as the tiled MLP: a forward more
 
 
 @pytest.mark.slow
@@ -387,17 +389,19 @@ def test_a_4bit_base_leaves_the_experts_unquantized_and_their_lora_is_fused(tmp_
     assert experts_calls(twin) == {"fused (LoRA)": len(experts_modules(twin))}
 
 
-@pytest.mark.parametrize("mode", ["auto", "recompute"])
-def test_under_checkpointing_gate_up_are_saved_unless_told_to_recompute(monkeypatch, mode):
-    """The op's backward would recompute gate/up on top of the checkpoint's recompute: inside a
-    checkpointed layer the twin keeps them (auto), and a step equals stock either way."""
+@pytest.mark.parametrize("mode", ["auto", "save", "recompute"])
+def test_under_checkpointing_gate_up_are_recomputed_unless_told_to_save(monkeypatch, mode):
+    """Auto recomputes gate/up in the op's backward, inside a checkpointed layer too (saving them
+    there cost more memory than the recompute's time, docs/moe.md); told to save, the twin keeps
+    them in every call with grad; a step equals stock either way."""
     on_the_twin(monkeypatch)
     monkeypatch.setenv(experts.site.GATE_UP_SWITCH, mode)
     stock, twin = pair("qwen3_moe")
     swap_kernels(twin, ops="experts")
     batch = padded_batch()
-    training_step(twin, batch)  # not checkpointed: every layer's gate/up would wait for backward
-    assert experts_calls(twin) == {"fused": len(experts_modules(twin))}
+    n = len(experts_modules(twin))
+    training_step(twin, batch)  # not checkpointed
+    assert experts_calls(twin) == {"fused (saved gate/up)" if mode == "save" else "fused": n}
     for model in (stock, twin):
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -406,5 +410,6 @@ def test_under_checkpointing_gate_up_are_saved_unless_told_to_recompute(monkeypa
     loss1, grads1, _ = training_step(twin, batch)
     assert rel(loss1, loss0) <= 1e-5
     assert max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
-    outcome = "fused (saved gate/up)" if mode == "auto" else "fused"
-    assert experts_calls(twin) == {outcome: 2 * len(experts_modules(twin))}  # the forward and its recompute
+    # the forward and its recompute inside backward
+    want = "fused (saved gate/up)" if mode == "save" else "fused"
+    assert experts_calls(twin) == {want: 2 * n}, experts_calls(twin)
