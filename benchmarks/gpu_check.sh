@@ -30,8 +30,8 @@
 # Others: long (benchmarks/long_context.py --no-longest, gradient checkpointing at 8k/16k/32k), rank-sync
 # (the rank-sync checksum of a 1B parameter set), compile (e2e eager vs Inductor), lora-compile, qlora
 # (only where bitsandbytes is), moe (benchmarks/moe.py: Qwen3-30B-A3B experts, 4 layers, bf16, full and
-# LoRA on experts, against transformers' grouped_mm), moe-checkpointed (the same, non-reentrant
-# gradient checkpointing, where the experts save or recompute gate/up per call), moe-block (one
+# LoRA on experts, against transformers' grouped_mm; "ours" the experts alone, "accel_patch" every op), moe-checkpointed (the same, non-reentrant
+# gradient checkpointing, where the op recomputes gate/up and the Triton path tiles), moe-block (one
 # Qwen3-30B-A3B sparse block alone: the experts' forward and backward peak without a model around it), trl-post (benchmarks/trl_post.py: DPO, KTO, GRPO
 # with LoRA against TRL's head; the image has no trl, so it says skipped), bench (python -m accel_kernels.bench --quick), check (accel-patch check),
 # unit-tests (the quick loop without tests/kernels, real kernels: the versions themselves are tested by
@@ -114,10 +114,10 @@ add bench          240  '$PY -m accel_kernels.bench --quick --json "$OUT/$STEP.j
                         '$PY -m accel_kernels.bench --quick --ops rms_norm --json "$OUT/$STEP.json"'
 add check          120  '$PY -m accel_patch.cli check --json > "$OUT/$STEP.json"' \
                         '$PY -m accel_patch.cli check --json --parts launch > "$OUT/$STEP.json"'
-add moe            300  '$PY benchmarks/moe.py --device cuda --json "$OUT/$STEP.json"' \
-                        '$PY benchmarks/moe.py --dry-run --json "$OUT/$STEP.json"'
-add moe-checkpointed 300  '$PY benchmarks/moe.py --device cuda --checkpointing --variants grouped_mm,ours --json "$OUT/$STEP.json"' \
-                        '$PY benchmarks/moe.py --dry-run --checkpointing --modes lora --variants grouped_mm,ours --json "$OUT/$STEP.json"'
+add moe            300  '$PY benchmarks/moe.py --device cuda --variants eager,grouped_mm,ours,accel_patch --json "$OUT/$STEP.json"' \
+                        '$PY benchmarks/moe.py --dry-run --variants eager,grouped_mm,ours,accel_patch --json "$OUT/$STEP.json"'
+add moe-checkpointed 300  '$PY benchmarks/moe.py --device cuda --checkpointing --variants grouped_mm,ours,accel_patch --json "$OUT/$STEP.json"' \
+                        '$PY benchmarks/moe.py --dry-run --checkpointing --modes lora --variants grouped_mm,ours,accel_patch --json "$OUT/$STEP.json"'
 add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants grouped_mm,ours --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe.py --dry-run --block --variants grouped_mm,ours --json "$OUT/$STEP.json"'
 add trl-post       300  'if $PY -c "import trl" 2>/dev/null; then $PY benchmarks/trl_post.py --device cuda --trainers dpo,kto,grpo --tunings lora --json "$OUT/$STEP.json"; else echo "skipped: trl is not installed"; echo "{\"skipped\": \"no trl\"}" > "$OUT/$STEP.json"; fi' \
