@@ -1094,9 +1094,10 @@ class _TorchOps:
 #: forward's and the backward's temporaries are a window's, not the call's. On the CPU a grouped
 #: GEMM is a loop over the experts, so a window changes no product's size, and every per-token sum
 #: accumulates into one buffer in the same order: the results are the unwindowed ones, bit for bit.
-#: 16 MiB: at the benchmark's MoE shape (4096 tokens, top-8, H 512, 32 experts) four windows of
-#: eight experts.
-TWIN_WINDOW_BYTES = 16 << 20
+#: 8 MiB: at the benchmark's MoE shape (4096 tokens, top-8, H 512, 32 experts) eight windows of
+#: four experts; against 16 MiB, 29 and 27 MiB less peak growth in its checkpointed LoRA and full
+#: steps, the block's time unchanged within its runs' spread (BENCHMARKS.md).
+TWIN_WINDOW_BYTES = 8 << 20
 
 
 def _windows(offsets: torch.Tensor, p: _Params, hidden: torch.Tensor) -> list[tuple[int, int, int, int]]:
