@@ -444,11 +444,9 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def test_the_twin_backward_holds_h_dgu_and_two_row_products_at_once():
-    # LoRA on both projections, the base frozen (PEFT's case): what the backward holds at once is
-    # h [rows, I] and dgu [rows, 2I], a [rows, H] product with its LoRA term, and the [T, H]
-    # combine; x and g are gathered where a product reads them and dropped after it
-    T, H, I, E, K, r = 256, 96, 32, 8, 4, 8
+def lora_backward_call(T=256, H=96, I=32, E=8, K=4, r=8):
+    """(backward args, inputs) of one twin backward with LoRA on both projections, the base frozen
+    (PEFT's case): args = (dout, hidden, weights, order, offsets, params, needs)."""
     hidden, index, weights, gate_up, down, _, _ = make(T=T, H=H, I=I, E=E, K=K)
     _, lora = peft_lora(E, H, I, r=r)
     (gu_a, gu_b), (d_a, d_b) = (lora_views(lora, E)[n] for n in ("gate_up", "down"))
@@ -457,9 +455,20 @@ def test_the_twin_backward_holds_h_dgu_and_two_row_products_at_once():
                                 moe_module.SILU, 1.702, float("inf"), torch.float32)
     needs = (True, True, False, False, False, False, True, True, True, True)
     dout = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
-    held = LiveBytes([hidden, weights, gate_up, down, gu_a, gu_b, d_a, d_b, dout, order, offsets])
+    return (dout, hidden, weights, order, offsets, params, needs), \
+        [hidden, weights, gate_up, down, gu_a, gu_b, d_a, d_b, dout, order, offsets]
+
+
+def test_the_twin_backward_holds_h_dgu_and_two_row_products_at_once():
+    # LoRA on both projections, the base frozen (PEFT's case): what the backward holds at once is
+    # h [rows, I] and dgu [rows, 2I], a [rows, H] product with its LoRA term, and the [T, H]
+    # combine; x and g are gathered where a product reads them and dropped after it
+    T, H, I, K = 256, 96, 32, 4
+    args, inputs = lora_backward_call(T, H, I, K=K)
+    held = LiveBytes(inputs)
     with held:
-        grads = moe_module._backward(dout, hidden, weights, order, offsets, params, needs, moe_module._TorchOps)
+        grads = moe_module._backward(*args, moe_module._TorchOps)
+    needs = args[-1]
     assert all(g is not None for g, need in zip(grads, needs) if need)
     rows = T * K
     design = 4 * (rows * I + rows * 2 * I + 2 * rows * H + T * H)  # fp32
@@ -565,15 +574,9 @@ def test_the_twin_in_windows_of_experts_gives_the_unwindowed_results_bit_for_bit
 
 def test_a_window_of_experts_bounds_what_the_twin_backward_holds():
     # the same call as above, in four windows of two experts: the per-row temporaries are a window's
-    T, H, I, E, K, r = 256, 96, 32, 8, 4, 8
-    hidden, index, weights, gate_up, down, _, _ = make(T=T, H=H, I=I, E=E, K=K)
-    _, lora = peft_lora(E, H, I, r=r)
-    (gu_a, gu_b), (d_a, d_b) = (lora_views(lora, E)[n] for n in ("gate_up", "down"))
-    order, offsets = moe_module._route(index, E)
-    params = moe_module._Params(gate_up, down, None, None, gu_a, gu_b, d_a, d_b, 2.0, False, False,
-                                moe_module.SILU, 1.702, float("inf"), torch.float32)
-    needs = (True, True, False, False, False, False, True, True, True, True)
-    dout = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    T, H, I, E = 256, 96, 32, 8
+    args, inputs = lora_backward_call(T, H, I, E)
+    _, hidden, _, _, offsets, params, _ = args
     peaks = {}
     for windowed in (False, True):
         largest = max(offsets[e + 2] - offsets[e] for e in range(0, E, 2))  # two experts' rows
@@ -581,9 +584,9 @@ def test_a_window_of_experts_bounds_what_the_twin_backward_holds():
         with pytest.MonkeyPatch.context() as m:
             m.setattr(moe_module, "TWIN_WINDOW_BYTES", budget)
             assert len(moe_module._windows(offsets, params, hidden)) == (4 if windowed else 1)
-            held = LiveBytes([hidden, weights, gate_up, down, gu_a, gu_b, d_a, d_b, dout, order, offsets])
+            held = LiveBytes(inputs)
             with held:
-                moe_module._twin_backward(dout, hidden, weights, order, offsets, params, needs)
+                moe_module._twin_backward(*args)
         peaks[windowed] = held.peak
     rows = int(largest)
     design = 4 * (rows * I + rows * 2 * I + 2 * rows * H + 2 * T * H)  # a window's rows, dx's accumulator
