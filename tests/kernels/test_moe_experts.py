@@ -591,3 +591,10 @@ def test_a_window_of_experts_bounds_what_the_twin_backward_holds():
     rows = int(largest)
     design = 4 * (rows * I + rows * 2 * I + 2 * rows * H + 2 * T * H)  # a window's rows, dx's accumulator
     assert peaks[True] <= 1.1 * design < peaks[False], (peaks, design)
+
+
+def test_the_declared_argument_names_are_the_op_schemas():
+    # the fakes and the autograd formula read the ops' arguments by these names
+    for op, names in ((torch.ops.accel_kernels.moe_experts, moe_module._FORWARD_ARGS),
+                      (torch.ops.accel_kernels.moe_experts_backward, moe_module._BACKWARD_ARGS)):
+        assert tuple(a.name for a in op.default._schema.arguments) == names, op

@@ -714,6 +714,25 @@ class _TritonOps:
 # --------------------------------------------------------------------------------------------
 
 
+#: The forward op's tensor inputs in its schema's order (those named in _GRADS have a gradient), and
+#: the options the backward op takes after its tensors. The two ops' argument lists, in their
+#: schemas' order, are derived from them: the op definitions spell them out (torch.library infers
+#: a schema from the annotations), everything else (fakes, the autograd formula) reads them by name.
+_TENSORS = ("hidden", "top_k_index", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias",
+            "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b")
+_OPTIONS = ("lora_scaling", "transposed", "interleaved", "activation", "alpha", "limit", "autocast")
+_FORWARD_ARGS = _TENSORS + _OPTIONS + ("triton_path", "save_gate_up")
+_BACKWARD_ARGS = ("grad_out", "hidden", "top_k_weights", "order", "offsets", "saved_gate_up") + _TENSORS[3:] + \
+    _OPTIONS + ("needs", "triton_path")
+
+
+def _params(named: dict) -> "_Params":
+    """The _Params of one op call from its arguments by name."""
+    return _Params(*(named[name] for name in _TENSORS[3:]), named["lora_scaling"], named["transposed"],
+                   named["interleaved"], ACTIVATIONS[named["activation"]], named["alpha"], named["limit"],
+                   _compute_dtype(named["hidden"], named["autocast"]))
+
+
 @_library.custom_op("moe_experts")
 def _moe_experts_op(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -726,10 +745,8 @@ def _moe_experts_op(
     """(out [T, H] in hidden's dtype, order [T*K] int32, offsets [E+1] int32, the gate/up
     pre-activations [T*K, 2I] fp32 of the sorted rows where save_gate_up asks (the twin), else
     (0,)); autocast: the compute dtype (None: hidden's)."""
+    params = _params(locals())
     order, offsets = _route(top_k_index, gate_up.shape[0])
-    params = _Params(gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
-                     down_lora_b, lora_scaling, transposed, interleaved, ACTIVATIONS[activation], alpha, limit,
-                     _compute_dtype(hidden, autocast))
     if triton_path:
         out, saved = _forward(hidden, top_k_weights, order, offsets, params, _TritonOps)
     else:
@@ -738,15 +755,15 @@ def _moe_experts_op(
 
 
 @_moe_experts_op.register_fake
-def _(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a,
-      gate_up_lora_b, down_lora_a, down_lora_b, lora_scaling, transposed, interleaved, activation, alpha, limit,
-      autocast, triton_path, save_gate_up):
-    rows, width = top_k_index.numel(), 2 * (down.shape[1] if transposed else down.shape[2])
+def _(*args):
+    a = dict(zip(_FORWARD_ARGS, args))
+    hidden, index, down = a["hidden"], a["top_k_index"], a["down"]
+    rows, width = index.numel(), 2 * (down.shape[1] if a["transposed"] else down.shape[2])
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    saved = (hidden.new_empty((rows, width), dtype=acc) if save_gate_up and not triton_path
+    saved = (hidden.new_empty((rows, width), dtype=acc) if a["save_gate_up"] and not a["triton_path"]
              else _library.nothing(hidden, torch.float32))
-    return (hidden.new_empty(hidden.shape), top_k_index.new_empty((rows,), dtype=torch.int32),
-            top_k_index.new_empty((gate_up.shape[0] + 1,), dtype=torch.int32), saved)
+    return (hidden.new_empty(hidden.shape), index.new_empty((rows,), dtype=torch.int32),
+            index.new_empty((a["gate_up"].shape[0] + 1,), dtype=torch.int32), saved)
 
 
 @_library.custom_op("moe_experts_backward")
@@ -764,12 +781,9 @@ def _moe_experts_backward_op(
     """The gradients named by _GRADS, each in its input's dtype and shape where `needs` (one bool
     each, in that order) asks for it and the input exists, else (0,). saved_gate_up: what the
     forward saved ((0,): nothing, gate/up are recomputed)."""
-    params = _Params(gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
-                     down_lora_b, lora_scaling, transposed, interleaved, ACTIVATIONS[activation], alpha, limit,
-                     _compute_dtype(hidden, autocast))
-    inputs = (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b,
-              down_lora_a, down_lora_b)
-    needs = tuple(bool(n) and t is not None for n, t in zip(needs, inputs))
+    named = dict(locals())
+    params = _params(named)
+    needs = tuple(bool(n) and named[name] is not None for n, name in zip(needs, _GRADS))
     saved = saved_gate_up if saved_gate_up.numel() and not triton_path else None
     if triton_path:
         grads = _backward(grad_out, hidden, top_k_weights, order, offsets, params, needs, _TritonOps)
@@ -779,31 +793,25 @@ def _moe_experts_backward_op(
 
 
 @_moe_experts_backward_op.register_fake
-def _(grad_out, hidden, top_k_weights, order, offsets, saved_gate_up, gate_up, down, gate_up_bias, down_bias,
-      gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b, lora_scaling, transposed, interleaved, activation,
-      alpha, limit, autocast, needs, triton_path):
-    inputs = (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b,
-              down_lora_a, down_lora_b)
-    return tuple(t.new_empty(t.shape) if n and t is not None else _library.nothing(hidden)
-                 for n, t in zip(needs, inputs))
-
-
-#: The forward op's tensor inputs in its schema's order (those named in _GRADS have a gradient), and
-#: the options the backward op takes after its tensors; the forward op ends with triton_path, save_gate_up.
-_TENSORS = ("hidden", "top_k_index", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias",
-            "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b")
-_OPTIONS = ("lora_scaling", "transposed", "interleaved", "activation", "alpha", "limit", "autocast")
+def _(*args):
+    a = dict(zip(_BACKWARD_ARGS, args))
+    return tuple(a[name].new_empty(a[name].shape) if n and a[name] is not None else _library.nothing(a["hidden"])
+                 for n, name in zip(a["needs"], _GRADS))
 
 
 def _setup_context(ctx, inputs, output):
-    named = dict(zip(_TENSORS + _OPTIONS + ("triton_path", "save_gate_up"), inputs))
+    named = dict(zip(_FORWARD_ARGS, inputs))
     _, order, offsets, saved = output
+    named.update(order=order, offsets=offsets, saved_gate_up=saved)
     # x, the routing weights and the sort; gate/up only where the caller asked to save them (else
-    # (0,)); the weights by reference
-    ctx.save_for_backward(named["hidden"], named["top_k_weights"], order, offsets, saved,
-                          *(named[name] for name in _TENSORS[3:]))
-    ctx.options = tuple(named[name] for name in _OPTIONS) + (named["triton_path"],)
+    # (0,)); the weights by reference: the backward op's tensors after grad_out, in its order
+    ctx.save_for_backward(*(named[name] for name in _BACKWARD_SAVED))
+    ctx.options = {name: named[name] for name in _OPTIONS + ("triton_path",)}
     ctx.set_materialize_grads(False)
+
+
+#: The backward op's tensor arguments that autograd saves (all but grad_out).
+_BACKWARD_SAVED = _BACKWARD_ARGS[1:_BACKWARD_ARGS.index(_OPTIONS[0])]
 
 
 def _autograd_backward(ctx, grad_out, *_unused):
@@ -811,10 +819,8 @@ def _autograd_backward(ctx, grad_out, *_unused):
     needs = [ctx.needs_input_grad[_TENSORS.index(name)] for name in _GRADS]
     if grad_out is None or not any(needs):
         return (None,) * len(ctx.needs_input_grad)
-    hidden, top_k_weights, order, offsets, saved, *weights = ctx.saved_tensors
-    *options, triton_path = ctx.options
-    grads = torch.ops.accel_kernels.moe_experts_backward(grad_out, hidden, top_k_weights, order, offsets, saved,
-                                                         *weights, *options, needs, triton_path)
+    named = dict(zip(_BACKWARD_SAVED, ctx.saved_tensors), grad_out=grad_out, needs=needs, **ctx.options)
+    grads = torch.ops.accel_kernels.moe_experts_backward(*(named[name] for name in _BACKWARD_ARGS))
     by_name = {name: grad if need else None for name, grad, need in zip(_GRADS, grads, needs)}
     return tuple(by_name.get(name) for name in _TENSORS) + (None,) * (len(ctx.needs_input_grad) - len(_TENSORS))
 
