@@ -202,6 +202,14 @@ def train(args):
     if torch.distributed.is_initialized():  # ranks leave together: no rank tears gloo down under another
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    # Leave without freeing the Trainer: torch 2.13's ProcessGroupGloo destructor (run when the DDP
+    # reducer, its last owner, is freed) joins gloo's worker thread while holding the GIL, and that
+    # thread can still need the GIL to drop a finished collective's tensors. Seen as a rank hung
+    # after its results were written (py-spy: ~Reducer -> ~ProcessGroupGloo -> thread::join; gloo's
+    # runLoop -> ~AsyncAllgatherWork -> gil_scoped_acquire), two launches in four suite runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _second_trainer(args, rank):
