@@ -1292,8 +1292,8 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     I], B [E, H, r]) or None, "scaling": float}, any strides. autocast_dtype: the autocast dtype in
     force at the caller (None: off; read it outside, e.g. `_library.autocast_dtype(device_type)`).
     save_gate_up: keep the gate/up pre-activations (fp32, [T*K, 2I]) for backward instead of
-    recomputing them there (one grouped GEMM less; what pays inside a checkpointed layer, whose
-    forward already runs twice): the plain-torch twin only; the Triton path always recomputes.
+    recomputing them there (one grouped GEMM less, for those bytes held until the backward): the
+    plain-torch twin only; the Triton path always recomputes.
     The module docstring says which casts happen and what is saved for backward.
 
     Differentiable in hidden, top_k_weights, gate_up, down, the biases and the LoRA tensors (each
