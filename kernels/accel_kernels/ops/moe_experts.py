@@ -759,7 +759,7 @@ def _(*args):
     a = dict(zip(_FORWARD_ARGS, args))
     hidden, index, down = a["hidden"], a["top_k_index"], a["down"]
     rows, width = index.numel(), 2 * (down.shape[1] if a["transposed"] else down.shape[2])
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = _accumulation(hidden.dtype)
     saved = (hidden.new_empty((rows, width), dtype=acc) if a["save_gate_up"] and not a["triton_path"]
              else _library.nothing(hidden, torch.float32))
     return (hidden.new_empty(hidden.shape), index.new_empty((rows,), dtype=torch.int32),
@@ -873,6 +873,11 @@ class _Params:
 #: The per-expert tensors of a call (expert dim first), which a window slices.
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_bias", "down_bias", "gate_up_lora_a", "gate_up_lora_b",
                    "down_lora_a", "down_lora_b")
+
+
+def _accumulation(ct: torch.dtype) -> torch.dtype:
+    """The twin's accumulation dtype for compute dtype ct: float64 stays, everything else fp32."""
+    return torch.float64 if ct == torch.float64 else torch.float32
 
 
 def _compute_dtype(hidden: torch.Tensor, autocast: Optional[torch.dtype]) -> torch.dtype:
@@ -1000,7 +1005,7 @@ class _TorchOps:
     def __init__(self, order, offsets, top_k_weights, p, into=None):
         T, K = top_k_weights.shape
         self.p, self.slots_total, self.into = p, T * K, into
-        self.acc = torch.float64 if p.ct == torch.float64 else torch.float32
+        self.acc = _accumulation(p.ct)
         self.rows = int(offsets[-1])
         self.slots = order[:self.rows].long()
         self.row_tokens = self.slots // K
@@ -1095,6 +1100,8 @@ class _TorchOps:
     def expert_sums(self, rows):
         out = torch.zeros((self.p.num_experts, rows.shape[1]), dtype=self.acc, device=rows.device)
         return out.index_add_(0, self.row_experts, rows.to(self.acc))
+
+
 #: The twin runs a call in windows of whole experts, each holding sorted rows of at most this many
 #: bytes per [rows, max(H, 2I)] product in the accumulation dtype (one expert at least): the
 #: forward's and the backward's temporaries are a window's, not the call's. On the CPU a grouped
@@ -1109,7 +1116,7 @@ TWIN_WINDOW_BYTES = 8 << 20
 def _windows(offsets: torch.Tensor, p: _Params, hidden: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """(first expert, end expert, first row, end row) of each window, in expert order."""
     ends = offsets.tolist()
-    element = 8 if p.ct == torch.float64 else 4
+    element = _accumulation(p.ct).itemsize
     most = max(1, TWIN_WINDOW_BYTES // (max(hidden.shape[1], 2 * p.intermediate) * element))
     windows, first = [], 0
     for e in range(1, p.num_experts):
@@ -1130,7 +1137,7 @@ def _twin_forward(hidden, top_k_weights, order, offsets, p, save: bool):
     """_forward on the twin, window by window: (out, gate/up [T*K, 2I] fp32 where `save`, the
     rows of "no expert" slots zeros, as the op's schema says, else None)."""
     T, K = top_k_weights.shape
-    acc = torch.float64 if p.ct == torch.float64 else torch.float32
+    acc = _accumulation(p.ct)
     out = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device)
     saved = hidden.new_zeros((T * K, 2 * p.intermediate), dtype=acc) if save else None
     for window in _windows(offsets, p, hidden):
@@ -1146,8 +1153,8 @@ def _twin_backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, sa
     """_backward on the twin, window by window: dx summed into one buffer, the routing weights'
     gradient from each window's slots, the per-expert gradients written at each window's experts."""
     T = hidden.shape[0]
-    acc = torch.float64 if p.ct == torch.float64 else torch.float32
-    dx = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device) if needs[0] else None
+    acc = _accumulation(p.ct)
+    dx = torch.zeros((T, hidden.shape[1]), dtype=acc, device=hidden.device) if _Needs(*needs).hidden else None
     grads = dict.fromkeys(_GRADS)
     for window in _windows(offsets, p, hidden):
         first, end, row, row_end = window
