@@ -85,13 +85,13 @@ def experts_eager(hidden, index, weights, gate_up, down, gate_up_bias=None, down
 
 def make(T=13, H=32, I=16, E=4, K=2, *, dtype=torch.float32, transposed=False, bias=False, device="cpu",
          routing="random", scale=1.0):
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device="cpu").manual_seed(1)  # one seeded stream: every device gets the same inputs
 
     def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g) * s).to(device=device, dtype=dtype)
+        return (torch.randn(*shape, generator=g, device="cpu") * s).to(device=device, dtype=dtype)  # g's stream
 
     hidden = rnd(T, H)
-    logits = torch.randn(T, E, generator=g)
+    logits = torch.randn(T, E, generator=g, device="cpu")  # g's stream; the routing is moved to `device` below
     if routing == "one":  # every token to expert 1 (and K - 1 others)
         logits[:, 1] += 100.0
     if routing == "empty":  # expert 0 and the last never chosen
@@ -112,14 +112,14 @@ def make(T=13, H=32, I=16, E=4, K=2, *, dtype=torch.float32, transposed=False, b
 def peft_lora(E, H, I, r=4, *, dtype=torch.float32, device="cpu", scaling=2.0, which=("gate_up", "down")):
     """A and B as PEFT's ParamWrapper holds them (lora_A.weight [r*E, in], lora_B.weight [out, r*E]),
     viewed as the op takes them: A [E, r, in] contiguous, B [E, out, r] a permuted, strided view."""
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator(device="cpu").manual_seed(2)  # one seeded stream: the same LoRA on every device
     leaves, lora = [], {"scaling": scaling}
     for name, fan_in, fan_out in (("gate_up", H, 2 * I), ("down", I, H)):
         if name not in which:
             lora[name] = None
             continue
-        a_w = (torch.randn(r * E, fan_in, generator=g) / fan_in ** 0.5).to(device=device, dtype=dtype)
-        b_w = (torch.randn(fan_out, r * E, generator=g) * 0.3).to(device=device, dtype=dtype)
+        a_w = (torch.randn(r * E, fan_in, generator=g, device="cpu") / fan_in ** 0.5).to(device=device, dtype=dtype)  # g's stream
+        b_w = (torch.randn(fan_out, r * E, generator=g, device="cpu") * 0.3).to(device=device, dtype=dtype)  # g's stream
         leaves += [a_w, b_w]
         lora[name] = (a_w, b_w)
     return leaves, lora
@@ -495,8 +495,8 @@ def test_bad_inputs_name_the_argument(device):
     with pytest.raises(ValueError, match="down has dtype torch.float16"):
         moe_experts(hidden, index, weights, gate_up, down.half())
     with pytest.raises(ValueError, match=r"lora\['down'\] B has shape"):
-        a = torch.randn(4, 2, 16)
-        moe_experts(hidden, index, weights, gate_up, down, lora={"gate_up": None, "down": (a, torch.randn(4, 2, 32)),
+        a = torch.randn(4, 2, 16, device=device)
+        moe_experts(hidden, index, weights, gate_up, down, lora={"gate_up": None, "down": (a, torch.randn(4, 2, 32, device=device)),
                                                                "scaling": 1.0})
     with pytest.raises(ValueError, match="lora must be None or a dict"):
         moe_experts(hidden, index, weights, gate_up, down, lora={"scaling": 1.0, "up": None})

@@ -247,7 +247,7 @@ def test_matches_transformers_modules(device, dtype):
                        (GemmaRMSNorm(160, eps=1e-6), dict(eps=1e-6, offset=1.0, casting="gemma"))]:
         module = module.to(device=device, dtype=dtype)
         with torch.no_grad():
-            module.weight.copy_(torch.randn(160) * 0.3 + (1.0 if kw["casting"] == "llama" else 0.0))
+            module.weight.copy_(torch.randn(160, device=device) * 0.3 + (1.0 if kw["casting"] == "llama" else 0.0))
         xs = x.detach().requires_grad_(True)
         y_module = module(xs)
         y_module.backward(dy)
@@ -394,11 +394,12 @@ def test_bad_form_arguments_name_the_argument(device):
     x = torch.randn(2, 8, device=device)
     with pytest.raises(ValueError, match="with weight=None it must be 0.0, got 1.0"):
         rms_norm(x, None, offset=1.0, casting="gemma")
+    w = torch.ones(8, device=device)
     with pytest.raises(ValueError, match=r"gate must have x's shape \(2, 8\), got \(2, 4\)"):
-        rms_norm(x, torch.ones(8), gate=torch.ones(2, 4), activation="silu")
+        rms_norm(x, w, gate=torch.ones(2, 4, device=device), activation="silu")
     with pytest.raises(ValueError, match="activation must be one of .*'silu'.*got 'gelu'"):
-        rms_norm(x, torch.ones(8), gate=torch.ones(2, 8), activation="gelu")
-    assert torch.equal(rms_norm(x, torch.ones(8), activation="sigmoid"), rms_norm(x, torch.ones(8)))  # no gate: unused
+        rms_norm(x, w, gate=torch.ones(2, 8, device=device), activation="gelu")
+    assert torch.equal(rms_norm(x, w, activation="sigmoid"), rms_norm(x, w))  # no gate: unused
 
 
 def test_gated_backward_rows_of_8192_take_the_dot_pass(device, monkeypatch):
