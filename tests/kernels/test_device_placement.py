@@ -52,7 +52,7 @@ def _commented_lines(source: str) -> set[int]:
     return {tok.start[0] for tok in tokens if tok.type == tokenize.COMMENT}
 
 
-def _takes_device(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> bool:
+def _takes_device(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     args = fn.args
     return any(a.arg == "device" for a in args.posonlyargs + args.args + args.kwonlyargs)
 
@@ -68,7 +68,12 @@ def off_device_constructors(source: str, filename: str = "<test>") -> list[str]:
     def visit(node: ast.AST, owner: str | None) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and owner is None and _takes_device(node):
             owner = node.name
-        if isinstance(node, ast.With) and any(_is_device_call(item.context_expr) for item in node.items):
+        placing = [item.context_expr for item in node.items if _is_device_call(item.context_expr)] \
+            if isinstance(node, ast.With) else []
+        if owner is not None and placing:
+            if any(_is_cpu(p) for p in placing) and node.lineno not in commented:
+                found.append(f"{filename}:{node.lineno}: with torch.device('cpu') in {owner} "
+                             f"without a comment saying why the CPU")
             owner = None  # `with torch.device(...):` names the device of everything built inside
         if owner is not None and isinstance(node, ast.Call):
             func = node.func
@@ -109,6 +114,8 @@ def test_a(device):
         torch.Generator()
     with torch.device(device):
         torch.randn(2)
+    with torch.device("cpu"):
+        torch.randn(2)
 
 def make(n, device="cpu"):
     return torch.arange(n).to(device)
@@ -121,5 +128,6 @@ def test_cpu_only():
         "torch.zeros(...) without device= in test_a",
         "torch.full(..., device='cpu') in test_a without a comment saying why the CPU",
         "torch.Generator(...) without device= in test_a",
+        "with torch.device('cpu') in test_a without a comment saying why the CPU",
         "torch.arange(...) without device= in make",
     ]
