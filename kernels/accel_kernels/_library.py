@@ -65,15 +65,18 @@ def autocast_state(device_type: str, dtype: torch.dtype | None):
 
 
 _KEYS = torch._C.DispatchKey
-# What a custom op's kernel runs without (torch excludes them below its autograd kernel): autograd,
-# and autocast for every device type.
-_BELOW_OP_EXCLUDED = [_KEYS.AutogradFunctionality, _KEYS.AutogradOther, _KEYS.AutogradNestedTensor,
-                      *(getattr(_KEYS, f"Autocast{kind}") for kind in ("CPU", "CUDA", "XPU") if hasattr(_KEYS, f"Autocast{kind}"))]
+# What a custom op's kernel runs without (torch excludes them below its autograd kernel) and
+# autograd_inside switches back on: autograd. Autocast is excluded there too and stays so: an
+# excluded autocast key is how torch spells autocast off, so switching it back on would turn
+# autocast on whatever the caller had (on CUDA, float32 from float16 pow and rsqrt); a twin replays
+# the caller's autocast from the dtype its op was given (`autocast_state`, `_dispatch.autocast_as`).
+_BELOW_OP_EXCLUDED = [_KEYS.AutogradFunctionality, _KEYS.AutogradOther, _KEYS.AutogradNestedTensor]
 
 
 @contextlib.contextmanager
 def autograd_inside():
-    """Inside an op's implementation: autograd (and autocast) work as outside it, for the block.
+    """Inside an op's implementation: autograd works as outside it, for the block; autocast stays
+    off unless the twin replays the caller's (`_dispatch.autocast_as`).
 
     A twin that gets eager's gradients bit for bit by differentiating the module's formula with
     torch.autograd.grad needs them; torch.func.vjp would bring its own, but its wrapper tensors

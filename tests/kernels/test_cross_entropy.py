@@ -77,7 +77,7 @@ def _check(logits, labels, dtype, what="", **kw):
 def test_matches_float64_over_several_blocks(device, dtype, reduction, monkeypatch):
     # vocab 1000 in blocks of 256: four blocks, the last one ragged; leading dims (B, S); some ignored
     monkeypatch.setattr(ce_module, "MAX_BLOCK", 256)
-    logits = (torch.randn(2, 5, 1000) * 3).to(dtype).to(device)
+    logits = (torch.randn(2, 5, 1000, device=device) * 3).to(dtype)
     labels = torch.randint(0, 1000, (2, 5), device=device)
     labels[0, 1] = labels[1, 3] = -100
     _check(logits, labels, dtype, reduction=reduction)
@@ -86,7 +86,7 @@ def test_matches_float64_over_several_blocks(device, dtype, reduction, monkeypat
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softcap(device, dtype, reduction):
-    logits = (torch.randn(7, 333) * 20).to(dtype).to(device)  # large enough for the cap to bend them
+    logits = (torch.randn(7, 333, device=device) * 20).to(dtype)  # large enough for the cap to bend them
     labels = torch.randint(0, 333, (7,), device=device)
     labels[2] = -100
     _check(logits, labels, dtype, softcap=5.0, reduction=reduction)
@@ -95,7 +95,7 @@ def test_softcap(device, dtype, reduction):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vocab_above_64k(device, dtype):
     vocab = 70001  # several blocks of the default size; not a power of two
-    logits = (torch.randn(3, vocab) * 4).to(dtype).to(device)
+    logits = (torch.randn(3, vocab, device=device) * 4).to(dtype)
     labels = torch.tensor([0, vocab - 1, 12345], device=device)
     _check(logits, labels, dtype)
     _check(logits, labels, dtype, softcap=30.0, reduction="none")
@@ -152,7 +152,7 @@ def test_callers_logits_not_modified(device):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_plain_torch_path_agrees_with_triton(device, reduction, monkeypatch):
-    logits = (torch.randn(2, 4, 500) * 8).to(device)
+    logits = torch.randn(2, 4, 500, device=device) * 8
     labels = torch.randint(0, 500, (2, 4), device=device)
     labels[1, 0] = -100
     go = _grad_output(labels, reduction, device)

@@ -23,9 +23,9 @@ REDUCTIONS = ["mean", "sum", "none"]
 
 
 def _inputs(shape, hidden_size, vocab, dtype, device, bias=True, ignored=(), scale=0.5):
-    hidden = torch.randn(*shape, hidden_size).to(dtype).to(device)
-    weight = (torch.randn(vocab, hidden_size) * scale).to(dtype).to(device)
-    b = (torch.randn(vocab) * scale).to(dtype).to(device) if bias else None
+    hidden = torch.randn(*shape, hidden_size, device=device).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, device=device) * scale).to(dtype)
+    b = (torch.randn(vocab, device=device) * scale).to(dtype) if bias else None
     labels = torch.randint(0, vocab, shape, device=device)
     labels.view(-1)[list(ignored)] = -100
     return hidden, weight, b, labels
@@ -129,7 +129,7 @@ def test_gradients_only_for_inputs_that_require_them(device):
     for reduction in REDUCTIONS:
         h = hidden.clone().requires_grad_()  # weight and bias frozen, as under LoRA
         fused_linear_cross_entropy(h, weight, labels, bias=bias, reduction=reduction, chunk_size=4).sum().backward()
-        go = torch.ones(6) if reduction == "none" else torch.tensor(1.0)
+        go = torch.ones(6, device=device) if reduction == "none" else torch.tensor(1.0, device=device)
         ref = _reference(hidden, weight, bias, labels, go, reduction=reduction)
         assert_close(h.grad, ref[1], torch.float32, what=f"grad hidden ({reduction}, frozen weight)")
     assert not fused_linear_cross_entropy(hidden, weight, labels, bias=bias).requires_grad
@@ -204,7 +204,7 @@ def test_never_materialises_full_logits(device, path, reduction, monkeypatch):
         loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], reduction=reduction)
         loss.sum().backward()
     assert spy.largest <= 16 * vocab * 4, f"a tensor of {spy.largest} bytes; full logits have {n * vocab * 4}"
-    ref = _reference(hidden, weight, bias, labels, torch.ones(n) if reduction == "none" else torch.tensor(1.0),
+    ref = _reference(hidden, weight, bias, labels, torch.ones(n, device=device) if reduction == "none" else torch.tensor(1.0, device=device),
                      reduction=reduction)
     assert_close(leaves[1].grad, ref[2], torch.float32, what="grad weight")
 

@@ -167,25 +167,26 @@ def test_a_dotted_path_means_one_thing():
 
 def _valid_arguments(device="cpu") -> dict:
     """op -> (function, keyword arguments that it accepts), tensors on `device`."""
-    labels = torch.tensor([1, 0, 2])
-    cases = {
-        "rms_norm": (accel_kernels.rms_norm, dict(x=torch.randn(3, 8), weight=torch.rand(8) + 0.5,
-                                                  gate=torch.randn(3, 8))),
-        "rope": (accel_kernels.rope, dict(q=torch.randn(1, 2, 3, 4), k=torch.randn(1, 1, 3, 4),
-                                          cos=torch.randn(1, 3, 4), sin=torch.randn(1, 3, 4))),
-        "swiglu": (accel_kernels.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),
-        "geglu": (accel_kernels.geglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),
-        "relu_squared": (accel_kernels.relu_squared, dict(x=torch.randn(3, 8))),
-        "cross_entropy": (accel_kernels.cross_entropy, dict(logits=torch.randn(3, 5), labels=labels)),
-        "fused_linear_cross_entropy": (accel_kernels.fused_linear_cross_entropy,
-                                       dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), labels=labels,
-                                            bias=torch.zeros(5))),
-        "moe_experts": (accel_kernels.moe_experts,
-                        dict(hidden=torch.randn(3, 4), top_k_index=torch.tensor([[0], [1], [0]]),
-                             top_k_weights=torch.rand(3, 1), gate_up=torch.randn(2, 6, 4), down=torch.randn(2, 4, 3),
-                             gate_up_bias=torch.zeros(2, 6), down_bias=torch.zeros(2, 4))),
-    }
-    return {op: (fn, {n: t.to(device) for n, t in kwargs.items()}) for op, (fn, kwargs) in cases.items()}
+    with torch.device(device):
+        labels = torch.tensor([1, 0, 2])
+        cases = {
+            "rms_norm": (accel_kernels.rms_norm, dict(x=torch.randn(3, 8), weight=torch.rand(8) + 0.5,
+                                                      gate=torch.randn(3, 8))),
+            "rope": (accel_kernels.rope, dict(q=torch.randn(1, 2, 3, 4), k=torch.randn(1, 1, 3, 4),
+                                              cos=torch.randn(1, 3, 4), sin=torch.randn(1, 3, 4))),
+            "swiglu": (accel_kernels.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),
+            "geglu": (accel_kernels.geglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),
+            "relu_squared": (accel_kernels.relu_squared, dict(x=torch.randn(3, 8))),
+            "cross_entropy": (accel_kernels.cross_entropy, dict(logits=torch.randn(3, 5), labels=labels)),
+            "fused_linear_cross_entropy": (accel_kernels.fused_linear_cross_entropy,
+                                           dict(hidden=torch.randn(3, 4), weight=torch.randn(5, 4), labels=labels,
+                                                bias=torch.zeros(5))),
+            "moe_experts": (accel_kernels.moe_experts,
+                            dict(hidden=torch.randn(3, 4), top_k_index=torch.tensor([[0], [1], [0]]),
+                                 top_k_weights=torch.rand(3, 1), gate_up=torch.randn(2, 6, 4), down=torch.randn(2, 4, 3),
+                                 gate_up_bias=torch.zeros(2, 6), down_bias=torch.zeros(2, 4))),
+        }
+    return cases
 
 
 TENSOR_ARGUMENTS = [(op, arg) for op, (_, kwargs) in _valid_arguments().items() for arg in kwargs]

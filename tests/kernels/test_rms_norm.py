@@ -223,6 +223,35 @@ def test_twin_gradients_under_autocast_are_eager_ones(device, monkeypatch):
         assert ours.dtype == stock.dtype and torch.equal(ours, stock), what
 
 
+def test_the_twin_runs_under_the_callers_autocast_and_no_other(device, monkeypatch):
+    # an op's implementation runs with autocast off; the twin replays the caller's. One that ran
+    # under autocast the caller had not asked for gave float32 on CUDA for float16 x with
+    # casting="none" (CUDA autocast runs pow and rsqrt in float32) where the module, all in x's
+    # dtype, and the kernels give float16. On CPU no op of the formula changes: the state is read.
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    seen, reference = [], rms_norm_module._reference
+
+    def spy(x, *args, **kwargs):
+        enabled = torch.is_autocast_enabled(x.device.type)
+        seen.append(torch.get_autocast_dtype(x.device.type) if enabled else None)
+        return reference(x, *args, **kwargs)
+
+    monkeypatch.setattr(rms_norm_module, "_reference", spy)
+    x = torch.randn(3, 16, device=device, dtype=torch.float16)
+    weight = weight_for(16, device, torch.float16, 0.5)
+    dy = torch.randn(3, 16, device=device, dtype=torch.float16)
+    y, dx, dw = forward_backward(rms_norm, x, weight, dy, offset=0.5, casting="none")
+    assert seen == [None, None], "forward, and its recomputation in backward, without autocast"
+    assert (y.dtype, dx.dtype, dw.dtype) == (torch.float16,) * 3
+    assert y.dtype == eager(x, weight, offset=0.5, casting="none").dtype
+    seen.clear()
+    xl, wl = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = rms_norm(xl, wl, offset=0.5, casting="none")
+    y.backward(dy.to(y.dtype))
+    assert seen == [torch.bfloat16, torch.bfloat16], "forward and its recomputation under the caller's autocast"
+
+
 def test_float64_and_empty_inputs_take_the_plain_path(device):
     x = torch.randn(3, 50, device=device, dtype=torch.float64)
     weight = torch.randn(50, device=device, dtype=torch.float64)
@@ -247,7 +276,7 @@ def test_matches_transformers_modules(device, dtype):
                        (GemmaRMSNorm(160, eps=1e-6), dict(eps=1e-6, offset=1.0, casting="gemma"))]:
         module = module.to(device=device, dtype=dtype)
         with torch.no_grad():
-            module.weight.copy_(torch.randn(160) * 0.3 + (1.0 if kw["casting"] == "llama" else 0.0))
+            module.weight.copy_(torch.randn(160, device=device) * 0.3 + (1.0 if kw["casting"] == "llama" else 0.0))
         xs = x.detach().requires_grad_(True)
         y_module = module(xs)
         y_module.backward(dy)
@@ -394,11 +423,12 @@ def test_bad_form_arguments_name_the_argument(device):
     x = torch.randn(2, 8, device=device)
     with pytest.raises(ValueError, match="with weight=None it must be 0.0, got 1.0"):
         rms_norm(x, None, offset=1.0, casting="gemma")
+    w = torch.ones(8, device=device)
     with pytest.raises(ValueError, match=r"gate must have x's shape \(2, 8\), got \(2, 4\)"):
-        rms_norm(x, torch.ones(8), gate=torch.ones(2, 4), activation="silu")
+        rms_norm(x, w, gate=torch.ones(2, 4, device=device), activation="silu")
     with pytest.raises(ValueError, match="activation must be one of .*'silu'.*got 'gelu'"):
-        rms_norm(x, torch.ones(8), gate=torch.ones(2, 8), activation="gelu")
-    assert torch.equal(rms_norm(x, torch.ones(8), activation="sigmoid"), rms_norm(x, torch.ones(8)))  # no gate: unused
+        rms_norm(x, w, gate=torch.ones(2, 8, device=device), activation="gelu")
+    assert torch.equal(rms_norm(x, w, activation="sigmoid"), rms_norm(x, w))  # no gate: unused
 
 
 def test_gated_backward_rows_of_8192_take_the_dot_pass(device, monkeypatch):

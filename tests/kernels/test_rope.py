@@ -369,7 +369,8 @@ def test_interleaved_forms_match_float64(device, form, dtypes, unsqueeze_dim):
     q, k, cos, sin = make_inputs(device, dtype, n_q=3, n_k=1, head_dim=12, unsqueeze_dim=unsqueeze_dim,
                                  cos_dtype=cos_dtype)
     stock_q, stock_k = reference(q, k, cos, sin, unsqueeze_dim)
-    dq_out, dk_out = torch.randn(q.shape).to(stock_q.dtype), torch.randn(k.shape).to(stock_k.dtype)
+    dq_out = torch.randn(q.shape, device=device).to(stock_q.dtype)
+    dk_out = torch.randn(k.shape, device=device).to(stock_k.dtype)
     got = forward_backward(lambda *a: rope(*a, form=form), q, k, cos, sin, dq_out, dk_out, unsqueeze_dim)
     ref = forward_backward(reference, q.double(), k.double(), cos.double(), sin.double(), dq_out.double(),
                            dk_out.double(), unsqueeze_dim)
@@ -383,7 +384,7 @@ def test_interleaved_forms_match_float64(device, form, dtypes, unsqueeze_dim):
 def test_interleaved_forms_twin_and_partial_rotary(device, monkeypatch, form):
     # the plain-torch twin (no Triton) equals the kernel; dims past the table's width pass through
     q, k, cos, sin = make_inputs(device, torch.float32, n_q=2, n_k=2, head_dim=10, rot_dim=6)
-    dq_out, dk_out = torch.randn(q.shape), torch.randn(k.shape)
+    dq_out, dk_out = torch.randn(q.shape, device=device), torch.randn(k.shape, device=device)
     fn = lambda *a: rope(*a, form=form)  # noqa: E731
     kernel = forward_backward(fn, q, k, cos, sin, dq_out, dk_out)
     monkeypatch.setattr(dispatch, "use_triton", lambda *a: False)

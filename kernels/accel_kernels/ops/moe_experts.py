@@ -86,8 +86,11 @@ valid rows, their count read on the host). The backward holds at once h [rows, I
 where a product reads them (inside the kernels, or as a temporary on the twin), never kept. The
 twin runs the plan in windows of whole experts (`_twin_forward`, `_twin_backward`,
 `TWIN_WINDOW_BYTES`), so "rows" there are one window's: the CPU's grouped GEMM is a loop over the
-experts, so a window changes no product, and the per-token sums accumulate into one buffer in
-the same order (bit-identical to one window).
+experts, so a window changes no product's size, and the per-token sums accumulate into one buffer
+in the same order. Within float32's bound of the float64 result, as one window is; not bit for
+bit on every host, since torch's CPU kernels round some elements by their place in a tensor (an
+elementwise op's vectorized body against its scalar tail; a GEMM by its operands' addresses) and a
+window changes the tensors' lengths (docs/moe.md).
 """
 from __future__ import annotations
 
@@ -1106,7 +1109,8 @@ class _TorchOps:
 #: bytes per [rows, max(H, 2I)] product in the accumulation dtype (one expert at least): the
 #: forward's and the backward's temporaries are a window's, not the call's. On the CPU a grouped
 #: GEMM is a loop over the experts, so a window changes no product's size, and every per-token sum
-#: accumulates into one buffer in the same order: the results are the unwindowed ones, bit for bit.
+#: accumulates into one buffer in the same order: the results are the unwindowed ones up to the
+#: rounding torch's CPU kernels tie to a tensor's length and addresses (within float32's bound).
 #: 8 MiB: at the benchmark's MoE shape (4096 tokens, top-8, H 512, 32 experts) eight windows of
 #: four experts; against 16 MiB, 29 and 27 MiB less peak growth in its checkpointed LoRA and full
 #: steps, the block's time unchanged within its runs' spread (BENCHMARKS.md).
