@@ -14,6 +14,7 @@ run does.
 """
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import subprocess
@@ -72,3 +73,37 @@ def run(cmd: list[str], env: dict[str, str], dry: bool = False) -> subprocess.Co
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status), out.read(), err.read())
+
+
+def run_each(variants: list[str], command, env: dict[str, str], together: bool, dry: bool = False):
+    """Yield each variant's result (a dict with "variant") as its process reports it, one JSON line
+    per variant on stdout. `command(group)` is the command line that runs a group of variants in
+    turn; `together`: all of them in one process (a fresh one after a process that died: the
+    variant it was in gets an error with the first line of the cause, the ones after it run anew),
+    else one process each."""
+    remaining = list(variants)
+    while remaining:
+        group = remaining if together else remaining[:1]
+        proc = run(command(group), env, dry=dry)
+        done = []
+        for line in proc.stdout.splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(r, dict) and r.get("variant") in group and len(done) < len(group):
+                done.append(r)
+        yield from done
+        if len(done) < len(group):  # the process died in group[len(done)]
+            tail = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+            cause = next((line for line in reversed(tail) if "Error" in line or "error" in line), tail[-1] if tail else "")
+            yield dict(variant=group[len(done)], error=f"process exit {proc.returncode}: {cause[:300]}")
+            remaining = group[len(done) + 1:] + remaining[len(group):]
+        else:
+            remaining = remaining[len(group):]
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for a result's "error"."""
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
