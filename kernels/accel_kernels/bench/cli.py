@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -17,8 +18,10 @@ DESCRIPTION = """\
 Benchmark accel_kernels against eager torch, torch.compile and Liger Kernel.
 
 On a CUDA GPU: one table per op at llama-3-8B scale in bf16 (8192 tokens): forward, backward and
-forward+backward median times, peak memory of each step, bandwidth of memory-bound ops against a
-device-to-device copy, and time and memory ratios to eager and Liger. On CPU: the plain-torch
+forward+backward median times, host-inclusive (CUDA events around each call) and on the device
+alone (the calls' kernel durations, torch.profiler), peak memory of each step, bandwidth of
+memory-bound ops against a device-to-device copy (from either time), and time and memory ratios to
+eager and Liger. On CPU: the plain-torch
 twins at small float32 shapes, each measurement in a fresh process, then fused linear
 cross-entropy against eager in memory and time, with its targets. Every implementation is first
 checked against eager in float32; one that disagrees is marked FAILED and not timed."""
@@ -67,8 +70,9 @@ def main(argv=None) -> int:
                    triton=_triton.triton.__version__ if _triton.AVAILABLE else "not importable",
                    quick=args.quick, copy_gbs=None, rows=[])
     if device == "cuda":
-        # lets compiled graphs run backward with retain_graph (the bwd timing)
-        torch._functorch.config.donated_buffer = False
+        # compiled graphs keep their saved buffers (the peak-memory runs hold a forward's outputs);
+        # torch 2.11: torch._functorch.config is not an attribute until imported
+        importlib.import_module("torch._functorch.config").donated_buffer = False
         results["copy_gbs"] = harness.copy_bandwidth_gbs()
         impls = [i for i in harness.IMPLS if not (args.quick and i == "torch.compile")]
     else:
