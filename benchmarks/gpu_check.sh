@@ -152,12 +152,13 @@ fi
 START=$(date +%s)
 # The wheels carried in .whl/ (benchmarks/fetch_wheels.sh): --no-deps, after the image's packages on
 # PYTHONPATH, so that the image's torch, numpy and the rest stay the ones imported.
-if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
-    if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+WHEELS=${WHEELS:-.whl}  # tests/test_gpu_check.py points it elsewhere
+if [ "$DRY" = 0 ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl; then
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
-        echo "gpu_check: wheels installed from .whl/ in $(( $(date +%s) - START )) s: $(ls .whl | tr '\n' ' ')"
+        echo "gpu_check: wheels installed from $WHEELS in $(( $(date +%s) - START )) s: $(ls "$WHEELS" | tr '\n' ' ')"
     else
-        echo "gpu_check: installing .whl/ FAILED: the Liger, QLoRA and TRL rows will say what is missing"
+        echo "gpu_check: installing $WHEELS FAILED: the Liger, QLoRA and TRL rows will say what is missing"
     fi
 fi
 LOG="$OUT/gpu_check.log"
