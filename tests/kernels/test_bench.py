@@ -102,3 +102,13 @@ def test_help_states_the_quick_duration(capsys):
     out = capsys.readouterr().out
     duration = out[out.index("expected duration of --quick"):]
     assert "on one H200: " in duration and "on CPU: " in duration
+
+
+def test_the_guard_hands_inputs_over_as_a_model_does_so_in_place_writers_are_checked():
+    """An implementation that writes into a view of its input (Liger's RoPE) raises on a leaf that
+    requires grad; the guard hands it non-leaf tensors, as a model's projection does."""
+    def writes_into_its_input(x):
+        x.view_as(x).mul_(1.0)
+        return x.sin()
+
+    assert harness.check(_op(writes_into_its_input), writes_into_its_input, "cpu") <= harness.CHECK_TOL

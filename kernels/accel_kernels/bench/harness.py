@@ -65,12 +65,13 @@ def check(op: Op, fn, device) -> float:
     inputs = op.make(device, torch.float32, **op.shapes["check"])
     results = []
     for f in (fn, op.eager):  # fresh copies: some implementations write into their inputs
-        fresh = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-        outs = _outputs(f(*fresh))
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        # handed over as non-leaf tensors, as in a model (an in-place write into a leaf's view raises)
+        outs = _outputs(f(*[t.clone() if t.requires_grad else t for t in leaves]))
         kept = [o.detach().clone() for o in outs]  # some backwards write into outputs or upstream grads
         gen = torch.Generator().manual_seed(1)
         torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o) for o in outs])
-        results.append(kept + [t.grad for t in fresh if t.requires_grad])
+        results.append(kept + [t.grad for t in leaves if t.requires_grad])
     return max(_rel_err(a, b) for a, b in zip(*results))
 
 
