@@ -26,6 +26,7 @@ MOE_STEP = {"full": 1.3, "lora": 1.5}  # MoE model step tokens/s over grouped_mm
 MOE_CHECKPOINTED = 1.1
 
 ROWS: list[tuple] = []
+EAGER_STOCK: dict = {}  # e2e's eager stock variant, for e2e-compile's compiled stock
 
 
 def add(step, variant, figure="", against="", ratio="", peak="", verdict=""):
@@ -84,6 +85,8 @@ def e2e(out, name):
         for k, v in row.items():
             if isinstance(v, dict) and "variant" in v:
                 variants[k] = v
+    if name == "e2e":
+        EAGER_STOCK.update({k: r for k, r in variants.items() if k == "stock" and not failed(r)})
     for v, r in variants.items():
         step = f"{name} {'LoRA' if '+lora' in v else 'full'}" if name == "e2e" else name
         bad = failed(r)
@@ -96,7 +99,14 @@ def e2e(out, name):
         fig = f"{r['tokens_per_s']:.0f} tok/s"
         peak = f"{r['peak_growth_mib']:.0f}"
         if v == base:
-            add(step, shown(v), fig, "", "", peak, "baseline")
+            eager = EAGER_STOCK.get("stock") if v == "stock+compile" else None
+            note = "baseline"
+            if eager:  # compiled stock against eager stock (e2e's): the same weights and tokens
+                ld = abs(r["loss"] - eager["loss"]) / max(abs(eager["loss"]), 1e-30)
+                gd = abs(r["grad_norm"] - eager["grad_norm"]) / max(abs(eager["grad_norm"]), 1e-30)
+                ok = ld <= d.get("loss_bound", 2e-2) and gd <= d.get("grad_bound", 5e-2)
+                note += f"; vs eager stock: loss {'OK' if ok else 'WRONG'}, tokens/s {x(r['tokens_per_s'] / eager['tokens_per_s'])}"
+            add(step, shown(v), fig, "", "", peak, note)
             continue
         usable = (lambda o: o is not None and not failed(o))
         speed = r["tokens_per_s"] / b["tokens_per_s"] if usable(b) else None

@@ -30,8 +30,8 @@ EPILOG = """\
 ratios: this row / eager (or / Liger), forward+backward; below 1.00x is better.
 
 expected duration of --quick:
-  on one H200: 2 to 3 minutes, an estimate (not yet measured on a GPU); sized to fit a 5-minute
-      GPU lease: benchmarks/gpu_check.sh stops it at 240 s, and --json keeps the ops done by then
+  on one H200: about 70 s, an estimate (not yet measured on a GPU: 10 host-timed and 3 profiled
+      calls per figure); benchmarks/gpu_check.sh stops it at 120 s, and --json keeps the ops done by then
   on CPU: 1 min 50 s, measured 2026-11-30 on this project's 2-core machine under load 2-4
 without --quick: torch.compile rows on a GPU (minutes of compiling) and 6x the reps; three
 timed runs instead of one on CPU (see BENCHMARKS.md)"""
@@ -41,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m accel_kernels.bench", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="fewer reps, no torch.compile: 2-3 minutes on one H200 (estimate), 2 on the "
-                             "2-core CPU machine")
+                        help="fewer reps, no torch.compile: about 70 s on one H200 (estimate), 2 minutes on "
+                             "the 2-core CPU machine")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from: {','.join(OPS)}")
     parser.add_argument("--json", metavar="PATH",
                         help="also write every record and figure as JSON (rewritten after each op)")
