@@ -244,3 +244,29 @@ def test_the_summary_judges_each_variant_against_the_user_s_alternative(tmp_path
     assert "not started" in rows[("moe", "")][6]
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("moe") and "===== SUMMARY" in out
+
+
+GROUP_CHILD = """import json, os, sys
+for v in sys.argv[1].split(","):
+    if v == "dies":
+        sys.stderr.write("RuntimeError: CUDA error: an illegal memory access was encountered\\n")
+        sys.stderr.flush()
+        os._exit(7)
+    print(json.dumps({"variant": v, "pid": os.getpid()}), flush=True)
+"""
+
+
+def test_variants_run_together_and_a_process_that_dies_loses_only_its_variant(tmp_path):
+    """benchmarks/_children.py run_each: one process for the group; the variant a process died in
+    is an error row with the cause's line, the ones after it run in a fresh process."""
+    _children = children()
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_CHILD)
+    results = list(_children.run_each(["a", "b", "dies", "c"], lambda group: [sys.executable, str(script), ",".join(group)],
+                                      {"PATH": os.environ["PATH"]}, together=True))
+    assert [r["variant"] for r in results] == ["a", "b", "dies", "c"]
+    assert results[0]["pid"] == results[1]["pid"] != results[3]["pid"]
+    assert results[2]["error"].startswith("process exit 7: RuntimeError: CUDA error: an illegal memory access")
+    alone = list(_children.run_each(["a", "b"], lambda group: [sys.executable, str(script), ",".join(group)],
+                                    {"PATH": os.environ["PATH"]}, together=False))
+    assert alone[0]["pid"] != alone[1]["pid"]
