@@ -9,7 +9,9 @@
 # The first call, the default plan (its command time at most BUDGET_S = 540 s, then the summary):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # The second call, if the lease has 5 minutes left:
-#   run(command='STEPS="lora-compile long" BUDGET_S=280 bash benchmarks/gpu_check.sh', carry=[".whl"], timeout_s=300)
+#   run(command='STEPS="lora-compile long" BUDGET_S=290 bash benchmarks/gpu_check.sh', carry=[".whl"], timeout_s=300)
+#   (lora-compile: stock PEFT and fused LoRA under Inductor, one process, ~150 s; long: 16k and 32k
+#   tokens with gradient checkpointing, cut to what is left, each length's figures kept as it ends)
 # Here:
 #   bash benchmarks/fetch_wheels.sh                                   # once: the wheels into .whl/
 #   bash benchmarks/gpu_check.sh --dry-run                            # every step on a CPU at tiny shapes
@@ -38,7 +40,7 @@
 # keeps what finished. With the estimates, the steps through moe-checkpointed fit (~520 s); qlora and
 # trl-post run where the earlier steps were faster than estimated.
 # Others: gpu-tests (the CUDA-only tests: LoRA dropout, the tiled MLP under offloading), long
-# (benchmarks/long_context.py --no-longest, gradient checkpointing at 8k/16k/32k), rank-sync, lora-compile
+# (benchmarks/long_context.py --no-longest, gradient checkpointing at 16k/32k), rank-sync, lora-compile
 # (stock PEFT and fused LoRA compiled, Inductor), moe-block, check (accel-patch check), unit-tests (the
 # quick loop without tests/kernels, real kernels). The longest-sequence search (long_context.py
 # --only-longest) needs a GPU's memory limit and has no dry run: run it by hand.
@@ -117,11 +119,11 @@ add qlora          150  'if $PY -c "import bitsandbytes" 2>/dev/null; then $PY b
                         'if $PY -c "import bitsandbytes" 2>/dev/null; then $PY benchmarks/lora.py --dry-run --qlora --variants "stock,fused LoRA" --json "$OUT/$STEP.json"; else echo "{\"skipped\": \"no bitsandbytes\"}" > "$OUT/$STEP.json"; fi'
 add trl-post       150  'if $PY -c "import trl" 2>/dev/null; then $PY benchmarks/trl_post.py --device cuda --trainers dpo,grpo --tunings lora --json "$OUT/$STEP.json"; else echo "skipped: trl is not installed"; echo "{\"skipped\": \"no trl\"}" > "$OUT/$STEP.json"; fi' \
                         'if $PY -c "import trl" 2>/dev/null; then $PY benchmarks/trl_post.py --dry-run --trainers dpo,grpo --tunings lora --json "$OUT/$STEP.json"; else echo "{\"skipped\": \"no trl\"}" > "$OUT/$STEP.json"; fi'
-add long           240  '$PY benchmarks/long_context.py --device cuda --no-longest --steps 3 --json "$OUT/$STEP.json"' \
+add long           150  '$PY benchmarks/long_context.py --device cuda --no-longest --seqs 16384,32768 --warmup 1 --steps 2 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/long_context.py --dry-run --json "$OUT/$STEP.json"'
 add rank-sync      120  '$PY benchmarks/rank_sync.py --device cuda --repeats 5 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/rank_sync.py --dry-run --json "$OUT/$STEP.json"'
-add lora-compile   240  '$PY benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 --compile inductor --warmup 2 --steps 3 --variants "stock,fused LoRA" --json "$OUT/$STEP.json"' \
+add lora-compile   170  '$PY benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 --compile inductor --warmup 2 --steps 3 --variants "stock,fused LoRA" --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --compile eager --variants "stock,fused LoRA" --json "$OUT/$STEP.json"'
 add check          120  '$PY -m accel_patch.cli check --json > "$OUT/$STEP.json"' \
                         '$PY -m accel_patch.cli check --json --parts launch > "$OUT/$STEP.json"'
