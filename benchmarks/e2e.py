@@ -15,7 +15,7 @@ stock+compile); swapped variants are also compared with the run's Liger variant.
 Variants run in one process per --variants list on GPU (a fresh interpreter costs ~10 s of imports
 and CUDA start; the peak is max_memory_allocated over what was allocated before the step, which
 another variant's freed memory does not touch), Liger's last (its patch replaces transformers'
-Llama classes and functions for the whole process). A variant that raises is reported with the
+Llama classes and functions for the whole process), stock's first. A variant that raises is reported with the
 first line of its error and the next runs; a process that dies (a CUDA fault) loses the variant it
 was in, and the ones after it run in a fresh process. On CPU (figures from the peak RSS) each variant
 has a process of its own (forked in a dry run: benchmarks/_children.py). Each builds the model
@@ -200,7 +200,8 @@ def run_variants(variants: list[str], device: str, warmup: int, steps: int, shap
     (a fresh one after a process that died, which loses the variant it was in), one each on CPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS")}
     env["ACCEL_PATCH_KERNELS"] = "0"  # the variant swaps (or not) by itself; CPU: the plain-torch paths
-    ordered = sorted(variants, key=lambda v: "liger" in v)  # Liger's process-wide patch: its variants last
+    # stock first (nothing of ours or Liger's yet in the process), Liger's last (its patch is process-wide)
+    ordered = sorted(variants, key=lambda v: 2 if v.startswith("liger") else 1 if v.startswith("swapped") else 0)
 
     def command(group: list[str]) -> list[str]:
         return [sys.executable, os.path.abspath(__file__), "--child", ",".join(group), "--device", device,
