@@ -188,7 +188,7 @@ def bench(out):
         if ours.get("dev_pct_copy") is not None:
             verdict = (f"dev {ours['dev_pct_copy']:.0f}% copy {pf(ours['dev_pct_copy'] >= COPY_PCT)} (>= {COPY_PCT}%), "
                        f"host-incl {ours.get('pct_copy') or 0:.0f}%; " + liger_note)
-        elif op.startswith("moe_experts"):
+        elif op == "moe_experts":  # its eager is transformers' grouped_mm path (gpt-oss's is a loop)
             eager = impls.get("eager", {})
             dev = (ours["dev_fb_ms"] / eager["dev_fb_ms"]) if ours.get("dev_fb_ms") and eager.get("dev_fb_ms") else None
             t = ours.get("time_vs_eager")
