@@ -14,6 +14,7 @@ run does.
 """
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import subprocess
@@ -72,3 +73,56 @@ def run(cmd: list[str], env: dict[str, str], dry: bool = False) -> subprocess.Co
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, os.waitstatus_to_exitcode(status), out.read(), err.read())
+
+
+def _lines(cmd: list[str], env: dict[str, str], dry: bool):
+    """Yield the command's stdout lines as they come (a measured run: a step stopped by its time
+    limit keeps the variants that finished), then (returncode, stderr) last."""
+    if forks(cmd, dry):
+        proc = run(cmd, env, dry=dry)
+        yield from proc.stdout.splitlines()
+        yield proc.returncode, proc.stderr
+        return
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        yield from proc.stdout
+        proc.wait()
+        err.seek(0)
+        yield proc.returncode, err.read()
+
+
+def run_each(variants: list[str], command, env: dict[str, str], together: bool, dry: bool = False):
+    """Yield each variant's result (a dict with "variant") as its process reports it, one JSON line
+    per variant on stdout, as soon as it is printed. `command(group)` is the command line that runs
+    a group of variants in turn; `together`: all of them in one process (a fresh one after a process
+    that died: the variant it was in gets an error with the first line of the cause, its stderr's
+    tail goes to this process's stderr, the ones after it run anew), else one process each."""
+    remaining = list(variants)
+    while remaining:
+        group = remaining if together else remaining[:1]
+        done = 0
+        for line in _lines(command(group), env, dry):
+            if isinstance(line, tuple):
+                returncode, stderr = line
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(r, dict) and done < len(group) and r.get("variant") == group[done]:
+                done += 1
+                yield r
+        if done < len(group):  # the process died in group[done]
+            tail = [line.strip() for line in stderr.splitlines() if line.strip()]
+            cause = next((line for line in reversed(tail) if "Error" in line or "error" in line), tail[-1] if tail else "")
+            sys.stderr.write("\n".join(tail[-30:]) + "\n")
+            yield dict(variant=group[done], error=f"process exit {returncode}: {cause[:300]}")
+            remaining = group[done + 1:] + remaining[len(group):]
+        else:
+            remaining = remaining[len(group):]
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for a result's "error"."""
+    text = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"

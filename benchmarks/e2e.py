@@ -5,17 +5,33 @@
     python benchmarks/e2e.py --device cuda   # GPU: Llama-3.2-1B shape, bf16, full fine-tune and LoRA r=16
     python benchmarks/e2e.py --compile       # eager and torch.compile (Inductor), stock and swapped, full fine-tune
     python benchmarks/e2e.py --dry-run       # the same code at a tiny shape on CPU, in seconds (one step each)
+    python benchmarks/e2e.py --variants stock,swapped,liger,stock+lora,swapped+lora,liger+lora --profile prof.json
 
-Each variant (stock, swapped, swapped + tiled MLP; on GPU also with LoRA) runs in a fresh process (forked from this one in a dry run: benchmarks/_children.py):
-build the model from a config (random weights, nothing downloaded) and one batch, run `--warmup`
-steps, then time `--steps` forward+backward steps (the optimizer step is the same for all and is
-left out). "swapped" is the default swap (`swap_kernels(model)`): without gradient checkpointing it
+Variants: stock, swapped, swapped+tiled, liger (Liger Kernel's `apply_liger_kernel_to_llama()`,
+applied before the model is built, as its users do), each also +lora (PEFT LoRA r=16, all-linear)
+or +compile (torch.compile, Inductor). A run's baseline is its stock variant (stock, stock+lora,
+stock+compile); swapped variants are also compared with the run's Liger variant.
+
+Variants run in one process per --variants list on GPU (a fresh interpreter costs ~10 s of imports
+and CUDA start; the peak is max_memory_allocated over what was allocated before the step, which
+another variant's freed memory does not touch), Liger's last (its patch replaces transformers'
+Llama classes and functions for the whole process), stock's first. A variant that raises is reported with the
+first line of its error and the next runs; a process that dies (a CUDA fault) loses the variant it
+was in, and the ones after it run in a fresh process. On CPU (figures from the peak RSS) each variant
+has a process of its own (forked in a dry run: benchmarks/_children.py). Each builds the model
+from a config (random weights, nothing downloaded) and one batch, runs `--warmup` steps, then times
+`--steps` forward+backward steps (the optimizer step is the same for all and is left out). "swapped" is the default swap (`swap_kernels(model)`): without gradient checkpointing it
 does not tile the MLP; "swapped+tiled" names every op (`ops=OPS`), so the tiled MLP runs too: its
 own column, never mixed into the others.
 
-- loss and gradient norm of the first step (the same weights and tokens in every variant): a
-  swapped variant whose loss or gradient norm differs from stock's by more than LOSS_BOUND /
-  GRAD_BOUND (relative) fails the run (exit 1) whatever its speed: a wrong kernel does not look fast.
+- loss and gradient norm of the first step (the same weights and tokens in every variant): every
+  variant is judged against its baseline's; a swapped variant whose loss or gradient norm differs
+  by more than LOSS_BOUND / GRAD_BOUND (relative), or that raises, fails the run (exit 1) whatever
+  its speed: a wrong kernel does not look fast. A Liger variant that is wrong or raises is a
+  figure (WRONG, or its error), not our failure; one not installed is "skipped".
+- --profile PATH: one more step of each --profile-variants variant (default swapped, liger) under
+  torch.profiler, written compactly to PATH (benchmarks/_profile.py): top kernels by device time,
+  top ops by host time, the kernel libraries' own ops; a short top-N goes to the log.
 
 - tokens/s: tokens of the batch / median step time.
 - peak memory growth of a step: on GPU, torch.cuda.max_memory_allocated() during a step minus what
@@ -65,8 +81,40 @@ LOSS_BOUND = {"bfloat16": 2e-2, "float32": 1e-4}
 GRAD_BOUND = {"bfloat16": 5e-2, "float32": 1e-3}
 
 
-def child(variant: str, device: str, warmup: int, steps: int, shape_name: str) -> dict:
-    """One variant, in this process: {"tokens_per_s", "step_s", "peak_growth_mib", "loss", ...}."""
+def child(variants: list[str], device: str, warmup: int, steps: int, shape_name: str, profile: set[str]) -> None:
+    """Each variant in turn, in this process: one JSON line on stdout per variant as it finishes
+    ({"tokens_per_s", "step_s", "peak_growth_mib", "loss", ...} or {"error"} / {"skipped"})."""
+    import gc
+
+    import torch
+
+    liger = False
+    for variant in variants:
+        if "liger" in variant and not liger:  # Liger's patch is for the whole process: its variants come last
+            try:
+                from liger_kernel.transformers import apply_liger_kernel_to_llama
+            except ImportError as e:
+                result = dict(variant=variant, skipped=f"liger-kernel is not installed ({e})")
+                print(json.dumps(result), flush=True)
+                continue
+            apply_liger_kernel_to_llama()
+            liger = True
+        elif "liger" not in variant and liger:
+            raise SystemExit(f"variant {variant!r} after a Liger variant: the Liger patch is process-wide")
+        try:
+            result = one_variant(variant, device, warmup, steps, shape_name, variant in profile)
+        except Exception as e:  # noqa: BLE001 - a variant that raises is a row, not a dead run
+            result = dict(variant=variant, error=_children.first_line(e))
+        print(json.dumps(result), flush=True)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if "compile" in variant:
+            torch._dynamo.reset()
+
+
+def one_variant(variant: str, device: str, warmup: int, steps: int, shape_name: str, profile: bool) -> dict:
+    """One variant: {"tokens_per_s", "step_s", "peak_growth_mib", "loss", "grad_norm", ...}."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -132,26 +180,50 @@ def child(variant: str, device: str, warmup: int, steps: int, shape_name: str) -
             step()
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    return dict(variant=variant, step_s=step_s, tokens_per_s=shape["batch"] * shape["seq"] / step_s,
-                peak_growth_mib=growth, steps=steps, swap=report, **first)
+    result = dict(variant=variant, step_s=step_s, tokens_per_s=shape["batch"] * shape["seq"] / step_s,
+                  peak_growth_mib=growth, steps=steps, swap=report, **first)
+    if profile:
+        import _profile
+
+        try:
+            result["profile"] = _profile.profile_step(step, device)
+        except Exception as e:  # noqa: BLE001 - a profiler that fails costs the profile, not the figures
+            result["profile"] = dict(error=_children.first_line(e))
+    del model, batch
+    return result
 
 
-def run_variant(variant: str, device: str, warmup: int, steps: int, shape_name: str) -> dict:
+
+
+def run_variants(variants: list[str], device: str, warmup: int, steps: int, shape_name: str, profile: set[str]):
+    """Yield each variant's result as its process reports it: one process for all of them on GPU
+    (a fresh one after a process that died, which loses the variant it was in), one each on CPU."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS")}
     env["ACCEL_PATCH_KERNELS"] = "0"  # the variant swaps (or not) by itself; CPU: the plain-torch paths
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--device", device,
-           "--warmup", str(warmup), "--steps", str(steps), "--shape", shape_name, "--backend", COMPILE_BACKEND]
-    proc = _children.run(cmd, env, dry=shape_name == "dry")
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return dict(variant=variant, error=f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}")
+    # stock first (nothing of ours or Liger's yet in the process), Liger's last (its patch is process-wide)
+    ordered = sorted(variants, key=lambda v: 2 if v.startswith("liger") else 1 if v.startswith("swapped") else 0)
+
+    def command(group: list[str]) -> list[str]:
+        return [sys.executable, os.path.abspath(__file__), "--child", ",".join(group), "--device", device,
+                "--warmup", str(warmup), "--steps", str(steps), "--shape", shape_name, "--backend", COMPILE_BACKEND,
+                "--profile-variants", ",".join(sorted(profile))]
+
+    return _children.run_each(ordered, command, env, together=device == "cuda", dry=shape_name == "dry")
+
+
+def run_of(variant: str) -> tuple[str, str]:
+    """(the run a variant belongs to, that run's baseline variant)."""
+    if "+compile" in variant:
+        return "compiled", "stock+compile"
+    if "+lora" in variant:
+        return "LoRA r=16", "stock+lora"
+    return "full", "stock"
 
 
 def compare(stock: dict, swapped: dict, targets: dict, dtype: str) -> dict:
     """Ratios and verdicts of a swapped variant against stock; "correct": its first-step loss and
     gradient norm agree with stock's (LOSS_BOUND, GRAD_BOUND)."""
-    if "error" in stock or "error" in swapped:
+    if any(k in r for r in (stock, swapped) for k in ("error", "skipped")):
         return {}
     memory = swapped["peak_growth_mib"] / max(stock["peak_growth_mib"], 1e-9)
     speed = swapped["tokens_per_s"] / stock["tokens_per_s"]
@@ -174,6 +246,11 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of --compile (default: inductor)")
     p.add_argument("--dry-run", action="store_true",
                    help="every variant of a GPU run (LoRA included) at a tiny shape on CPU, one step each")
+    p.add_argument("--variants", help="comma-separated variants (default: full and, on GPU, LoRA: stock, swapped, "
+                   "swapped+tiled; with --compile: stock, swapped and their +compile); any of stock, swapped, "
+                   "swapped+tiled, liger, each also +lora or +compile")
+    p.add_argument("--profile", metavar="PATH", help="profile one step of --profile-variants into PATH (JSON)")
+    p.add_argument("--profile-variants", default="swapped,liger", help="the variants --profile profiles")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -187,8 +264,9 @@ def main(argv=None) -> int:
         p.error(f"--warmup and --steps must be >= 1, got {warmup} and {steps}")
     global COMPILE_BACKEND
     COMPILE_BACKEND = args.backend
+    profile = {v for v in args.profile_variants.split(",") if v} if (args.profile or args.child) else set()
     if args.child:
-        print(json.dumps(child(args.child, device, warmup, steps, shape_name)))
+        child(args.child.split(","), device, warmup, steps, shape_name, profile)
         return 0
 
     import triton
@@ -203,12 +281,18 @@ def main(argv=None) -> int:
     c = shape["config"]
     print(f"Llama: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, vocab {c['vocab_size']}, "
           f"{shape['batch']} x {shape['seq']} tokens, {shape['dtype']}, sdpa; {warmup} warm-up, median of {steps} steps")
-    if args.compile:
-        runs = [("eager", ("stock", "swapped")), ("compiled", ("stock+compile", "swapped+compile"))]
+    if args.variants:
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    elif args.compile:
+        variants = ["stock", "swapped", "stock+compile", "swapped+compile"]
     else:
-        runs = [("full", ("stock", "swapped", "swapped+tiled"))]
+        variants = ["stock", "swapped", "swapped+tiled"]
         if device == "cuda" or args.dry_run:
-            runs.append(("LoRA r=16", ("stock+lora", "swapped+lora", "swapped+tiled+lora")))
+            variants += ["stock+lora", "swapped+lora", "swapped+tiled+lora"]
+    bad = [v for v in variants if v.split("+")[0] not in ("stock", "swapped", "liger")
+           or not set(v.split("+")[1:]) <= {"tiled", "lora", "compile"}]
+    if bad:
+        p.error(f"unknown variant(s) {bad}: stock, swapped, swapped+tiled or liger, each also +lora or +compile")
     targets = TARGETS[shape_name]
     results = dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, device=device,
                    dry_run=args.dry_run, shape=shape, torch=torch.__version__, triton=triton.__version__,
@@ -223,39 +307,65 @@ def main(argv=None) -> int:
     save()
     print(f"\n{'run':<11}{'variant':<20}{'tokens/s':>11}{'step s':>9}{'peak growth MiB':>17}{'loss':>10}{'grad norm':>11}")
     ok = True
-    for label, variants in runs:
-        row = dict(run=label)
-        results["rows"].append(row)
-        for v in variants:
-            r = run_variant(v, device, warmup, steps, shape_name)
-            row[v] = r
-            if "error" in r:
-                ok = False
-                print(f"{label:<11}{v:<20}FAILED: {r['error']}", flush=True)
-            else:
-                print(f"{label:<11}{v:<20}{r['tokens_per_s']:>11.0f}{r['step_s']:>9.3f}{r['peak_growth_mib']:>17.0f}"
-                      f"{r['loss']:>10.4f}{r['grad_norm']:>11.4g}", flush=True)
-            if v != variants[0]:
-                verdict = compare(row[variants[0]], r, targets, shape["dtype"])
-                row.setdefault("against_stock", {})[v] = verdict
-                if verdict:
+    rows: dict[str, dict] = {}
+    profiles = {}
+    for r in run_variants(variants, device, warmup, steps, shape_name, profile):
+        v = r["variant"]
+        label, baseline = run_of(v)
+        if label not in rows:
+            rows[label] = dict(run=label)
+            results["rows"].append(rows[label])
+        row = rows[label]
+        row[v] = r
+        ours = v.startswith("swapped")
+        if "profile" in r:
+            profiles[v] = r.pop("profile")
+        if "skipped" in r:
+            print(f"{label:<11}{v:<20}skipped: {r['skipped']}", flush=True)
+        elif "error" in r:
+            ok = ok and v.startswith("liger")  # Liger's error is a figure; ours or stock's fails the run
+            print(f"{label:<11}{v:<20}FAILED: {r['error']}", flush=True)
+        else:
+            print(f"{label:<11}{v:<20}{r['tokens_per_s']:>11.0f}{r['step_s']:>9.3f}{r['peak_growth_mib']:>17.0f}"
+                  f"{r['loss']:>10.4f}{r['grad_norm']:>11.4g}", flush=True)
+        if v != baseline and baseline in row:  # every variant judged against its run's stock
+            verdict = compare(row[baseline], r, targets, shape["dtype"])
+            row.setdefault("against_stock", {})[v] = verdict
+            if verdict:
+                if ours:
                     ok = ok and verdict["correct"]
-                    print(f"{'':<11}{v}/stock: tokens/s {verdict['speed_ratio']:.2f}x (target >= {targets['speed']:.2f}x: "
-                          f"{verdict['speed_verdict']}), peak growth {verdict['memory_ratio']:.2f}x "
-                          f"(target <= {targets['memory']:.2f}x: {verdict['memory_verdict']}); loss "
-                          f"{verdict['loss_rel_diff']:.1e}, grad norm {verdict['grad_norm_rel_diff']:.1e} from stock "
-                          f"({'OK' if verdict['correct'] else 'WRONG'}: bounds {LOSS_BOUND[shape['dtype']]:g}, "
-                          f"{GRAD_BOUND[shape['dtype']]:g})", flush=True)
-                if r.get("swap"):
-                    print(f"{'':<11}{r['swap']}")
-            save()  # after every variant: a run cut short keeps what finished
-    if args.compile and len(results["rows"]) == 2:
-        eager, compiled = results["rows"]
-        for who, e_name, c_name in (("stock", "stock", "stock+compile"), ("swapped", "swapped", "swapped+compile")):
-            e, c = eager[e_name], compiled[c_name]
-            if "error" not in e and "error" not in c:
-                print(f"compiled/eager {who}: tokens/s {c['tokens_per_s'] / e['tokens_per_s']:.2f}x, "
-                      f"peak growth {c['peak_growth_mib'] / e['peak_growth_mib']:.2f}x")
+                print(f"{'':<11}{v}/{baseline}: tokens/s {verdict['speed_ratio']:.2f}x (target >= {targets['speed']:.2f}x: "
+                      f"{verdict['speed_verdict']}), peak growth {verdict['memory_ratio']:.2f}x "
+                      f"(target <= {targets['memory']:.2f}x: {verdict['memory_verdict']}); loss "
+                      f"{verdict['loss_rel_diff']:.1e}, grad norm {verdict['grad_norm_rel_diff']:.1e} from {baseline} "
+                      f"({'OK' if verdict['correct'] else 'WRONG'}: bounds {LOSS_BOUND[shape['dtype']]:g}, "
+                      f"{GRAD_BOUND[shape['dtype']]:g})", flush=True)
+        if r.get("swap"):
+            print(f"{'':<11}{r['swap']}")
+        if v.startswith("liger") and v.replace("liger", "swapped") in row:  # ours ran first (Liger's come last)
+            mine = v.replace("liger", "swapped")
+            verdict = compare(r, row[mine], targets, shape["dtype"])
+            row.setdefault("against_liger", {})[mine] = verdict
+            if verdict:
+                print(f"{'':<11}{mine}/{v}: tokens/s {verdict['speed_ratio']:.2f}x, peak growth "
+                      f"{verdict['memory_ratio']:.2f}x", flush=True)
+        save()  # after every variant: a run cut short keeps what finished
+    if args.profile:
+        import _profile
+
+        with open(args.profile, "w") as f:
+            json.dump(dict(date=results["date"], machine=machine, shape=shape, profiles=profiles), f, indent=1)
+        for v, prof in profiles.items():
+            if "error" in prof:
+                print(f"profile {v}: FAILED: {prof['error']}")
+            else:
+                print("\n".join(_profile.top_lines(v, prof)))
+    eager, compiled = rows.get("full", {}), rows.get("compiled", {})
+    for who, e_name, c_name in (("stock", "stock", "stock+compile"), ("swapped", "swapped", "swapped+compile")):
+        e, c = eager.get(e_name), compiled.get(c_name)
+        if e and c and not any(k in x for x in (e, c) for k in ("error", "skipped")):
+            print(f"compiled/eager {who}: tokens/s {c['tokens_per_s'] / e['tokens_per_s']:.2f}x, "
+                  f"peak growth {c['peak_growth_mib'] / e['peak_growth_mib']:.2f}x")
     results["correct"] = ok
     save()
     if not ok:

@@ -1,6 +1,7 @@
 """One LoRA r=16 training step (q, k, v, o, gate, up, down adapted): stock PEFT, swapped today (the
-kernel ops and the fused loss, without the LoRA ops), swapped with fused LoRA, and fused LoRA with
-the tiled MLP (its own column: "fused LoRA" never includes it).
+kernel ops and the fused loss, without the LoRA ops: the same step without fused LoRA), swapped
+with fused LoRA, fused LoRA with the tiled MLP (its own column: "fused LoRA" never includes it),
+and Liger Kernel + PEFT ("liger": `apply_liger_kernel_to_llama()` before the model is built).
 
     python benchmarks/lora.py                  # CPU: hidden 1024, inter 2816, 4 layers, vocab 32000, 2048 tokens, fp32
     python benchmarks/lora.py --quick          # CPU, smaller: hidden 512, 2 layers, vocab 8000, 512 tokens
@@ -11,13 +12,18 @@ the tiled MLP (its own column: "fused LoRA" never includes it).
     python benchmarks/lora.py --dropout 0.1    # LoRA dropout 0.1 (combinable with --autocast and --compile)
     python benchmarks/lora.py --compile inductor   # every variant torch.compile'd (inductor, or aot_eager)
     python benchmarks/lora.py --dry-run        # the same code at a tiny shape on CPU, in seconds
+    python benchmarks/lora.py --variants "stock,liger,swapped today,fused LoRA"   # some of VARIANTS
 
-Each variant's memory is measured in a fresh process (forked in a dry run, benchmarks/_children.py; random weights from a config, nothing downloaded; a 4-bit
-base is saved once to a temporary directory and loaded quantized), without TRITON_INTERPRET.
+Each variant's memory is measured in a fresh process on CPU (forked in a dry run, benchmarks/_children.py; random weights from a config, nothing downloaded; a 4-bit
+base is saved once to a temporary directory and loaded quantized), without TRITON_INTERPRET. On GPU
+the variants run in turn in one process (max_memory_allocated over what was allocated before the
+step is the step's alone; a fresh interpreter costs ~10 s), Liger's last (its patch is
+process-wide), each timed there after its memory step; a variant that raises is a row with the
+first line of its error, and a process that dies loses only the variant it was in.
 
 - tokens/s: tokens of the batch / median step time (forward + backward; the optimizer is the same
-  for all and left out), the three variants timed round-robin in one process (the machine's load
-  then changes for all alike); memory is measured in a fresh process per variant.
+  for all and left out); on CPU the variants (not Liger's) timed round-robin in one process (the
+  machine's load then changes for all alike), memory measured in a fresh process per variant.
 - peak memory growth: on GPU, max_memory_allocated() during a step minus what was allocated
   before it; on CPU, the rise of the process's peak RSS over the first step.
 - saved bytes per layer: what autograd keeps for backward during the forward of one decoder
@@ -72,7 +78,8 @@ SHAPES = {
                              max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0),
                  batch=4, seq=2048, dtype="bfloat16"),
 }
-VARIANTS = ("stock", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
+VARIANTS = ("stock", "liger", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
+DEFAULT_VARIANTS = ("stock", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
 TODAY_OPS = "rms_norm,rope,glu,fused_linear_cross_entropy"
 #: The ops each swapped variant names (the tiled MLP only in its own variant).
 VARIANT_OPS = {"swapped today": TODAY_OPS,
@@ -164,7 +171,7 @@ def prepared(variant: str, shape_name: str, device: str, qlora: bool, checkpoint
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(**{**LORA, "lora_dropout": run.dropout}))
     report = None
-    if variant != "stock":
+    if variant in VARIANT_OPS:
         report = accel_patch.swap_kernels(model, VARIANT_OPS[variant])
     model.train()
     gen = torch.Generator().manual_seed(0)
@@ -208,9 +215,42 @@ def _reset_resident_peak() -> bool:
         return False
 
 
+def group_child(variants: list[str], shape_name: str, device: str, qlora: bool, checkpoint: str | None,
+                warmup: int, steps: int, run: Run) -> None:
+    """memory_child of each variant in turn, in this process (Liger's last: its patch is process-wide);
+    one JSON line each on stdout as it finishes."""
+    import gc
+
+    import torch
+
+    liger = False
+    for variant in variants:
+        if variant == "liger" and not liger:
+            try:
+                from liger_kernel.transformers import apply_liger_kernel_to_llama
+            except ImportError as e:
+                print(json.dumps(dict(variant=variant, skipped=f"liger-kernel is not installed ({e})")), flush=True)
+                continue
+            apply_liger_kernel_to_llama()
+            liger = True
+        elif liger:
+            raise SystemExit(f"variant {variant!r} after Liger's: the Liger patch is process-wide")
+        try:
+            result = memory_child(variant, shape_name, device, qlora, checkpoint, warmup, run, steps)
+        except Exception as e:  # noqa: BLE001 - a variant that raises is a row, not a dead run
+            result = dict(variant=variant, error=_children.first_line(e))
+        print(json.dumps(result), flush=True)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if run.compile:
+            torch._dynamo.reset()
+
+
 def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkpoint: str | None, warmup: int,
-                 run: Run) -> dict:
-    """Peak growth of one step and saved bytes per layer, for one variant in a fresh process."""
+                 run: Run, steps: int = 0) -> dict:
+    """Peak growth of one step and saved bytes per layer, for one variant; on GPU also the median
+    time of `steps` steps after it."""
     import torch
 
     model, batch, report = prepared(variant, shape_name, device, qlora, checkpoint, run)
@@ -225,6 +265,13 @@ def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkp
         step(model, batch, run)
         torch.cuda.synchronize()
         growth = (torch.cuda.max_memory_allocated() - base) / 2**20
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(model, batch, run)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
         if run.compile:  # compile in the warm-up, then the high-water mark of a later step
@@ -246,23 +293,25 @@ def memory_child(variant: str, shape_name: str, device: str, qlora: bool, checkp
     tokens = shape["batch"] * shape["seq"]
     element = torch.finfo(getattr(torch, AUTOCAST[run.autocast] if run.autocast else shape["dtype"])).bits // 8
     mib = (lambda b: None if b is None else b / 2**20)
-    return dict(variant=variant, peak_growth_mib=growth, loss=first_loss,
+    timed = dict(step_s=statistics.median(times)) if device == "cuda" and times else {}
+    del model, batch
+    return dict(variant=variant, peak_growth_mib=growth, loss=first_loss, **timed,
                 saved_layer_mib=mib(saved["layer"]), saved_mlp_mib=mib(saved["mlp"]),
                 mlp_minimum_mib=tokens * (c["hidden_size"] + 2 * c["intermediate_size"]) * element / 2**20,
                 calls=(report.calls if report is not None else None),
                 swap=(report.summary() if report is not None else None))
 
 
-def timing_child(shape_name: str, device: str, qlora: bool, checkpoint: str | None, warmup: int, steps: int,
-                 run: Run) -> dict:
+def timing_child(variants: list[str], shape_name: str, device: str, qlora: bool, checkpoint: str | None, warmup: int,
+                 steps: int, run: Run) -> dict:
     """Median step time of every variant, timed round-robin in one process: on a shared machine a
     change of load then hits all variants alike."""
     import torch
 
     if device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-    runs = {v: prepared(v, shape_name, device, qlora, checkpoint, run)[:2] for v in VARIANTS}
-    times = {v: [] for v in VARIANTS}
+    runs = {v: prepared(v, shape_name, device, qlora, checkpoint, run)[:2] for v in variants}
+    times = {v: [] for v in variants}
     for i in range(warmup + steps):
         for v, (model, batch) in runs.items():
             if device == "cuda":
@@ -276,20 +325,30 @@ def timing_child(shape_name: str, device: str, qlora: bool, checkpoint: str | No
     return {v: statistics.median(t) for v, t in times.items()}
 
 
-def run_child(what: str, shape_name, device, qlora, checkpoint, warmup, steps, run: Run) -> dict:
+def child_env(device: str, run: Run) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS")}
     env["ACCEL_PATCH_KERNELS"] = "0"  # the 4-bit load: swapped (or not) by the variant, after PEFT
     if run.compile and device == "cpu":  # glibc returns every freed tensor to the OS: VmHWM follows the live bytes
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--shape", shape_name,
-           "--device", device, "--warmup", str(warmup), "--steps", str(steps), *run.args()]
+    return env
+
+
+def child_command(what: str, variants: list[str], shape_name, device, qlora, checkpoint, warmup, steps,
+                  run: Run) -> list[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--variants", ",".join(variants),
+           "--shape", shape_name, "--device", device, "--warmup", str(warmup), "--steps", str(steps), *run.args()]
     if qlora:
         cmd += ["--qlora", "--checkpoint", checkpoint]
-    proc = _children.run(cmd, env, dry=shape_name == "dry")
+    return cmd
+
+
+def run_timing(variants, shape_name, device, qlora, checkpoint, warmup, steps, run: Run) -> dict:
+    cmd = child_command("timing", variants, shape_name, device, qlora, checkpoint, warmup, steps, run)
+    proc = _children.run(cmd, child_env(device, run), dry=shape_name == "dry")
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
-        return dict(variant=what, error=f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}")
+        return dict(variant="timing", error=f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}")
 
 
 def save_base(shape_name: str, path: str) -> None:
@@ -311,6 +370,8 @@ def main(argv=None) -> int:
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     p.add_argument("--compile", choices=("inductor", "aot_eager", "eager"), help="torch.compile every variant with this backend (eager: dynamo alone, for --dry-run)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON (after every variant)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, among: {', '.join(VARIANTS)} (default: all but liger)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -326,11 +387,14 @@ def main(argv=None) -> int:
     if not 0.0 <= args.dropout < 1.0:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     run = Run(args.autocast, args.dropout, args.compile)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or any(v not in VARIANTS for v in variants) or ("stock" not in variants and not args.child):
+        p.error(f"--variants: stock and any of {', '.join(VARIANTS)}, got {args.variants!r}")
     if args.child == "timing":
-        print(json.dumps(timing_child(shape_name, device, args.qlora, args.checkpoint, warmup, steps, run)))
+        print(json.dumps(timing_child(variants, shape_name, device, args.qlora, args.checkpoint, warmup, steps, run)))
         return 0
     if args.child:
-        print(json.dumps(memory_child(args.child, shape_name, device, args.qlora, args.checkpoint, warmup, run)))
+        group_child(variants, shape_name, device, args.qlora, args.checkpoint, warmup, steps, run)
         return 0
 
     import peft
@@ -366,65 +430,85 @@ def main(argv=None) -> int:
         if args.qlora:
             checkpoint = os.path.join(tmp, "base")
             save_base(shape_name, checkpoint)
-        for v in VARIANTS:
-            rows.append(run_child(v, shape_name, device, args.qlora, checkpoint, warmup, steps, run))
-            r = rows[-1]
-            print(f"  {v}: " + (f"FAILED: {r['error']}" if "error" in r else
-                                f"peak growth {r['peak_growth_mib']:.0f} MiB, loss {r['loss']:.4f}"), flush=True)
+        ordered = sorted(variants, key=lambda v: v == "liger")  # Liger's process-wide patch: last
+        command = (lambda group: child_command("memory", group, shape_name, device, args.qlora, checkpoint, warmup,
+                                               steps, run))
+        for r in _children.run_each(ordered, command, child_env(device, run), together=device == "cuda",
+                                    dry=shape_name == "dry"):
+            rows.append(r)
+            v = r["variant"]
+            print(f"  {v}: " + (f"FAILED: {r['error']}" if "error" in r else f"skipped: {r['skipped']}" if "skipped" in r
+                                else f"peak growth {r['peak_growth_mib']:.0f} MiB, loss {r['loss']:.4f}"), flush=True)
             save()  # after every variant: a run cut short keeps what finished
-        timed = run_child("timing", shape_name, device, args.qlora, checkpoint, warmup, steps, run)
+        timed = {}
+        if device != "cuda":  # on GPU each variant was timed in its own run above
+            timed = run_timing([v for v in variants if v != "liger"], shape_name, device, args.qlora, checkpoint,
+                               warmup, steps, run)
     for r in rows:
         if "error" in timed:
             r.setdefault("error", "timing: " + timed["error"])
-        elif "error" not in r:
-            r["step_s"] = timed[r["variant"]]
-            r["tokens_per_s"] = shape["batch"] * shape["seq"] / r["step_s"]
+        elif "error" not in r and "skipped" not in r:
+            if r["variant"] in timed:
+                r["step_s"] = timed[r["variant"]]
+            if "step_s" in r:
+                r["tokens_per_s"] = shape["batch"] * shape["seq"] / r["step_s"]
+            else:
+                r["error"] = "not timed (Liger runs on CUDA only)"
     save()
     print(f"\n{'variant':<24}{'tokens/s':>10}{'step s':>9}{'peak growth MiB':>17}{'saved/layer MiB':>17}"
           f"{'saved/MLP MiB':>15}{'MLP minimum MiB':>17}{'loss':>10}")
     for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:<24}FAILED: {r['error']}")
+        if "error" in r or "skipped" in r:
+            print(f"{r['variant']:<24}" + (f"FAILED: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"))
         else:
             cols = [f"{r[k]:>{w}.1f}" if r[k] is not None else f"{'-':>{w}}"
                     for k, w in (("saved_layer_mib", 17), ("saved_mlp_mib", 15))]
             print(f"{r['variant']:<24}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_growth_mib']:>17.0f}"
                   f"{''.join(cols)}{r['mlp_minimum_mib']:>17.1f}{r['loss']:>10.4f}")
     byname = {r["variant"]: r for r in rows}
-    fused = byname["fused LoRA"]
+    measured = {v: r for v, r in byname.items() if "error" not in r and "skipped" not in r}
     target = dict(TARGETS[device])
     if run.compile and device == "cpu":  # the issue's compiled target: memory only
         target.update(memory=COMPILED_TARGET, time=None)
     verdicts = {}
-    ok = not any("error" in r for r in rows)
-    if ok:
-        stock_loss = byname["stock"]["loss"]
-        for r in rows[1:]:
+    # Liger's error is a figure; ours or stock's fails the run
+    ok = not any("error" in r for r in rows if r["variant"] != "liger")
+    if "stock" in measured:
+        stock_loss = measured["stock"]["loss"]
+        for v, r in measured.items():
+            if v == "stock":
+                continue
             r["loss_rel_diff"] = abs(r["loss"] - stock_loss) / max(abs(stock_loss), 1e-30)
             r["correct"] = r["loss_rel_diff"] <= bound  # (NaN fails)
-            ok = ok and r["correct"]
-            print(f"{r['variant']}: loss {r['loss_rel_diff']:.1e} from stock's ({'OK' if r['correct'] else 'WRONG'}: "
+            ok = ok and (r["correct"] or v == "liger")
+            print(f"{v}: loss {r['loss_rel_diff']:.1e} from stock's ({'OK' if r['correct'] else 'WRONG'}: "
                   f"bound {bound:g})")
-        for against in ("swapped today", "stock"):
-            other = byname[against]
+    fused = measured.get("fused LoRA")
+    if fused:
+        for against in ("swapped today", "stock", "liger"):
+            other = measured.get(against)
+            if other is None:
+                continue
             memory = ratio(fused["peak_growth_mib"], other["peak_growth_mib"])
             t = fused["step_s"] / other["step_s"]
             line = f"fused LoRA / {against}: peak growth {shown(memory)}, time {t:.2f}x, tokens/s {1 / t:.2f}x"
             if against == target["against"]:
-                verdicts = dict(memory_ratio=memory, time_ratio=t,
-                                memory_verdict=verdict(memory, target["memory"]))
+                verdicts.update(memory_ratio=memory, time_ratio=t, memory_verdict=verdict(memory, target["memory"]))
                 line += f"  (targets: <= {target['memory']:.2f}x {verdicts['memory_verdict']}"
                 if target["time"] is not None:
                     verdicts["time_verdict"] = "PASS" if t <= target["time"] else "MISS"
                     line += f", time <= {target['time']:.2f}x {verdicts['time_verdict']}"
                 line += ")"
+            if against == "swapped today":  # the same step without the LoRA ops
+                verdicts.update(without_lora_ops_time_ratio=t, without_lora_ops_memory_ratio=memory)
             print(line)
-        tiled = byname["fused LoRA + tiled MLP"]
-        tiled_memory, tiled_time = (ratio(tiled["peak_growth_mib"], fused["peak_growth_mib"]),
-                                    tiled["step_s"] / fused["step_s"])
-        verdicts.update(tiled_memory_ratio=tiled_memory, tiled_time_ratio=tiled_time)
-        print(f"fused LoRA + tiled MLP / fused LoRA: peak growth {shown(tiled_memory)}, time {tiled_time:.2f}x "
-              "(no checkpointing here: the tiled MLP's recompute is one more MLP forward)")
+        tiled = measured.get("fused LoRA + tiled MLP")
+        if tiled:
+            tiled_memory, tiled_time = (ratio(tiled["peak_growth_mib"], fused["peak_growth_mib"]),
+                                        tiled["step_s"] / fused["step_s"])
+            verdicts.update(tiled_memory_ratio=tiled_memory, tiled_time_ratio=tiled_time)
+            print(f"fused LoRA + tiled MLP / fused LoRA: peak growth {shown(tiled_memory)}, time {tiled_time:.2f}x "
+                  "(no checkpointing here: the tiled MLP's recompute is one more MLP forward)")
         print(f"fused LoRA calls: {fused['calls']}")
     results.update(verdicts, correct=ok)
     save()

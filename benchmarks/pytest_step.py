@@ -44,6 +44,12 @@ class Summary:
         self.data["collected"] = len(session.items)
         self.write()
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        """Under pytest-xdist (-n N) the workers collect, each the whole selection."""
+        self.data["collected"] = max(self.data["collected"], len(ids))
+        self.write()
+
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or (report.when == "setup" and not report.passed) or (
                 report.when == "teardown" and report.failed):

@@ -20,10 +20,11 @@ import sys
 def versions() -> dict:
     found = {"python": sys.version.split()[0], "machine": platform.node(),
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-    for name in ("torch", "triton", "transformers", "accelerate", "peft", "wrapt", "numpy", "bitsandbytes", "trl"):
+    for name in ("torch", "triton", "transformers", "accelerate", "peft", "wrapt", "numpy", "bitsandbytes", "trl",
+                 "liger-kernel", "datasets"):
         try:  # the installed distribution's version, without importing it (trl's import takes seconds)
             found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:  # bitsandbytes, trl on the GPU image: said so
+        except importlib.metadata.PackageNotFoundError:  # bitsandbytes, trl, Liger on the GPU image: said so
             found[name] = "absent"
     import torch
 

@@ -1,7 +1,9 @@
 """benchmarks/gpu_check.sh, the prepared run for a lent GPU, checked here without one: its dry run
 runs each step on the CPU at tiny shapes through the same scripts and arguments (each step rc 0,
 each writing its JSON: every step, in .ci/run's audit job); a step that fails, or exits 0 without
-its JSON, makes the script exit non-zero; the default steps fit one 10-minute call."""
+its JSON, makes the script exit non-zero; the default steps run in order of value inside one
+10-minute call, BUDGET_S cutting or skipping the steps that would pass it, and the output ends with
+the summary table (benchmarks/summary.py)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +25,8 @@ CALL_S = 600  # one call of the GPU machine
 
 def run(tmp_path, *args, timeout=60, **env) -> subprocess.CompletedProcess:
     environ = child_env()
-    environ.update({"OUT": str(tmp_path), "PY": sys.executable, "OMP_NUM_THREADS": "1"}, **env)
+    environ.update({"OUT": str(tmp_path), "PY": sys.executable, "OMP_NUM_THREADS": "1",
+                    "WHEELS": str(tmp_path / "no-wheels")}, **env)
     return subprocess.run(["bash", str(SCRIPT), *args], env=environ, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
@@ -48,12 +51,35 @@ def reported(stdout: str) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^== (\S+): rc=(\d+)", stdout, re.M)}
 
 
-def test_the_default_steps_fit_one_call_with_margin(tmp_path):
+def test_the_default_steps_run_in_order_of_value_inside_one_call(tmp_path):
     every, default, budget = steps(tmp_path)
-    assert list(default)[:2] == ["versions", "kernel-tests"]  # correctness first
-    assert list(default).index("e2e") < list(default).index("lora")
-    assert sum(default.values()) <= budget <= CALL_S - 60, (default, budget)
-    assert len(default) + 1 <= 8  # one JSON per step and the log: at most 8 files come back
+    order = list(default)
+    assert order[:4] == ["versions", "kernel-tests", "e2e", "lora"]  # correctness first, then the e2e step
+    assert order.index("e2e-compile") < order.index("bench") < order.index("moe") < order.index("qlora")
+    assert budget <= CALL_S - 60, budget  # the wheels' install and the summary fit beside it
+    # the most valuable steps are never cut by BUDGET_S; every step's limit fits the budget alone
+    assert sum(default[s] for s in order[:4]) <= budget, (default, budget)
+    assert all(limit <= budget for limit in every.values()), every
+
+
+def test_a_step_that_would_pass_the_budget_is_cut_to_what_is_left_or_not_started(tmp_path):
+    slow = tmp_path / "slow_python"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    slow.chmod(0o755)
+    proc = run(tmp_path, STEPS="versions", PY=str(slow), BUDGET_S="3", MIN_STEP_S="1")
+    assert reported(proc.stdout) == {"versions": 124}, proc.stdout  # cut to 3 s, not its 20
+    assert "cut to" in proc.stdout and "by BUDGET_S" in proc.stdout and proc.returncode != 0
+    proc = run(tmp_path, STEPS="versions kernel-tests", PY=str(slow), BUDGET_S="3", MIN_STEP_S="5")
+    assert reported(proc.stdout) == {"versions": 125, "kernel-tests": 125}, proc.stdout
+    assert "not started" in proc.stdout and proc.returncode != 0
+
+
+def test_the_output_ends_with_the_summary_table(tmp_path):
+    proc = run(tmp_path, "--dry-run", STEPS="versions", timeout=120)
+    assert reported(proc.stdout) == {"versions": 0}, proc.stdout + proc.stderr
+    tail = proc.stdout[proc.stdout.index("===== SUMMARY"):]
+    assert "steps: versions rc=0" in tail and tail.splitlines()[-1].startswith("step ")
+    assert "===== SUMMARY" in (tmp_path / "gpu_check.log").read_text()
 
 
 def test_a_failing_step_fails_the_script(tmp_path):
@@ -103,12 +129,14 @@ def _dry_runs(tmp_path, halves: dict[str, list[str]]) -> None:
         log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
         assert reported(stdout) == dict.fromkeys(halves[part], 0), stdout[-6000:] + log[-6000:]
         assert proc.returncode == 0, stdout[-3000:]
-        if len(halves[part]) > 7:  # more than 7 steps come back as one archive (at most 8 files)
+        expected = [f"{n}.json" for n in halves[part]] + ["gpu_check.log"] + (
+            ["profile.json"] if "e2e" in halves[part] else [])  # e2e's profiles
+        if len(expected) > 8:  # more than 8 files come back as one archive (at most 8 files)
             assert os.listdir(out) == ["gpu_check.tar.gz"], os.listdir(out)
             with tarfile.open(out / "gpu_check.tar.gz") as packed:
                 packed.extractall(out, filter="data")
             os.remove(out / "gpu_check.tar.gz")
-        assert sorted(os.listdir(out)) == sorted([f"{n}.json" for n in halves[part]] + ["gpu_check.log"])
+        assert sorted(os.listdir(out)) == sorted(expected)
         for name in halves[part]:
             data = json.loads((out / f"{name}.json").read_text())
             assert data, name
@@ -170,3 +198,75 @@ def test_the_conftest_xdist_hooks_are_optional_where_the_gpu_image_lacks_pytest_
     assert hooks
     for name in hooks:
         assert getattr(getattr(conftest, name), "pytest_impl", {}).get("optionalhook"), name
+
+
+def summary():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import summary as module
+    finally:
+        sys.path.pop(0)
+    module.ROWS.clear()
+    return module
+
+
+def _e2e_variant(name, tokens_per_s, peak, loss=2.0, grad_norm=1.0):
+    return {"variant": name, "tokens_per_s": tokens_per_s, "peak_growth_mib": peak, "loss": loss, "grad_norm": grad_norm}
+
+
+def test_the_summary_judges_each_variant_against_the_user_s_alternative(tmp_path, capsys):
+    """benchmarks/summary.py: accel-patch against stock and Liger, a wrong loss said, a Liger that
+    raised shown with its error, a memory-bound op by its device time's share of the copy bandwidth."""
+    e2e = {"loss_bound": 2e-2, "grad_bound": 5e-2, "rows": [
+        {"run": "full", "stock": _e2e_variant("stock", 1000, 100), "swapped": _e2e_variant("swapped", 1400, 50),
+         "liger": _e2e_variant("liger", 1300, 60)},
+        {"run": "LoRA r=16", "stock+lora": _e2e_variant("stock+lora", 1000, 100),
+         "swapped+lora": _e2e_variant("swapped+lora", 1500, 50, loss=2.5),
+         "liger+lora": {"variant": "liger+lora", "error": "RuntimeError: in-place view"}}]}
+    bench = {"rows": [
+        {"op": "rms_norm", "impl": "accel_kernels", "status": "ok", "fb_ms": 0.2, "dev_fb_ms": 0.05, "fb_mib": 1.0,
+         "pct_copy": 20.0, "dev_pct_copy": 80.0, "time_vs_eager": 0.5, "time_vs_liger": 0.9},
+        {"op": "swiglu", "impl": "accel_kernels", "status": "ok", "fb_ms": 0.2, "dev_fb_ms": 0.1, "fb_mib": 1.0,
+         "pct_copy": 20.0, "dev_pct_copy": 40.0, "time_vs_eager": 0.5, "time_vs_liger": 1.1}]}
+    for name, data in (("e2e", e2e), ("bench", bench)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    module = summary()
+    module.main(["--out", str(tmp_path), "--steps", "e2e:0:80 bench:0:60 moe:125:0"])
+    rows = {(r[0], r[1]): r for r in module.ROWS}
+    full = rows[("e2e full", "accel-patch")]
+    assert full[4] == "1.40x" and "loss OK PASS >= 1.35x" in full[6] and "PASS vs Liger 1.08x" in full[6]
+    assert "peak/Liger 0.83x PASS" in full[6]
+    lora = rows[("e2e LoRA", "accel-patch+lora")]
+    assert "loss WRONG" in lora[6] and "peak MISS <= 0.3x" in lora[6]  # 0.5x peak: the 0.3x target missed
+    assert "FAILED: RuntimeError: in-place view" in rows[("e2e LoRA", "Liger+lora")][6]
+    assert "dev 80% copy PASS" in rows[("bench", "rms_norm")][6]
+    assert "dev 40% copy MISS" in rows[("bench", "swiglu")][6]
+    assert "not started" in rows[("moe", "")][6]
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("moe") and "===== SUMMARY" in out
+
+
+GROUP_CHILD = """import json, os, sys
+for v in sys.argv[1].split(","):
+    if v == "dies":
+        sys.stderr.write("RuntimeError: CUDA error: an illegal memory access was encountered\\n")
+        sys.stderr.flush()
+        os._exit(7)
+    print(json.dumps({"variant": v, "pid": os.getpid()}), flush=True)
+"""
+
+
+def test_variants_run_together_and_a_process_that_dies_loses_only_its_variant(tmp_path):
+    """benchmarks/_children.py run_each: one process for the group; the variant a process died in
+    is an error row with the cause's line, the ones after it run in a fresh process."""
+    _children = children()
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_CHILD)
+    results = list(_children.run_each(["a", "b", "dies", "c"], lambda group: [sys.executable, str(script), ",".join(group)],
+                                      {"PATH": os.environ["PATH"]}, together=True))
+    assert [r["variant"] for r in results] == ["a", "b", "dies", "c"]
+    assert results[0]["pid"] == results[1]["pid"] != results[3]["pid"]
+    assert results[2]["error"].startswith("process exit 7: RuntimeError: CUDA error: an illegal memory access")
+    alone = list(_children.run_each(["a", "b"], lambda group: [sys.executable, str(script), ",".join(group)],
+                                    {"PATH": os.environ["PATH"]}, together=False))
+    assert alone[0]["pid"] != alone[1]["pid"]

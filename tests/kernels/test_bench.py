@@ -63,16 +63,35 @@ def test_gpu_report_bandwidth_and_liger_ratio(capsys):
     op = catalogue.OPS["swiglu"]
     moved = op.bytes_moved(2, **op.shapes["gpu"])
     results = dict(device="cuda", copy_gbs=4000.0, rows=[
-        _row("swiglu", "accel_kernels", fwd_ms=1.0, bwd_ms=2.0, fb_ms=3.0, fwd_mib=1.0, bwd_mib=2.0, fb_mib=3.0),
+        _row("swiglu", "accel_kernels", fwd_ms=1.0, bwd_ms=2.0, fb_ms=3.0, fwd_mib=1.0, bwd_mib=2.0, fb_mib=3.0,
+             dev_fwd_ms=0.5, dev_bwd_ms=1.0, dev_fb_ms=1.5),
         _row("swiglu", "eager", fwd_ms=2.0, bwd_ms=4.0, fb_ms=6.0, fwd_mib=2.0, bwd_mib=4.0, fb_mib=6.0),
         dict(op="swiglu", impl="liger", status="skipped", note="not installed")])
     report.compute(results)
     ours = results["rows"][0]
     assert ours["time_vs_eager"] == 0.5 and ours["mem_vs_eager"] == 0.5 and ours["time_vs_liger"] is None
     assert ours["fb_gbs"] == moved / 3e-3 / 1e9 and ours["pct_copy"] == 100 * ours["fb_gbs"] / 4000.0
+    # the device time's bandwidth beside the host-inclusive one; none where no device time was measured
+    assert ours["dev_fb_gbs"] == moved / 1.5e-3 / 1e9 and ours["dev_pct_copy"] == 2 * ours["pct_copy"]
+    assert results["rows"][1]["dev_pct_copy"] is None
     report.print_table(results, "swiglu")
     out = capsys.readouterr().out
-    assert "GB/s" in out and "t/liger" in out and "liger         skipped: not installed" in out
+    assert "GB/s" in out and "t/liger" in out and "dev %copy" in out and "liger         skipped: not installed" in out
+
+
+def test_each_timed_call_gets_fresh_inputs_an_implementation_may_write_into():
+    """Liger's SwiGLU, GeGLU and RoPE write into their inputs or saved tensors: each call gets new
+    leaves with the same values, handed over as non-leaf tensors (a model's projection output)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    before = x.detach().clone()
+    labels = torch.arange(4)
+    fresh_x, fresh_labels = harness._fresh([x, labels])
+    assert fresh_labels is labels
+    assert fresh_x.grad_fn is not None and torch.equal(fresh_x, x)
+    fresh_x.transpose(0, 1).mul_(2)  # in place on a view: an error on a leaf that requires grad
+    fresh_x.sum().backward()
+    assert x.grad is None and torch.equal(x, before)  # the original is untouched
+    assert torch.equal(harness._fresh([x])[0], x)
 
 
 def test_help_states_the_quick_duration(capsys):
@@ -83,3 +102,13 @@ def test_help_states_the_quick_duration(capsys):
     out = capsys.readouterr().out
     duration = out[out.index("expected duration of --quick"):]
     assert "on one H200: " in duration and "on CPU: " in duration
+
+
+def test_the_guard_hands_inputs_over_as_a_model_does_so_in_place_writers_are_checked():
+    """An implementation that writes into a view of its input (Liger's RoPE) raises on a leaf that
+    requires grad; the guard hands it non-leaf tensors, as a model's projection does."""
+    def writes_into_its_input(x):
+        x.view_as(x).mul_(1.0)
+        return x.sin()
+
+    assert harness.check(_op(writes_into_its_input), writes_into_its_input, "cpu") <= harness.CHECK_TOL

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -17,8 +18,10 @@ DESCRIPTION = """\
 Benchmark accel_kernels against eager torch, torch.compile and Liger Kernel.
 
 On a CUDA GPU: one table per op at llama-3-8B scale in bf16 (8192 tokens): forward, backward and
-forward+backward median times, peak memory of each step, bandwidth of memory-bound ops against a
-device-to-device copy, and time and memory ratios to eager and Liger. On CPU: the plain-torch
+forward+backward median times, host-inclusive (CUDA events around each call) and on the device
+alone (the calls' kernel durations, torch.profiler), peak memory of each step, bandwidth of
+memory-bound ops against a device-to-device copy (from either time), and time and memory ratios to
+eager and Liger. On CPU: the plain-torch
 twins at small float32 shapes, each measurement in a fresh process, then fused linear
 cross-entropy against eager in memory and time, with its targets. Every implementation is first
 checked against eager in float32; one that disagrees is marked FAILED and not timed."""
@@ -27,8 +30,8 @@ EPILOG = """\
 ratios: this row / eager (or / Liger), forward+backward; below 1.00x is better.
 
 expected duration of --quick:
-  on one H200: 2 to 3 minutes, an estimate (not yet measured on a GPU); sized to fit a 5-minute
-      GPU lease: benchmarks/gpu_check.sh stops it at 240 s, and --json keeps the ops done by then
+  on one H200: about 70 s, an estimate (not yet measured on a GPU: 10 host-timed and 3 profiled
+      calls per figure); benchmarks/gpu_check.sh stops it at 120 s, and --json keeps the ops done by then
   on CPU: 1 min 50 s, measured 2026-11-30 on this project's 2-core machine under load 2-4
 without --quick: torch.compile rows on a GPU (minutes of compiling) and 6x the reps; three
 timed runs instead of one on CPU (see BENCHMARKS.md)"""
@@ -38,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m accel_kernels.bench", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="fewer reps, no torch.compile: 2-3 minutes on one H200 (estimate), 2 on the "
-                             "2-core CPU machine")
+                        help="fewer reps, no torch.compile: about 70 s on one H200 (estimate), 2 minutes on "
+                             "the 2-core CPU machine")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from: {','.join(OPS)}")
     parser.add_argument("--json", metavar="PATH",
                         help="also write every record and figure as JSON (rewritten after each op)")
@@ -67,8 +70,9 @@ def main(argv=None) -> int:
                    triton=_triton.triton.__version__ if _triton.AVAILABLE else "not importable",
                    quick=args.quick, copy_gbs=None, rows=[])
     if device == "cuda":
-        # lets compiled graphs run backward with retain_graph (the bwd timing)
-        torch._functorch.config.donated_buffer = False
+        # compiled graphs keep their saved buffers (the peak-memory runs hold a forward's outputs);
+        # torch 2.11: torch._functorch.config is not an attribute until imported
+        importlib.import_module("torch._functorch.config").donated_buffer = False
         results["copy_gbs"] = harness.copy_bandwidth_gbs()
         impls = [i for i in harness.IMPLS if not (args.quick and i == "torch.compile")]
     else:

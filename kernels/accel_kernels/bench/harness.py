@@ -1,7 +1,15 @@
 """The measuring harness: the correctness guard, then time and peak memory of one implementation
-of one op, on CUDA (triton.testing.do_bench, torch.cuda memory stats) or on CPU (wall time,
-ru_maxrss, one fresh process per measurement). Every function returns a record (a dict); none
-prints.
+of one op, on CUDA (CUDA events around each call, torch.profiler's kernel times, torch.cuda memory
+stats) or on CPU (wall time, ru_maxrss, one fresh process per measurement). Every function returns
+a record (a dict); none prints.
+
+On CUDA every call gets fresh inputs, made before the timed region: new leaves, each handed over
+through a clone (a non-leaf tensor, as a model's projection hands its output to the next op), so an
+implementation that writes into its inputs or its saved tensors (Liger's SwiGLU, GeGLU and RoPE
+backwards do) measures as it runs inside a model, and every implementation is timed the same way.
+Two times per figure: the host-inclusive time (CUDA events around the call: launches and host code
+included, as a training step pays them) and the device time (the sum of the call's kernel durations
+from torch.profiler: what the GPU spends, the figure a bytes model is held to).
 """
 from __future__ import annotations
 
@@ -21,8 +29,8 @@ from .catalogue import OPS, Op
 IMPLS = ("accel_kernels", "eager", "torch.compile", "liger")
 CHECK_TOL = 1e-3  # ||impl - eager|| / ||eager|| in fp32; loose enough for tf32 matmuls, far under a real bug
 
-# do_bench's warm-up and measuring time per figure, ms: --quick, full run
-CUDA_BENCH_MS = {True: (10, 50), False: (50, 300)}
+# timed calls per figure on CUDA (host-inclusive, device by the profiler): --quick, full run
+CUDA_REPS = {True: (10, 3), False: (50, 10)}
 # forward+backward runs after the warm-up on CPU: --quick, full run
 CPU_REPS = {True: 1, False: 3}
 
@@ -57,12 +65,13 @@ def check(op: Op, fn, device) -> float:
     inputs = op.make(device, torch.float32, **op.shapes["check"])
     results = []
     for f in (fn, op.eager):  # fresh copies: some implementations write into their inputs
-        fresh = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-        outs = _outputs(f(*fresh))
+        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        # handed over as non-leaf tensors, as in a model (an in-place write into a leaf's view raises)
+        outs = _outputs(f(*[t.clone() if t.requires_grad else t for t in leaves]))
         kept = [o.detach().clone() for o in outs]  # some backwards write into outputs or upstream grads
         gen = torch.Generator().manual_seed(1)
         torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen).to(o) for o in outs])
-        results.append(kept + [t.grad for t in fresh if t.requires_grad])
+        results.append(kept + [t.grad for t in leaves if t.requires_grad])
     return max(_rel_err(a, b) for a, b in zip(*results))
 
 
@@ -79,15 +88,36 @@ def implementation(op: Op, impl: str):
     return op.liger
 
 
-def measure_cuda(fn, inputs, warmup_ms, rep_ms) -> dict:
-    """Median fwd, bwd, fwd+bwd times (ms) and the peak memory (MiB) each step adds."""
-    from triton.testing import do_bench
+def _fresh(inputs) -> list:
+    """New leaves with the inputs' values, each handed over through a clone (a non-leaf tensor);
+    tensors that need no grad are passed as they are (labels, indices)."""
+    out = []
+    for t in inputs:
+        if t.requires_grad:
+            out.append(t.detach().clone().requires_grad_().clone())
+        else:
+            out.append(t)
+    return out
 
-    leaves = [t for t in inputs if t.requires_grad]
 
-    def clear_grads():
-        for t in leaves:
-            t.grad = None
+def _profiled_device_ms(run_once) -> float:
+    """Sum of the kernel (and device copy or fill) durations of one `run_once()`, in ms: the device
+    events alone (a CPU op's own "device time" is its kernels' again)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_once()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA) / 1e3
+
+
+def measure_cuda(fn, inputs, reps: int, device_reps: int) -> dict:
+    """Median fwd, bwd, fwd+bwd times (ms, host-inclusive: CUDA events around the call), the device
+    time of each (ms: kernel durations, torch.profiler, median of `device_reps`) and the peak memory
+    (MiB) each step adds. Each call gets fresh inputs made before its timed region (_fresh)."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # larger than L2, as do_bench flushes
 
     def peak_mib(step) -> float:
         torch.cuda.synchronize()
@@ -97,25 +127,53 @@ def measure_cuda(fn, inputs, warmup_ms, rep_ms) -> dict:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
-    _fwd_bwd(fn, inputs)  # warm-up: compiles (Triton JIT, torch.compile) stay out of the numbers
-    clear_grads()
+    def forward(args):
+        return _outputs(fn(*args))
+
+    def backward(outs):
+        torch.autograd.backward(outs, _upstream(outs))
+
+    def calls(kind):
+        """(untimed preparation -> state, the timed call on that state) of one figure."""
+        if kind == "fwd":
+            return (lambda: _fresh(inputs)), forward
+        if kind == "bwd":
+            return (lambda: forward(_fresh(inputs))), backward
+        return (lambda: _fresh(inputs)), (lambda args: backward(forward(args)))
+
+    _fwd_bwd(fn, _fresh(inputs))  # warm-up: compiles (Triton JIT, torch.compile) stay out of the numbers
+    args = _fresh(inputs)
     held = []
-    fwd_mib = peak_mib(lambda: held.append(_outputs(fn(*inputs))))
-    bwd_mib = peak_mib(lambda: torch.autograd.backward(held[0], _upstream(held[0])))
+    fwd_mib = peak_mib(lambda: held.append(forward(args)))
+    bwd_mib = peak_mib(lambda: backward(held[0]))
     held.clear()
-    clear_grads()
-    fb_mib = peak_mib(lambda: _fwd_bwd(fn, inputs))
-    clear_grads()
-
-    def bench(f):
-        return do_bench(f, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves, return_mode="median")
-
-    fwd_ms = bench(lambda: fn(*inputs))
-    outs = _outputs(fn(*inputs))
-    bwd_ms = bench(lambda: torch.autograd.backward(outs, _upstream(outs), retain_graph=True))
-    del outs
-    fb_ms = bench(lambda: _fwd_bwd(fn, inputs))
-    return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fb_ms=fb_ms, fwd_mib=fwd_mib, bwd_mib=bwd_mib, fb_mib=fb_mib)
+    args = _fresh(inputs)
+    fb_mib = peak_mib(lambda: backward(forward(args)))
+    del args
+    figures = dict(fwd_mib=fwd_mib, bwd_mib=bwd_mib, fb_mib=fb_mib, reps=reps)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for kind in ("fwd", "bwd", "fb"):
+        prepare, call = calls(kind)
+        times = []
+        for _ in range(reps):
+            state = prepare()
+            flush.zero_()
+            start.record()
+            call(state)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+            del state
+        device = []
+        for _ in range(device_reps):
+            state = prepare()
+            torch.cuda.synchronize()
+            device.append(_profiled_device_ms(lambda: call(state)))
+            del state
+        figures[f"{kind}_ms"] = statistics.median(times)
+        figures[f"dev_{kind}_ms"] = statistics.median(device) if device else None
+    del flush
+    return figures
 
 
 def _maxrss_mib() -> float:
@@ -160,13 +218,14 @@ def run_one(name: str, impl: str, device: str, quick: bool) -> dict:
         torch.manual_seed(0)
         inputs = op.make(device, dtype, **op.shapes["gpu" if device == "cuda" else "cpu"])
         if device == "cuda":
-            warmup_ms, rep_ms = CUDA_BENCH_MS[quick]
-            row.update(measure_cuda(fn, inputs, warmup_ms=warmup_ms, rep_ms=rep_ms))
+            reps, device_reps = CUDA_REPS[quick]
+            row.update(measure_cuda(fn, inputs, reps=reps, device_reps=device_reps))
         else:
             row.update(measure_cpu(fn, inputs, reps=CPU_REPS[quick]))
         return dict(row, status="ok")
     except Exception as e:  # one broken implementation must not hide the others' figures
-        return dict(row, status="FAILED", note=f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        return dict(row, status="FAILED", note=f"{type(e).__name__}: {lines[0][:150] if lines else ''}")
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()

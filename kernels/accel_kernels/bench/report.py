@@ -17,14 +17,15 @@ CPU_FLCE_TARGET = {"memory": 0.25, "time": 1.5}
 
 # (header, record key, format); ratios get an "x"
 _GPU_COLUMNS = [("fwd ms", "fwd_ms", ".3f"), ("bwd ms", "bwd_ms", ".3f"), ("f+b ms", "fb_ms", ".3f"),
-                ("fwd MiB", "fwd_mib", ".1f"), ("bwd MiB", "bwd_mib", ".1f"), ("f+b MiB", "fb_mib", ".1f"),
-                ("f+b GB/s", "fb_gbs", ".0f"), ("%copy", "pct_copy", ".0f"),
+                ("dev fwd", "dev_fwd_ms", ".3f"), ("dev bwd", "dev_bwd_ms", ".3f"), ("dev f+b", "dev_fb_ms", ".3f"),
+                ("f+b MiB", "fb_mib", ".1f"), ("f+b GB/s", "fb_gbs", ".0f"), ("%copy", "pct_copy", ".0f"),
+                ("dev %copy", "dev_pct_copy", ".0f"),
                 ("t/eager", "time_vs_eager", ".2fx"), ("mem/eager", "mem_vs_eager", ".2fx"),
                 ("t/liger", "time_vs_liger", ".2fx")]
 # on CPU only forward+backward is timed, nothing is memory-bound against a copy, and Liger is skipped
 _CPU_COLUMNS = [("f+b ms", "fb_ms", ".1f"), ("fwd MiB", "fwd_mib", ".1f"), ("f+b MiB", "fb_mib", ".1f"),
                 ("t/eager", "time_vs_eager", ".2fx"), ("mem/eager", "mem_vs_eager", ".2fx")]
-_IMPL_WIDTH, _CELL_WIDTH = 14, 11
+_IMPL_WIDTH, _CELL_WIDTH = 14, 10
 
 
 def _ratio(value, reference) -> float | None:
@@ -35,7 +36,8 @@ def compute(results: dict) -> None:
     """Compute every derived figure into `results` (idempotent: call it again as rows arrive).
 
     Per "ok" row: time_vs_eager, mem_vs_eager; on CUDA also time_vs_liger, and for memory-bound
-    ops fb_gbs (bytes fwd+bwd must move / f+b time) and pct_copy (that over the copy bandwidth).
+    ops fb_gbs (bytes fwd+bwd must move / f+b time) and pct_copy (that over the copy bandwidth),
+    dev_fb_gbs and dev_pct_copy the same from the device time (dev_fb_ms) where it was measured.
     On CPU with fused linear CE measured: results["cpu_flce"], its ratios and verdicts.
     """
     device, copy_gbs = results["device"], results.get("copy_gbs")
@@ -52,6 +54,9 @@ def compute(results: dict) -> None:
                 r["time_vs_liger"] = _ratio(r["fb_ms"], liger.get("fb_ms"))
                 r["fb_gbs"] = moved / (r["fb_ms"] * 1e-3) / 1e9 if moved else None
                 r["pct_copy"] = 100 * r["fb_gbs"] / copy_gbs if moved else None
+                dev = r.get("dev_fb_ms")
+                r["dev_fb_gbs"] = moved / (dev * 1e-3) / 1e9 if moved and dev else None
+                r["dev_pct_copy"] = 100 * r["dev_fb_gbs"] / copy_gbs if r["dev_fb_gbs"] else None
         if device == "cpu" and name == "fused_linear_cross_entropy":
             results["cpu_flce"] = _cpu_flce(ok.get("accel_kernels"), ok.get("eager"))
 
@@ -79,9 +84,11 @@ def print_preamble(results: dict) -> None:
           f"triton {results['triton']}{', --quick' if quick else ''}")
     if results["device"] == "cuda":
         print(f"copy bandwidth (2 GiB device-to-device, read+write): {results['copy_gbs']:.0f} GB/s")
-        print("time: median ms (triton.testing.do_bench, CUDA events, L2 flushed between reps); memory: peak MiB of "
-              "the step above what was allocated before it (inputs; for bwd also the forward's saved tensors), "
-              "produced grads included; GB/s: bytes fwd+bwd must move / f+b time")
+        print("time: median ms of each call between CUDA events (host included), L2 flushed before each, fresh "
+              "inputs made before the timed region; dev: the call's kernel durations (torch.profiler), device only; "
+              "memory: peak MiB of the step above what was allocated before it (inputs; for bwd also the forward's "
+              "saved tensors), produced grads included; GB/s, %copy: bytes fwd+bwd must move / f+b time (host "
+              "included), dev %copy: the same from the device time")
         if quick:
             print("--quick: torch.compile skipped (compiling every op would not fit the time)")
     else:
