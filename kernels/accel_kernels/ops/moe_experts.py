@@ -751,12 +751,15 @@ class _GroupedOps(_TritonOps):
     def weight_grad(self, a, b, like, layout, *, gather_a=False, gather_b=False, scaled=False, out_scale=1.0,
                     bias_like=None):
         ct = self.p.ct
-        if scaled:  # w a in fp32, one rounding to ct: the Triton kernel's operand
-            rows = torch.index_select(a, 0, self.row_tokens) if gather_a else a
-            sa = (rows.float() * self.r.weights.float()[:, None]).to(ct)
-        else:
-            sa = self._sorted(a, gather_a)
-        sb = self._sorted(b, gather_b)
+        sa, sb = self._sorted(a, gather_a), self._sorted(b, gather_b)
+        bias = None
+        if bias_like is not None:  # the per-expert sums of w a, in fp32 (w a rounded to ct, as the kernel's)
+            bias = self.expert_sums(self._scaled(sa) if scaled else sa).to(bias_like.dtype)
+        if scaled:  # (w a)^T b = a^T (w b): the routing weight on the narrower operand (h, not g: [rows, I])
+            if sa.shape[1] <= sb.shape[1]:
+                sa = self._scaled(sa)
+            else:
+                sb = self._scaled(sb)
         # grad [E, n, k] = sa_e^T sb_e; written as `like` lays it out: for layout (2, 1) the product
         # is taken the other way round (sb_e^T sa_e), so no transposed copy of the gradient is made
         first, second = (sa, sb) if layout == (1, 2) else (sb, sa)
@@ -771,9 +774,11 @@ class _GroupedOps(_TritonOps):
             grad.index_fill_(0, empty, 0.0)
         if out_scale != 1.0:
             grad = grad.float().mul_(out_scale)
-        grad = grad.to(like.dtype)
-        bias = self.expert_sums(sa).to(bias_like.dtype) if bias_like is not None else None
-        return grad, bias
+        return grad.to(like.dtype), bias
+
+    def _scaled(self, rows):
+        """w * rows in fp32, rounded once to ct (one kernel: the product is stored in ct)."""
+        return torch.mul(rows, self.r.weights.float()[:, None], out=torch.empty_like(rows))
 
 
 # --------------------------------------------------------------------------------------------
