@@ -628,9 +628,11 @@ def run_counting_grouped_mm(monkeypatch, fn):
 def mixed_against_triton(monkeypatch, inputs, *, lora_leaves=None, lora=None, train=("hidden", "weights", "gate_up",
                          "down", "gub", "db"), **options):
     """The mixed path (Triton forward, grouped_mm backward) and the all-Triton one, each against
-    float64 within the op tests' bound (with the all-Triton result as the low-precision stock);
-    the all-Triton path must launch the weight-gradient kernel where a weight has a gradient and
-    call no grouped_mm; the mixed path the reverse."""
+    float64 within the op tests' bound (with the all-Triton result as the low-precision stock).
+    Products as narrow as a LoRA rank stay Triton launches on the mixed path: at these small
+    shapes the threshold is 8 (rank 4 under it, every other dim over it), as 64 is at a model's.
+    Returns (the mixed path's launches, its grouped_mm calls, the gradients of both paths)."""
+    monkeypatch.setattr(moe_module, "GROUPED_MIN_WIDTH", 8)
     dtype = inputs[0].dtype
     dout = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3)).to(inputs[0].device, dtype)
     to64 = (lambda t: t.double() if t is not None else None)
@@ -650,27 +652,45 @@ def mixed_against_triton(monkeypatch, inputs, *, lora_leaves=None, lora=None, tr
         assert g is not None and g.shape == ref_g[name].shape and g.dtype == tri_g[name].dtype, name
         assert_close(g, ref_g[name], dtype, stock=tri_g[name], what=f"grad of {name} (grouped_mm backward)")
         assert_close(tri_g[name], ref_g[name], dtype, stock=g, what=f"grad of {name} (Triton backward)")
-    assert tri_grouped == 0 and "_moe_weight_grad_kernel" in tri_launched, tri_launched
-    # the recompute with the GLU backward stays the fused kernel; no weight gradient is a Triton launch
-    assert got_grouped > 0 and "_moe_weight_grad_kernel" not in got_launched, got_launched
+    assert tri_grouped == 0, tri_grouped
+    # the recompute with the GLU backward stays the fused kernel
     assert got_launched.count("_moe_gate_up_kernel") == 2, got_launched  # forward, and the recompute
-    return got_launched
+    return got_launched, got_grouped, tri_g, got_g
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quick_grouped_mm_backward_equals_the_triton_backward(device, monkeypatch, dtype):
     # an expert without tokens between others (its weight gradient zero), biases, off-block T
     inputs = make(T=11, H=32, I=16, E=4, K=2, routing="middle", bias=True, dtype=dtype, device=device)
-    launched = mixed_against_triton(monkeypatch, inputs)
-    assert "_moe_gemm_kernel" in launched  # the forward's down GEMM; the backward's are grouped_mm
+    launched, grouped, _, _ = mixed_against_triton(monkeypatch, inputs)
+    # dh, dx and both weight gradients are grouped_mm calls; the Triton launches are the forward's
+    # two GEMMs, the recompute and the two combines
+    assert grouped == 4 and "_moe_weight_grad_kernel" not in launched, (grouped, launched)
+    assert launched.count("_moe_gemm_kernel") == 1 and launched.count("_moe_combine_kernel") == 2, launched
 
 
-def test_quick_grouped_mm_backward_with_split_lora(device, monkeypatch):
-    # PEFT-like strided views; the products carrying a LoRA term (dh, dx) stay Triton launches
+def test_quick_grouped_mm_backward_with_split_lora_is_the_triton_backward(device, monkeypatch):
+    # PEFT's LoRA (frozen base, adapters on both projections): every product of the backward
+    # carries or is a low-rank term, all Triton launches, so the results are the Triton
+    # backward's bit for bit (and its memory: nothing gathered outside the kernels); auto says so
     T, H, I, E = 12, 32, 16, 4
     inputs = make(T=T, H=H, I=I, E=E, routing="middle", device=device)
     leaves, lora = peft_lora(E, H, I, device=device)
-    mixed_against_triton(monkeypatch, inputs, lora_leaves=leaves, lora=lora, train=("hidden", "weights"))
+    _, grouped, tri_g, got_g = mixed_against_triton(monkeypatch, inputs, lora_leaves=leaves, lora=lora,
+                                                    train=("hidden", "weights"))
+    assert grouped == 0
+    assert all(torch.equal(got_g[name], tri_g[name]) for name in tri_g), tri_g.keys()
+
+
+def test_quick_grouped_mm_backward_with_lora_on_down_and_gate_up_trained(device, monkeypatch):
+    # dx carries no LoRA term and gate_up has a gradient: those two are grouped_mm calls, while dh
+    # (LoRA on down) and the down factors' gradients stay Triton launches
+    T, H, I, E = 12, 32, 16, 4
+    inputs = make(T=T, H=H, I=I, E=E, routing="middle", device=device)
+    leaves, lora = peft_lora(E, H, I, device=device, which=("down",))
+    launched, grouped, _, _ = mixed_against_triton(monkeypatch, inputs, lora_leaves=leaves, lora=lora,
+                                                   train=("hidden", "weights", "gate_up"))
+    assert grouped == 2 and launched.count("_moe_weight_grad_kernel") == 2, (grouped, launched)
 
 
 @pytest.mark.slow  # interpreted Triton: over 2 s
@@ -684,8 +704,22 @@ def test_the_backward_path_follows_the_choice_and_the_device(device, monkeypatch
     hidden = torch.randn(4, 8, device=device)
     assert moe_module.backward_path(hidden, "grouped_mm") == "grouped_mm"  # forced on the Triton path
     assert moe_module.backward_path(hidden, "triton") == "triton"
-    assert moe_module.backward_path(hidden, "auto") == "triton"  # not a CUDA device
+    if hidden.device.type != "cuda":
+        assert moe_module.backward_path(hidden, "auto") == "triton"
     assert moe_module.backward_path(hidden.double(), "grouped_mm") == "twin"
+    # auto on a CUDA tensor (a stand-in here): grouped_mm where it takes the compute dtype
+    # (bf16/fp16) and the call has no LoRA, else triton
+    on_cuda = lambda dtype: type("Stand", (), {"device": torch.device("cuda"), "dtype": dtype})()  # noqa: E731
+    takes = {}
+    monkeypatch.setattr(moe_module, "_grouped_mm_takes", lambda device, ct: takes.get(ct, True))
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: True)
+    assert moe_module.backward_path(on_cuda(torch.bfloat16)) == "grouped_mm"
+    assert moe_module.backward_path(on_cuda(torch.float32), autocast_dtype=torch.bfloat16) == "grouped_mm"
+    assert moe_module.backward_path(on_cuda(torch.bfloat16), lora=True) == "triton"
+    assert moe_module.backward_path(on_cuda(torch.float32)) == "triton"
+    takes[torch.float16] = False
+    assert moe_module.backward_path(on_cuda(torch.float16)) == "triton"
+    assert moe_module.backward_path(on_cuda(torch.float16), "grouped_mm") == "grouped_mm"
     monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
     assert moe_module.backward_path(hidden, "grouped_mm") == "twin"
     with pytest.raises(ValueError, match="backward must be one of auto, triton, grouped_mm, got 'cutlass'"):

@@ -430,11 +430,12 @@ def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
     return tiled_mlp.chunk_tokens(rule.hidden, rule.intermediate)
 
 
-def _backward_path(hidden, backward: str, autocast_dtype) -> str:
+def _backward_path(hidden, backward: str, autocast_dtype, lora) -> str:
     """The op's own answer (accel_kernels' `backward_path`): the count says what the op runs."""
     from accel_kernels.ops.moe_experts import backward_path
 
-    return backward_path(hidden, backward, autocast_dtype)
+    return backward_path(hidden, backward, autocast_dtype, lora is not None and any(
+        lora.get(name) is not None for name in ("gate_up", "down")))
 
 
 def forward(self, *args, **kwargs):
@@ -470,7 +471,7 @@ def forward(self, *args, **kwargs):
     chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
     save = save_gate_up(site, hidden)
     backward = site.backward
-    grouped = torch.is_grad_enabled() and _backward_path(hidden, backward, autocast_dtype) == "grouped_mm"
+    grouped = torch.is_grad_enabled() and _backward_path(hidden, backward, autocast_dtype, lora) == "grouped_mm"
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save),
                                    (GROUPED_BACKWARD, grouped)) if on]
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))

@@ -716,8 +716,10 @@ class _GroupedOps(_TritonOps):
     at a time), while what the Triton path fuses stays fused there: the gate/up recompute with the
     GLU backward and the routing-weight dots (one kernel), the combine, the per-slot scatter.
     A product that carries a LoRA term stays the Triton launch (the low-rank dot in the tile loop:
-    on grouped_mm it would cost an fp32 [rows, H] sum); so does one whose operands grouped_mm
-    refuses (`_grouped_mm_or_none`'s record of that kind). Rows past offsets[E] ("no expert"
+    on grouped_mm it would cost an fp32 [rows, H] sum), and so do the low-rank products and the
+    LoRA factors' gradients (a dim under GROUPED_MIN_WIDTH: memory-bound, and the kernels gather
+    x and g inside where grouped_mm needs them gathered, [rows, H] each); so does one whose
+    operands grouped_mm refuses (`_grouped_mm_or_none`'s record of that kind). Rows past offsets[E] ("no expert"
     slots) are no group's: grouped_mm leaves them unwritten and the combine skips them, as on the
     Triton path. No windows: on a GPU a window would cut each grouped_mm into more launches to
     save one [rows, H] temporary (docs/moe.md counts the bytes). One host sync per call: the list
@@ -735,7 +737,7 @@ class _GroupedOps(_TritonOps):
         return a.to(self.p.ct)
 
     def gemm(self, a, w, *, gather=False, bias=None, scaled=False, lora=None):
-        if lora is None and bias is None and not scaled and a.shape[0]:
+        if lora is None and bias is None and not scaled and a.shape[0] and min(w.shape[1:]) >= GROUPED_MIN_WIDTH:
             x, wc = self._sorted(a, gather), w.to(self.p.ct)
             out = _grouped_mm_or_none((x.device.type, x.dtype, *_kind(x, wc)), x, wc, offs=self.ends)
             if out is not None:
@@ -751,6 +753,9 @@ class _GroupedOps(_TritonOps):
     def weight_grad(self, a, b, like, layout, *, gather_a=False, gather_b=False, scaled=False, out_scale=1.0,
                     bias_like=None):
         ct = self.p.ct
+        if min(a.shape[1], b.shape[1]) < GROUPED_MIN_WIDTH or not a.shape[0]:
+            return super().weight_grad(a, b, like, layout, gather_a=gather_a, gather_b=gather_b, scaled=scaled,
+                                       out_scale=out_scale, bias_like=bias_like)
         sa, sb = self._sorted(a, gather_a), self._sorted(b, gather_b)
         bias = None
         if bias_like is not None:  # the per-expert sums of w a, in fp32 (w a rounded to ct, as the kernel's)
@@ -765,7 +770,7 @@ class _GroupedOps(_TritonOps):
         first, second = (sa, sb) if layout == (1, 2) else (sb, sa)
         at = first.t()
         grad = _grouped_mm_or_none((at.device.type, "weight_grad", ct, *_kind(at, second)), at, second,
-                                   offs=self.ends) if at.shape[1] else None
+                                   offs=self.ends)
         if grad is None:
             return super().weight_grad(a, b, like, layout, gather_a=gather_a, gather_b=gather_b, scaled=scaled,
                                        out_scale=out_scale, bias_like=bias_like)
@@ -1360,6 +1365,9 @@ def _lora_parts(lora, experts: int, size: int, inter: int, device) -> tuple:
 
 #: The op's `backward` choices (the site's ACCEL_PATCH_EXPERTS_BACKWARD).
 BACKWARDS = ("auto", "triton", "grouped_mm")
+#: The grouped_mm backward's products and weight gradients with a dim under this (a LoRA rank)
+#: stay Triton launches (`_GroupedOps`).
+GROUPED_MIN_WIDTH = 64
 #: Compute dtypes whose GEMMs `auto` hands to grouped_mm on CUDA (torch 2.11's CUDA grouped_mm
 #: takes bf16 only; fp16 where a torch takes it), each feature-detected once per device.
 GROUPED_AUTO_DTYPES = (torch.bfloat16, torch.float16)
@@ -1388,19 +1396,22 @@ def _grouped_mm_takes(device: torch.device, ct: torch.dtype) -> bool:
     return _TAKES[key]
 
 
-def backward_path(hidden: torch.Tensor, backward: str = "auto", autocast_dtype: torch.dtype | None = None) -> str:
+def backward_path(hidden: torch.Tensor, backward: str = "auto", autocast_dtype: torch.dtype | None = None,
+                  lora: bool = False) -> str:
     """Which backward a call of the op on `hidden` runs: "twin" (the plain-torch twin: off the
     Triton path), "triton" or "grouped_mm" (the Triton path's backward with its GEMMs and weight
     gradients through torch._grouped_mm, `_GroupedOps`). `backward` as the op takes it: "auto" is
     grouped_mm on a CUDA device of compute capability 9.0+ where grouped_mm takes the compute
-    dtype (bf16, fp16: tried once, `_grouped_mm_takes`), else triton; "grouped_mm" forces it on
+    dtype (bf16, fp16: tried once, `_grouped_mm_takes`) and the call has no LoRA (`lora`: every
+    product of LoRA's backward carries or is a low-rank term, which stay Triton launches there:
+    its grouped_mm backward would be the Triton one), else triton; "grouped_mm" forces it on
     any Triton path (under Triton's interpreter too: the tests' mixed path), "triton" forbids it.
     The site counts what this says."""
     if not _dispatch.use_triton(hidden) or hidden.dtype == torch.float64:
         return "twin"
     if backward == "grouped_mm":
         return "grouped_mm"
-    if backward == "triton" or hidden.device.type != "cuda":
+    if backward == "triton" or hidden.device.type != "cuda" or lora:
         return "triton"
     ct = _compute_dtype(hidden, autocast_dtype)
     return "grouped_mm" if ct in GROUPED_AUTO_DTYPES and _grouped_mm_takes(hidden.device, ct) else "triton"
@@ -1445,7 +1456,7 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                   interleaved, activation, alpha, limit, lora, autocast_dtype, backward)
     inter = down.shape[1] if transposed else down.shape[2]
     *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
-    path = backward_path(hidden, backward, autocast_dtype)
+    path = backward_path(hidden, backward, autocast_dtype, any(t is not None for t in adapters))
     triton_path = path != "twin"
     return torch.ops.accel_kernels.moe_experts(
         hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, scaling, transposed,

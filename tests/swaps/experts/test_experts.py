@@ -444,7 +444,10 @@ def test_the_backward_switch_selects_what_the_count_says(monkeypatch, backward):
     equals stock either way."""
     from accel_kernels import _launch
 
+    import accel_kernels.ops.moe_experts as op
+
     monkeypatch.setenv(experts.site.BACKWARD_SWITCH, backward)
+    monkeypatch.setattr(op, "GROUPED_MIN_WIDTH", 8)  # the tiny model's widths (64 and more at a real one's)
     stock, twin = pair("qwen3_moe")
     swap_kernels(twin, ops="experts")
     n = len(experts_modules(twin))
