@@ -87,7 +87,10 @@ where a product reads them (inside the kernels, or as a temporary on the twin), 
 twin runs the plan in windows of whole experts (`_twin_forward`, `_twin_backward`,
 `TWIN_WINDOW_BYTES`), so "rows" there are one window's: the CPU's grouped GEMM is a loop over the
 experts, so a window changes no product, and the per-token sums accumulate into one buffer in
-the same order (bit-identical to one window).
+the same order (bit-identical to one window). On the Triton path the backward's GEMMs and weight
+gradients can run through torch._grouped_mm instead (`backward`, `backward_path`, `_GroupedOps`:
+by default on sm_90+ CUDA devices in bf16/fp16 without LoRA), the GLU backward staying fused;
+docs/moe.md ("Which backward") models both backwards' FLOPs and bytes.
 """
 from __future__ import annotations
 
