@@ -608,15 +608,18 @@ def test_the_declared_argument_names_are_the_op_schemas():
 def run_counting_grouped_mm(monkeypatch, fn):
     """(fn()'s result, the names of the kernels launched, the number of torch._grouped_mm calls).
     A weight gradient's block of an expert without rows comes back as NaN (the CPU's grouped_mm
-    zeroes it, another backend may not: the op must write its zeros itself)."""
+    zeroes it, another backend may not: the op must write its zeros itself), and so do a
+    product's rows past the last group (no expert's: grouped_mm leaves them unwritten)."""
     real, grouped = torch._grouped_mm, []
 
     def counting(*args, **kwargs):
         grouped.append(1)
         out = real(*args, **kwargs)
+        ends = kwargs["offs"]
         if args[0].dim() == 2 and args[1].dim() == 2:
-            ends = kwargs["offs"]
             out[ends.diff(prepend=ends.new_zeros(1)) == 0] = float("nan")
+        else:
+            out[int(ends[-1]):] = float("nan")
         return out
 
     monkeypatch.setattr(torch, "_grouped_mm", counting)
@@ -667,6 +670,18 @@ def test_quick_grouped_mm_backward_equals_the_triton_backward(device, monkeypatc
     # two GEMMs, the recompute and the two combines
     assert grouped == 4 and "_moe_weight_grad_kernel" not in launched, (grouped, launched)
     assert launched.count("_moe_gemm_kernel") == 1 and launched.count("_moe_combine_kernel") == 2, launched
+
+
+def test_quick_grouped_mm_backward_skips_no_expert_slots(device, monkeypatch):
+    # the sorted rows past the last expert's ("no expert" ids: E and -1) are no group's
+    hidden, index, weights, gate_up, down, _, _ = make(T=10, E=4, K=2, routing="middle", device=device)
+    index = index.clone()
+    index[0, 1] = 4
+    index[3, 0] = -1
+    index[5] = 4  # a token with no expert at all
+    _, grouped, _, got_g = mixed_against_triton(monkeypatch, (hidden, index, weights, gate_up, down, None, None))
+    assert grouped == 4 and (got_g["hidden"][5] == 0).all()
+    assert got_g["weights"][0, 1] == 0 and got_g["weights"][3, 0] == 0 and (got_g["weights"][5] == 0).all()
 
 
 def test_quick_grouped_mm_backward_with_split_lora_is_the_triton_backward(device, monkeypatch):
