@@ -28,7 +28,8 @@ at both is the plan; none within it is a refusal that says how far the closest o
 
 Decided at every call and counted in `calls["experts"]` (`forward`): "fused", "fused (LoRA)"
 (PEFT's LoRA on the experts' parameters as split LoRA, adapters.py), with ", tiled" when the call
-ran over chunks of tokens by the tiled MLP's rule; else which forward ran and why. Under
+ran over chunks of tokens by the tiled MLP's rule and "grouped_mm backward" when its backward's
+GEMMs run through torch._grouped_mm (ACCEL_PATCH_EXPERTS_BACKWARD); else which forward ran and why. Under
 torch.compile a call is counted once per trace, as "compiled: <outcome>" (the LoRA sites' rule).
 """
 from __future__ import annotations
@@ -54,10 +55,11 @@ GATE_UP_SWITCH = "ACCEL_PATCH_EXPERTS_GATE_UP"
 GATE_UP_MODES = ("auto", "save", "recompute")
 #: The note of a call whose op kept gate/up for its backward.
 SAVED = "saved gate/up"
-#: The option that decides the op's backward on the Triton path (read once per site, at the swap;
-#: a bad value is an error naming it): "auto" (grouped_mm's GEMMs on a CUDA device where
-#: torch._grouped_mm takes the compute dtype, else Triton's), "triton" or "grouped_mm" (forced).
-#: docs/moe.md ("Which backward") says why.
+#: The option that decides the op's backward on the Triton path, read once per site when the site
+#: is made (at the swap: a bad value raises BadSwitch there and the walk refuses the site with it;
+#: through the experts interface, at the module's first call): "auto" (grouped_mm's GEMMs on an
+#: sm_90+ CUDA device where torch._grouped_mm takes the compute dtype, for calls without LoRA;
+#: else Triton's), "triton" or "grouped_mm" (forced). docs/moe.md ("Which backward") says why.
 BACKWARD_SWITCH = "ACCEL_PATCH_EXPERTS_BACKWARD"
 #: The note of a call with grad whose backward runs its GEMMs through torch._grouped_mm (a call
 #: without it, on the Triton path, runs the all-Triton backward; on the twin, the twin's).
