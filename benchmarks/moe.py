@@ -7,7 +7,7 @@ experts site (accel-patch's moe_experts op, `swap_kernels(ops="experts")`).
     python benchmarks/moe.py --dry-run         # the same code at tiny shapes on CPU, in seconds
     python benchmarks/moe.py --json moe.json   # the figures as JSON, rewritten after each variant
     python benchmarks/moe.py --modes lora      # only LoRA on the experts (or: full)
-    python benchmarks/moe.py --variants grouped_mm,ours   # some of eager, grouped_mm, batched_mm, ours, accel_patch
+    python benchmarks/moe.py --variants grouped_mm,ours   # some of eager, grouped_mm, batched_mm, ours, ours-triton-bwd, accel_patch
     python benchmarks/moe.py --layers 1 --moe-intermediate 256   # another depth or expert width
     python benchmarks/moe.py --block           # one sparse MoE block alone (router and experts), no model around it
     python benchmarks/moe.py --rounds 3        # each variant's process three times, taking turns (CPU times)
@@ -21,7 +21,8 @@ With --rounds N every variant's process runs N times, the variants taking turns 
 CPU's speed drifts by tens of percent over minutes, which variants run one after the other would
 carry into their ratio); the time is the median of the rounds' medians, the memory the first
 round's (the same in every round).
-"ours" swaps only the experts site, on the grouped_mm model, so the ratios are the experts' alone;
+"ours" swaps only the experts site, on the grouped_mm model, so the ratios are the experts' alone
+("ours-triton-bwd": the same with the op's all-Triton backward, ACCEL_PATCH_EXPERTS_BACKWARD=triton);
 "accel_patch" swaps every op on it (`swap_kernels(model)`, what `import accel_patch` does at load:
 the fused linear cross-entropy head, RMSNorm, RoPE and the LoRA sites beside the experts), the step a
 user gets.
@@ -66,7 +67,11 @@ SHAPES = {
                 batch=1, seq=64, dtype="float32"),
 }
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
-SWAPPED = {"ours": "experts", "accel_patch": None}  # variant: the ops it swaps (None: every op)
+SWAPPED = {"ours": "experts", "ours-triton-bwd": "experts", "accel_patch": None}  # variant: the ops it swaps (None: every op)
+#: A variant's own environment: "ours-triton-bwd" is "ours" with the op's all-Triton backward
+#: (ACCEL_PATCH_EXPERTS_BACKWARD=triton), so one run times both backwards; the other variants run
+#: with that switch unset (auto: grouped_mm's GEMMs on an sm_90+ GPU in bf16, docs/moe.md).
+VARIANT_ENV = {"ours-triton-bwd": {"ACCEL_PATCH_EXPERTS_BACKWARD": "triton"}}
 VARIANTS = IMPLEMENTATIONS + tuple(SWAPPED)
 MODES = ("full", "lora")
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
@@ -240,8 +245,10 @@ def run_child(variant, mode, shape_name, device, steps, checkpointing=False, res
     makes every large allocation a fresh mapping and its page faults: a step took 6.5 s with it and
     4.4 s without (Qwen3-MoE, two checkpointed layers, 2026-12-04), a cost a caching allocator
     never pays."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "ACCEL_PATCH_KERNELS", "ACCEL_PATCH_EXPERTS_BACKWARD")}
     env["ACCEL_PATCH_KERNELS"] = "0"  # no swap at load: the variant decides
+    env.update(VARIANT_ENV.get(variant, {}))
     if device == "cpu" and measure != "time":
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--mode", mode, "--shape", shape_name,
@@ -261,7 +268,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="full,lora", help="full, lora or both (default)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after the measured one (default: 2 on CPU, 10 on GPU)")
     p.add_argument("--rounds", type=int, default=1, help="processes per variant, the variants taking turns (default 1)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in VARIANT_ENV),
+                   help=f"among {', '.join(VARIANTS)} (default: all but {', '.join(VARIANT_ENV)})")
     p.add_argument("--batched-limit", type=float, default=8.0, help="GiB of batched_mm's weight gather above which it is not run")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON after each variant")
     p.add_argument("--checkpointing", action="store_true",
@@ -378,7 +386,8 @@ def main(argv=None) -> int:
                     memory_verdict = "UNMEASURED" if memory is None else "PASS" if memory <= target["memory"] else "MISS"
                     verdict = dict(memory_ratio=memory, time_ratio=t, memory_verdict=memory_verdict,
                                    time_verdict="PASS" if t <= target["time"] else "MISS")
-                    verdicts[mode if swapped == "ours" else f"{mode}, {swapped}"] = verdict
+                    if swapped not in VARIANT_ENV:  # a comparison variant: its line says, the exit code does not
+                        verdicts[mode if swapped == "ours" else f"{mode}, {swapped}"] = verdict
                     line += (f"  (targets: <= {target['memory']:.2f}x {verdict['memory_verdict']}, time <= "
                              f"{target['time']:.2f}x {verdict['time_verdict']})")
                 print(line)

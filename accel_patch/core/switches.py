@@ -1,5 +1,6 @@
 """One reading for every on/off switch of accel-patch (ACCEL_PATCH_DISABLE and the per-patch
-ACCEL_PATCH_ACCELERATE, _DEVICE_MAP, _CALLBACK, _TRL).
+ACCEL_PATCH_ACCELERATE, _DEVICE_MAP, _CALLBACK, _TRL), and for the switches that name one of a few
+choices (`choice`: ACCEL_PATCH_EXPERTS_BACKWARD).
 
 The usual spellings, case-insensitive: 1/true/yes/on/y/t/enable(d) and 0/false/no/off/n/f/disable(d);
 blank or unset means the default. Any other value is an error that names the variable, its value
@@ -38,3 +39,16 @@ def turned_off(name: str, environ=None) -> bool:
     """Whether a per-patch switch turns its patch off (`=0`, `=false`, `=off`, ...). BadSwitch
     on a value that is neither."""
     return read(name, environ) is False
+
+
+def choice(name: str, valid: tuple[str, ...], environ=None) -> str | None:
+    """The variable `name`'s value among `valid` (case-insensitive, stripped), None when unset or
+    blank; BadSwitch naming the variable, its value and the valid ones otherwise."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    value = raw.strip().lower()
+    if value in valid:
+        return value
+    raise BadSwitch(f"{name}={raw!r} is not one of {', '.join(valid)} (any case), or leave it unset")

@@ -613,3 +613,144 @@ def test_the_declared_argument_names_are_the_op_schemas():
     for op, names in ((torch.ops.accel_kernels.moe_experts, moe_module._FORWARD_ARGS),
                       (torch.ops.accel_kernels.moe_experts_backward, moe_module._BACKWARD_ARGS)):
         assert tuple(a.name for a in op.default._schema.arguments) == names, op
+
+
+# --------------------------------------------------------------------------------------------
+# The grouped_mm backward: the Triton forward with the backward's GEMMs through torch._grouped_mm
+# --------------------------------------------------------------------------------------------
+
+
+def run_counting_grouped_mm(monkeypatch, fn):
+    """(fn()'s result, the names of the kernels launched, the number of torch._grouped_mm calls).
+    A weight gradient's block of an expert without rows comes back as NaN (the CPU's grouped_mm
+    zeroes it, another backend may not: the op must write its zeros itself), and so do a
+    product's rows past the last group (no expert's: grouped_mm leaves them unwritten)."""
+    real, grouped = torch._grouped_mm, []
+
+    def counting(*args, **kwargs):
+        grouped.append(1)
+        out = real(*args, **kwargs)
+        ends = kwargs["offs"]
+        if args[0].dim() == 2 and args[1].dim() == 2:
+            out[ends.diff(prepend=ends.new_zeros(1)) == 0] = float("nan")
+        else:
+            out[int(ends[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    with launch.recording() as launched:
+        result = fn()
+    return result, list(launched), len(grouped)
+
+
+def mixed_against_triton(monkeypatch, inputs, *, lora_leaves=None, lora=None, train=("hidden", "weights", "gate_up",
+                         "down", "gub", "db"), **options):
+    """The mixed path (Triton forward, grouped_mm backward) and the all-Triton one, each against
+    float64 within the op tests' bound (with the all-Triton result as the low-precision stock).
+    Products as narrow as a LoRA rank stay Triton launches on the mixed path: at these small
+    shapes the threshold is 8 (rank 4 under it, every other dim over it), as 64 is at a model's.
+    Returns (the mixed path's launches, its grouped_mm calls, the gradients of both paths)."""
+    monkeypatch.setattr(moe_module, "GROUPED_MIN_WIDTH", 8)
+    dtype = inputs[0].dtype
+    dout = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(3)).to(inputs[0].device, dtype)
+    to64 = (lambda t: t.double() if t is not None else None)
+    results = {}
+    for backward in ("triton", "grouped_mm"):
+        fn = lambda h, *a, **k: moe_experts(h, *a, backward=backward, **k)  # noqa: E731
+        results[backward] = run_counting_grouped_mm(monkeypatch, lambda: run(
+            fn, *inputs, dout=dout, lora_leaves=lora_leaves, lora=lora, train=train, **options))
+    ref, ref_g = run(experts_eager, to64(inputs[0]), inputs[1], *map(to64, inputs[2:]), dout=dout.double(),
+                     lora_leaves=[t.double() for t in lora_leaves] if lora_leaves else None, lora=lora,
+                     train=train, **options)
+    (tri, tri_g), tri_launched, tri_grouped = results["triton"]
+    (got, got_g), got_launched, got_grouped = results["grouped_mm"]
+    assert_close(got, ref, dtype, stock=tri, what="output")
+    assert set(got_g) == set(ref_g) == set(tri_g)
+    for name, g in got_g.items():
+        assert g is not None and g.shape == ref_g[name].shape and g.dtype == tri_g[name].dtype, name
+        assert_close(g, ref_g[name], dtype, stock=tri_g[name], what=f"grad of {name} (grouped_mm backward)")
+        assert_close(tri_g[name], ref_g[name], dtype, stock=g, what=f"grad of {name} (Triton backward)")
+    assert tri_grouped == 0, tri_grouped
+    # the recompute with the GLU backward stays the fused kernel
+    assert got_launched.count("_moe_gate_up_kernel") == 2, got_launched  # forward, and the recompute
+    return got_launched, got_grouped, tri_g, got_g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quick_grouped_mm_backward_equals_the_triton_backward(device, monkeypatch, dtype):
+    # an expert without tokens between others (its weight gradient zero), biases, off-block T
+    inputs = make(T=11, H=32, I=16, E=4, K=2, routing="middle", bias=True, dtype=dtype, device=device)
+    launched, grouped, _, _ = mixed_against_triton(monkeypatch, inputs)
+    # dh, dx and both weight gradients are grouped_mm calls; the Triton launches are the forward's
+    # two GEMMs, the recompute and the two combines
+    assert grouped == 4 and "_moe_weight_grad_kernel" not in launched, (grouped, launched)
+    assert launched.count("_moe_gemm_kernel") == 1 and launched.count("_moe_combine_kernel") == 2, launched
+
+
+def test_quick_grouped_mm_backward_skips_no_expert_slots(device, monkeypatch):
+    # the sorted rows past the last expert's ("no expert" ids: E and -1) are no group's
+    hidden, index, weights, gate_up, down, _, _ = make(T=10, E=4, K=2, routing="middle", device=device)
+    index = index.clone()
+    index[0, 1] = 4
+    index[3, 0] = -1
+    index[5] = 4  # a token with no expert at all
+    _, grouped, _, got_g = mixed_against_triton(monkeypatch, (hidden, index, weights, gate_up, down, None, None))
+    assert grouped == 4 and (got_g["hidden"][5] == 0).all()
+    assert got_g["weights"][0, 1] == 0 and got_g["weights"][3, 0] == 0 and (got_g["weights"][5] == 0).all()
+
+
+def test_quick_grouped_mm_backward_with_split_lora_is_the_triton_backward(device, monkeypatch):
+    # PEFT's LoRA (frozen base, adapters on both projections): every product of the backward
+    # carries or is a low-rank term, all Triton launches, so the results are the Triton
+    # backward's bit for bit (and its memory: nothing gathered outside the kernels); auto says so
+    T, H, I, E = 12, 32, 16, 4
+    inputs = make(T=T, H=H, I=I, E=E, routing="middle", device=device)
+    leaves, lora = peft_lora(E, H, I, device=device)
+    _, grouped, tri_g, got_g = mixed_against_triton(monkeypatch, inputs, lora_leaves=leaves, lora=lora,
+                                                    train=("hidden", "weights"))
+    assert grouped == 0
+    assert all(torch.equal(got_g[name], tri_g[name]) for name in tri_g), tri_g.keys()
+
+
+def test_quick_grouped_mm_backward_with_lora_on_down_and_gate_up_trained(device, monkeypatch):
+    # dx carries no LoRA term and gate_up has a gradient: those two are grouped_mm calls, while dh
+    # (LoRA on down) and the down factors' gradients stay Triton launches
+    T, H, I, E = 12, 32, 16, 4
+    inputs = make(T=T, H=H, I=I, E=E, routing="middle", device=device)
+    leaves, lora = peft_lora(E, H, I, device=device, which=("down",))
+    launched, grouped, _, _ = mixed_against_triton(monkeypatch, inputs, lora_leaves=leaves, lora=lora,
+                                                   train=("hidden", "weights", "gate_up"))
+    assert grouped == 2 and launched.count("_moe_weight_grad_kernel") == 2, (grouped, launched)
+
+
+@pytest.mark.slow  # interpreted Triton: over 2 s
+def test_grouped_mm_backward_on_gpt_oss_s_transposed_layout(device, monkeypatch):
+    # transposed weights: the weight gradients taken the other way round, no transposed copy
+    inputs = make(T=6, H=32, I=16, E=4, K=2, transposed=True, bias=True, device=device, scale=30.0)
+    mixed_against_triton(monkeypatch, inputs, transposed=True, interleaved=True, activation="gpt_oss")
+
+
+def test_the_backward_path_follows_the_choice_and_the_device(device, monkeypatch):
+    hidden = torch.randn(4, 8, device=device)
+    assert moe_module.backward_path(hidden, "grouped_mm") == "grouped_mm"  # forced on the Triton path
+    assert moe_module.backward_path(hidden, "triton") == "triton"
+    if hidden.device.type != "cuda":
+        assert moe_module.backward_path(hidden, "auto") == "triton"
+    assert moe_module.backward_path(hidden.double(), "grouped_mm") == "twin"
+    # auto on a CUDA tensor (a stand-in here): grouped_mm where it takes the compute dtype
+    # (bf16/fp16) and the call has no LoRA, else triton
+    on_cuda = lambda dtype: type("Stand", (), {"device": torch.device("cuda"), "dtype": dtype})()  # noqa: E731
+    takes = {}
+    monkeypatch.setattr(moe_module, "_grouped_mm_takes", lambda device, ct: takes.get(ct, True))
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: True)
+    assert moe_module.backward_path(on_cuda(torch.bfloat16)) == "grouped_mm"
+    assert moe_module.backward_path(on_cuda(torch.float32), autocast_dtype=torch.bfloat16) == "grouped_mm"
+    assert moe_module.backward_path(on_cuda(torch.bfloat16), lora=True) == "triton"
+    assert moe_module.backward_path(on_cuda(torch.float32)) == "triton"
+    takes[torch.float16] = False
+    assert moe_module.backward_path(on_cuda(torch.float16)) == "triton"
+    assert moe_module.backward_path(on_cuda(torch.float16), "grouped_mm") == "grouped_mm"
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
+    assert moe_module.backward_path(hidden, "grouped_mm") == "twin"
+    with pytest.raises(ValueError, match="backward must be one of auto, triton, grouped_mm, got 'cutlass'"):
+        moe_experts(*make(device=device), backward="cutlass")

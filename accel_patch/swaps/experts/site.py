@@ -28,7 +28,8 @@ at both is the plan; none within it is a refusal that says how far the closest o
 
 Decided at every call and counted in `calls["experts"]` (`forward`): "fused", "fused (LoRA)"
 (PEFT's LoRA on the experts' parameters as split LoRA, adapters.py), with ", tiled" when the call
-ran over chunks of tokens by the tiled MLP's rule; else which forward ran and why. Under
+ran over chunks of tokens by the tiled MLP's rule and "grouped_mm backward" when its backward's
+GEMMs run through torch._grouped_mm (ACCEL_PATCH_EXPERTS_BACKWARD); else which forward ran and why. Under
 torch.compile a call is counted once per trace, as "compiled: <outcome>" (the LoRA sites' rule).
 """
 from __future__ import annotations
@@ -54,6 +55,15 @@ GATE_UP_SWITCH = "ACCEL_PATCH_EXPERTS_GATE_UP"
 GATE_UP_MODES = ("auto", "save", "recompute")
 #: The note of a call whose op kept gate/up for its backward.
 SAVED = "saved gate/up"
+#: The option that decides the op's backward on the Triton path, read once per site when the site
+#: is made (at the swap: a bad value raises BadSwitch there and the walk refuses the site with it;
+#: through the experts interface, at the module's first call): "auto" (grouped_mm's GEMMs on an
+#: sm_90+ CUDA device where torch._grouped_mm takes the compute dtype, for calls without LoRA;
+#: else Triton's), "triton" or "grouped_mm" (forced). docs/moe.md ("Which backward") says why.
+BACKWARD_SWITCH = "ACCEL_PATCH_EXPERTS_BACKWARD"
+#: The note of a call with grad whose backward runs its GEMMs through torch._grouped_mm (a call
+#: without it, on the Triton path, runs the all-Triton backward; on the twin, the twin's).
+GROUPED_BACKWARD = "grouped_mm backward"
 ROUTED, DENSE = "routed", "dense"  # the call styles: (hidden, top_k_index, top_k_weights) / (hidden) per expert
 
 
@@ -85,6 +95,7 @@ class Site:
         self.plan, self.arg_names, self.calls = plan, arg_names, calls
         self.requested, self.holders = requested, tuple(holders)
         self.gate_up = gate_up_mode()
+        self.backward = backward_mode()
 
     def count(self, outcome: str) -> None:
         sites.count_into(self.calls, OP, outcome)
@@ -225,7 +236,8 @@ def routes(tokens: int, top_k: int, experts: int, device) -> tuple[torch.Tensor,
     return index.to(device), weights.to(device)
 
 
-def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_dtype=None, save=False):
+def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_dtype=None, save=False,
+        backward="auto"):
     """The op on one call of `module` (its stored tensors, never a parametrized value)."""
     from accel_kernels import moe_experts
 
@@ -239,7 +251,7 @@ def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_d
             lora = dict(lora, gate_up=tuple(t[:routed] for t in lora["gate_up"]))
     out = moe_experts(hidden, index, weights, gate_up, down, gu_bias, d_bias, transposed=plan.transposed,
                       interleaved=plan.interleaved, activation=plan.activation, alpha=plan.alpha, limit=plan.limit,
-                      lora=lora, autocast_dtype=autocast_dtype, save_gate_up=save)
+                      lora=lora, autocast_dtype=autocast_dtype, save_gate_up=save, backward=backward)
     if routed is None:
         return out
     # identity ("zero") experts: each returns its token, times the slot's routing weight (plain
@@ -376,6 +388,16 @@ def gate_up_mode() -> str:
     return "auto"
 
 
+def backward_mode(environ=None) -> str:
+    """ACCEL_PATCH_EXPERTS_BACKWARD: auto (unset or blank), triton or grouped_mm; any other value
+    raises core.switches.BadSwitch naming the variable, its value and the valid ones."""
+    from accel_kernels.ops.moe_experts import BACKWARDS
+
+    from ...core import switches
+
+    return switches.choice(BACKWARD_SWITCH, BACKWARDS, environ) or "auto"
+
+
 def save_gate_up(site: Site, hidden: torch.Tensor) -> bool:
     """Whether this call's op keeps gate/up for backward instead of recomputing them there: where
     ACCEL_PATCH_EXPERTS_GATE_UP=save says so, on the plain-torch twin (the Triton path always
@@ -410,6 +432,14 @@ def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
     return tiled_mlp.chunk_tokens(rule.hidden, rule.intermediate)
 
 
+def _backward_path(hidden, backward: str, autocast_dtype, lora) -> str:
+    """The op's own answer (accel_kernels' `backward_path`): the count says what the op runs."""
+    from accel_kernels.ops.moe_experts import backward_path
+
+    return backward_path(hidden, backward, autocast_dtype, lora is not None and any(
+        lora.get(name) is not None for name in ("gate_up", "down")))
+
+
 def forward(self, *args, **kwargs):
     """The swapped experts module: one moe_experts call (LoRA fused when PEFT's is active)."""
     site = self.__dict__.get(SITE_ATTR)
@@ -442,12 +472,15 @@ def forward(self, *args, **kwargs):
     autocast_dtype = sites.autocast_dtype(hidden.device.type)
     chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
     save = save_gate_up(site, hidden)
-    notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save)) if on]
+    backward = site.backward
+    grouped = torch.is_grad_enabled() and _backward_path(hidden, backward, autocast_dtype, lora) == "grouped_mm"
+    notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save),
+                                   (GROUPED_BACKWARD, grouped)) if on]
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:
-        return run(self, plan, hidden, index, weights, lora, autocast_dtype, save)
+        return run(self, plan, hidden, index, weights, lora, autocast_dtype, save, backward)
     outs = [run(self, plan, hidden[i:i + chunk], index[i:i + chunk], weights[i:i + chunk], lora, autocast_dtype,
-                save) for i in range(0, hidden.shape[0], chunk)]
+                save, backward) for i in range(0, hidden.shape[0], chunk)]
     return torch.cat(outs)
 
 

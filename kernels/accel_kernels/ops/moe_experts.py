@@ -91,6 +91,10 @@ in the same order. Within float32's bound of the float64 result, as one window i
 bit on every host, since torch's CPU kernels round some elements by their place in a tensor (an
 elementwise op's vectorized body against its scalar tail; a GEMM by its operands' addresses) and a
 window changes the tensors' lengths (docs/moe.md).
+On the Triton path the backward's GEMMs and weight gradients can run through torch._grouped_mm
+instead (`backward`, `backward_path`, `_GroupedOps`: by default on sm_90+ CUDA devices in
+bf16/fp16 without LoRA), the GLU backward staying fused; docs/moe.md ("Which backward") models
+both backwards' FLOPs and bytes.
 """
 from __future__ import annotations
 
@@ -712,6 +716,83 @@ class _TritonOps:
         return out.index_add_(0, self._experts(), rows.float())[:-1]
 
 
+class _GroupedOps(_TritonOps):
+    """The backward's GEMMs through `torch._grouped_mm` on the Triton path's tensors (the
+    `grouped_mm` backward, see `backward_path`): dh, dx and every weight gradient are grouped_mm
+    calls over the sorted rows (x and g gathered by token with index_select, one [rows, H] operand
+    at a time), while what the Triton path fuses stays fused there: the gate/up recompute with the
+    GLU backward and the routing-weight dots (one kernel), the combine, the per-slot scatter.
+    A product that carries a LoRA term stays the Triton launch (the low-rank dot in the tile loop:
+    on grouped_mm it would cost an fp32 [rows, H] sum), and so do the low-rank products and the
+    LoRA factors' gradients (a dim under GROUPED_MIN_WIDTH: memory-bound, and the kernels gather
+    x and g inside where grouped_mm needs them gathered, [rows, H] each); so does one whose
+    operands grouped_mm refuses (`_grouped_mm_or_none`'s record of that kind). Rows past offsets[E] ("no expert"
+    slots) are no group's: grouped_mm leaves them unwritten and the combine skips them, as on the
+    Triton path. No windows: on a GPU a window would cut each grouped_mm into more launches to
+    save one [rows, H] temporary (docs/moe.md counts the bytes). One host sync per call: the list
+    of experts without rows, whose weight-gradient blocks are zeroed (Hopper's grouped_mm writes
+    zeros there, sm_100's has been reported not to)."""
+
+    def __init__(self, order, offsets, top_k_weights, p):
+        super().__init__(order, offsets, top_k_weights, p)
+        self.ends = offsets[1:].contiguous()
+        self._empty = None
+
+    def _sorted(self, a, gather):
+        """a's row of each sorted row's token when `gather` (all T*K rows), else a; in ct."""
+        a = torch.index_select(a, 0, self.row_tokens) if gather else a
+        return a.to(self.p.ct)
+
+    def gemm(self, a, w, *, gather=False, bias=None, scaled=False, lora=None):
+        if lora is None and bias is None and not scaled and a.shape[0] and min(w.shape[1:]) >= GROUPED_MIN_WIDTH:
+            x, wc = self._sorted(a, gather), w.to(self.p.ct)
+            out = _grouped_mm_or_none((x.device.type, x.dtype, *_kind(x, wc)), x, wc, offs=self.ends)
+            if out is not None:
+                return out
+        return super().gemm(a, w, gather=gather, bias=bias, scaled=scaled, lora=lora)
+
+    def empty_experts(self) -> torch.Tensor:
+        """The ids of the experts without rows (one host sync, once per call)."""
+        if self._empty is None:
+            self._empty = torch.nonzero(self.r.offsets.diff() == 0).flatten()
+        return self._empty
+
+    def weight_grad(self, a, b, like, layout, *, gather_a=False, gather_b=False, scaled=False, out_scale=1.0,
+                    bias_like=None):
+        ct = self.p.ct
+        if min(a.shape[1], b.shape[1]) < GROUPED_MIN_WIDTH or not a.shape[0]:
+            return super().weight_grad(a, b, like, layout, gather_a=gather_a, gather_b=gather_b, scaled=scaled,
+                                       out_scale=out_scale, bias_like=bias_like)
+        sa, sb = self._sorted(a, gather_a), self._sorted(b, gather_b)
+        bias = None
+        if bias_like is not None:  # the per-expert sums of w a, in fp32 (w a rounded to ct, as the kernel's)
+            bias = self.expert_sums(self._scaled(sa) if scaled else sa).to(bias_like.dtype)
+        if scaled:  # (w a)^T b = a^T (w b): the routing weight on the narrower operand (h, not g: [rows, I])
+            if sa.shape[1] <= sb.shape[1]:
+                sa = self._scaled(sa)
+            else:
+                sb = self._scaled(sb)
+        # grad [E, n, k] = sa_e^T sb_e; written as `like` lays it out: for layout (2, 1) the product
+        # is taken the other way round (sb_e^T sa_e), so no transposed copy of the gradient is made
+        first, second = (sa, sb) if layout == (1, 2) else (sb, sa)
+        at = first.t()
+        grad = _grouped_mm_or_none((at.device.type, "weight_grad", ct, *_kind(at, second)), at, second,
+                                   offs=self.ends)
+        if grad is None:
+            return super().weight_grad(a, b, like, layout, gather_a=gather_a, gather_b=gather_b, scaled=scaled,
+                                       out_scale=out_scale, bias_like=bias_like)
+        empty = self.empty_experts()
+        if empty.numel():
+            grad.index_fill_(0, empty, 0.0)
+        if out_scale != 1.0:
+            grad = grad.float().mul_(out_scale)
+        return grad.to(like.dtype), bias
+
+    def _scaled(self, rows):
+        """w * rows in fp32, rounded once to ct (one kernel: the product is stored in ct)."""
+        return torch.mul(rows, self.r.weights.float()[:, None], out=torch.empty_like(rows))
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
 # --------------------------------------------------------------------------------------------
@@ -724,9 +805,9 @@ class _TritonOps:
 _TENSORS = ("hidden", "top_k_index", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias",
             "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b")
 _OPTIONS = ("lora_scaling", "transposed", "interleaved", "activation", "alpha", "limit", "autocast")
-_FORWARD_ARGS = _TENSORS + _OPTIONS + ("triton_path", "save_gate_up")
+_FORWARD_ARGS = _TENSORS + _OPTIONS + ("triton_path", "save_gate_up", "grouped_backward")
 _BACKWARD_ARGS = ("grad_out", "hidden", "top_k_weights", "order", "offsets", "saved_gate_up") + _TENSORS[3:] + \
-    _OPTIONS + ("needs", "triton_path")
+    _OPTIONS + ("needs", "triton_path", "grouped_backward")
 
 
 def _params(named: dict) -> "_Params":
@@ -743,11 +824,12 @@ def _moe_experts_op(
     gate_up_lora_a: Optional[torch.Tensor], gate_up_lora_b: Optional[torch.Tensor],
     down_lora_a: Optional[torch.Tensor], down_lora_b: Optional[torch.Tensor], lora_scaling: float,
     transposed: bool, interleaved: bool, activation: str, alpha: float, limit: float,
-    autocast: Optional[torch.dtype], triton_path: bool, save_gate_up: bool,
+    autocast: Optional[torch.dtype], triton_path: bool, save_gate_up: bool, grouped_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, H] in hidden's dtype, order [T*K] int32, offsets [E+1] int32, the gate/up
     pre-activations [T*K, 2I] fp32 of the sorted rows where save_gate_up asks (the twin), else
-    (0,)); autocast: the compute dtype (None: hidden's)."""
+    (0,)); autocast: the compute dtype (None: hidden's); grouped_backward: the backward's GEMMs
+    through torch._grouped_mm (`backward_path`), read by the backward only."""
     params = _params(locals())
     order, offsets = _route(top_k_index, gate_up.shape[0])
     if triton_path:
@@ -778,7 +860,7 @@ def _moe_experts_backward_op(
     gate_up_lora_b: Optional[torch.Tensor], down_lora_a: Optional[torch.Tensor],
     down_lora_b: Optional[torch.Tensor], lora_scaling: float, transposed: bool, interleaved: bool,
     activation: str, alpha: float, limit: float, autocast: Optional[torch.dtype], needs: list[bool],
-    triton_path: bool,
+    triton_path: bool, grouped_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients named by _GRADS, each in its input's dtype and shape where `needs` (one bool
@@ -789,7 +871,8 @@ def _moe_experts_backward_op(
     needs = tuple(bool(n) and named[name] is not None for n, name in zip(needs, _GRADS))
     saved = saved_gate_up if saved_gate_up.numel() and not triton_path else None
     if triton_path:
-        grads = _backward(grad_out, hidden, top_k_weights, order, offsets, params, needs, _TritonOps)
+        grads = _backward(grad_out, hidden, top_k_weights, order, offsets, params, needs,
+                          _GroupedOps if grouped_backward else _TritonOps)
     else:
         grads = _twin_backward(grad_out, hidden, top_k_weights, order, offsets, params, needs, saved)
     return tuple(g.contiguous() if g is not None else _library.nothing(hidden) for g in grads)
@@ -809,7 +892,7 @@ def _setup_context(ctx, inputs, output):
     # x, the routing weights and the sort; gate/up only where the caller asked to save them (else
     # (0,)); the weights by reference: the backward op's tensors after grad_out, in its order
     ctx.save_for_backward(*(named[name] for name in _BACKWARD_SAVED))
-    ctx.options = {name: named[name] for name in _OPTIONS + ("triton_path",)}
+    ctx.options = {name: named[name] for name in _OPTIONS + ("triton_path", "grouped_backward")}
     ctx.set_materialize_grads(False)
 
 
@@ -1184,7 +1267,7 @@ def _twin_backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, sa
 
 
 def _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, transposed,
-                  interleaved, activation, alpha, limit, lora, autocast_dtype) -> None:
+                  interleaved, activation, alpha, limit, lora, autocast_dtype, backward="auto") -> None:
     """ValueError naming the argument when the call cannot be an experts forward."""
     _dispatch.check_tensor("hidden", hidden, "of shape (tokens, hidden)")
     _dispatch.check_tensor("top_k_index", top_k_index, "of shape (tokens, top_k)")
@@ -1233,6 +1316,8 @@ def _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bia
             _dispatch.check_tensor(name, bias, f"of shape {want} or None")
             if tuple(bias.shape) != want:
                 raise ValueError(f"{name} has shape {tuple(bias.shape)}; expected {want}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {', '.join(BACKWARDS)}, got {backward!r}")
     if autocast_dtype is not None and autocast_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"autocast_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got "
                          f"{autocast_dtype!r}")
@@ -1283,6 +1368,64 @@ def _lora_parts(lora, experts: int, size: int, inter: int, device) -> tuple:
 
 
 # --------------------------------------------------------------------------------------------
+# Which backward
+# --------------------------------------------------------------------------------------------
+
+#: The op's `backward` choices (the site's ACCEL_PATCH_EXPERTS_BACKWARD).
+BACKWARDS = ("auto", "triton", "grouped_mm")
+#: The grouped_mm backward's products and weight gradients with a dim under this (a LoRA rank)
+#: stay Triton launches (`_GroupedOps`).
+GROUPED_MIN_WIDTH = 64
+#: Compute dtypes whose GEMMs `auto` hands to grouped_mm on CUDA (torch 2.11's CUDA grouped_mm
+#: takes bf16 only; fp16 where a torch takes it), each feature-detected once per device.
+GROUPED_AUTO_DTYPES = (torch.bfloat16, torch.float16)
+_TAKES: dict = {}
+
+
+def _grouped_mm_takes(device: torch.device, ct: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs both of the backward's forms (rows x [E, k, n] and the
+    weight gradient's [n, rows] x [rows, k]) in ct on this CUDA device of compute capability 9.0
+    or more: one small trial each, once per (device, dtype); under torch.compile an untried
+    device is a no (nothing is launched while tracing)."""
+    key = (str(device), ct)
+    if key not in _TAKES:
+        if torch.compiler.is_compiling():
+            return False
+        try:
+            ok = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
+            if ok:
+                a = torch.zeros((32, 16), dtype=ct, device=device)
+                offs = torch.tensor([16, 32], dtype=torch.int32, device=device)
+                torch._grouped_mm(a, torch.zeros((2, 16, 16), dtype=ct, device=device), offs=offs)
+                torch._grouped_mm(a.t(), a, offs=offs)
+        except (RuntimeError, NotImplementedError, TypeError, AssertionError):
+            ok = False
+        _TAKES[key] = ok
+    return _TAKES[key]
+
+
+def backward_path(hidden: torch.Tensor, backward: str = "auto", autocast_dtype: torch.dtype | None = None,
+                  lora: bool = False) -> str:
+    """Which backward a call of the op on `hidden` runs: "twin" (the plain-torch twin: off the
+    Triton path), "triton" or "grouped_mm" (the Triton path's backward with its GEMMs and weight
+    gradients through torch._grouped_mm, `_GroupedOps`). `backward` as the op takes it: "auto" is
+    grouped_mm on a CUDA device of compute capability 9.0+ where grouped_mm takes the compute
+    dtype (bf16, fp16: tried once, `_grouped_mm_takes`) and the call has no LoRA (`lora`: every
+    product of LoRA's backward carries or is a low-rank term, which stay Triton launches there:
+    its grouped_mm backward would be the Triton one), else triton; "grouped_mm" forces it on
+    any Triton path (under Triton's interpreter too: the tests' mixed path), "triton" forbids it.
+    The site counts what this says."""
+    if not _dispatch.use_triton(hidden) or hidden.dtype == torch.float64:
+        return "twin"
+    if backward == "grouped_mm":
+        return "grouped_mm"
+    if backward == "triton" or hidden.device.type != "cuda" or lora:
+        return "triton"
+    ct = _compute_dtype(hidden, autocast_dtype)
+    return "grouped_mm" if ct in GROUPED_AUTO_DTYPES and _grouped_mm_takes(hidden.device, ct) else "triton"
+
+
+# --------------------------------------------------------------------------------------------
 # Entry
 # --------------------------------------------------------------------------------------------
 
@@ -1290,7 +1433,8 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                 gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
                 activation: str = "silu", alpha: float = 1.702, limit: float | None = None, lora: dict | None = None,
-                autocast_dtype: torch.dtype | None = None, save_gate_up: bool = False) -> torch.Tensor:
+                autocast_dtype: torch.dtype | None = None, save_gate_up: bool = False,
+                backward: str = "auto") -> torch.Tensor:
     """The experts of a MoE layer: [T, H] in hidden's dtype, sum_k w[t, k] * expert_e(x_t).
 
     hidden [T, H]; top_k_index [T, K] integer expert ids (< 0 or >= E: no expert, skipped);
@@ -1304,7 +1448,10 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     force at the caller (None: off; read it outside, e.g. `_library.autocast_dtype(device_type)`).
     save_gate_up: keep the gate/up pre-activations (fp32, [T*K, 2I]) for backward instead of
     recomputing them there (one grouped GEMM less, for those bytes held until the backward): the
-    plain-torch twin only; the Triton path always recomputes.
+    plain-torch twin only; the Triton path always recomputes. backward: on the Triton path, which
+    backward runs: "triton" (every GEMM a Triton launch), "grouped_mm" (the GEMMs and weight
+    gradients through torch._grouped_mm, the GLU backward still fused) or "auto" (grouped_mm on a
+    CUDA device where it takes the compute dtype, else triton): `backward_path` says which.
     The module docstring says which casts happen and what is saved for backward.
 
     Differentiable in hidden, top_k_weights, gate_up, down, the biases and the LoRA tensors (each
@@ -1314,11 +1461,12 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     if limit is None:
         limit = 7.0 if activation == "gpt_oss" else math.inf
     _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, transposed,
-                  interleaved, activation, alpha, limit, lora, autocast_dtype)
+                  interleaved, activation, alpha, limit, lora, autocast_dtype, backward)
     inter = down.shape[1] if transposed else down.shape[2]
     *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
-    triton_path = _dispatch.use_triton(hidden) and hidden.dtype != torch.float64
+    path = backward_path(hidden, backward, autocast_dtype, any(t is not None for t in adapters))
+    triton_path = path != "twin"
     return torch.ops.accel_kernels.moe_experts(
         hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, scaling, transposed,
         interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path,
-        bool(save_gate_up) and not triton_path)[0]
+        bool(save_gate_up) and not triton_path, path == "grouped_mm")[0]

@@ -413,3 +413,71 @@ def test_under_checkpointing_gate_up_are_recomputed_unless_told_to_save(monkeypa
     # the forward and its recompute inside backward
     want = "fused (saved gate/up)" if mode == "save" else "fused"
     assert experts_calls(twin) == {want: 2 * n}, experts_calls(twin)
+
+
+def test_the_backward_switch_reads_its_three_values_and_names_a_bad_one(monkeypatch):
+    from accel_patch.core import switches
+
+    assert experts.site.backward_mode({}) == "auto"
+    assert experts.site.backward_mode({experts.site.BACKWARD_SWITCH: " "}) == "auto"
+    for value in ("auto", "triton", "grouped_mm", " Grouped_MM "):
+        assert experts.site.backward_mode({experts.site.BACKWARD_SWITCH: value}) == value.strip().lower()
+    with pytest.raises(switches.BadSwitch, match=r"ACCEL_PATCH_EXPERTS_BACKWARD='cutlass' is not one of "
+                                                 r"auto, triton, grouped_mm"):
+        experts.site.backward_mode({experts.site.BACKWARD_SWITCH: "cutlass"})
+    # at the swap, the walk's rule for a site whose reading raises: that site refused with the
+    # error (the experts run the module's forward), never the swap, never a silent default
+    monkeypatch.setenv(experts.site.BACKWARD_SWITCH, "cutlass")
+    model = pair("qwen3_moe")[1]
+    report = swap_kernels(model, ops="experts")
+    refused = [r for r in report.refused if r.op == experts.OP]
+    assert not report.swapped.get(experts.OP) and len(refused) == len(experts_modules(model)), report
+    assert all("BadSwitch: ACCEL_PATCH_EXPERTS_BACKWARD='cutlass' is not one of auto, triton, grouped_mm"
+               in r.reason for r in refused), refused
+
+
+@pytest.mark.parametrize("backward", ["triton", "grouped_mm"])
+def test_the_backward_switch_selects_what_the_count_says(monkeypatch, backward):
+    """The Triton path (interpreted here) runs the backward the switch names, and each call with
+    grad is counted with it: "grouped_mm backward" where the backward's GEMMs are grouped_mm calls
+    (no Triton weight-gradient launch), plain "fused" where they are Triton launches; a step
+    equals stock either way."""
+    from accel_kernels import _launch
+
+    import accel_kernels.ops.moe_experts as op
+
+    monkeypatch.setenv(experts.site.BACKWARD_SWITCH, backward)
+    monkeypatch.setattr(op, "GROUPED_MIN_WIDTH", 8)  # the tiny model's widths (64 and more at a real one's)
+    stock, twin = pair("qwen3_moe")
+    swap_kernels(twin, ops="experts")
+    n = len(experts_modules(twin))
+    real, grouped = torch._grouped_mm, []
+
+    def counting(*args, **kwargs):
+        grouped.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    with _launch.recording() as launched:
+        loss0, grads0, _ = training_step(stock, padded_batch())
+        grouped.clear()  # stock's own grouped_mm experts: every call counted below is the op's
+        launched.clear()
+        loss1, grads1, _ = training_step(twin, padded_batch())
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4
+    want = "fused (grouped_mm backward)" if backward == "grouped_mm" else "fused"
+    assert experts_calls(twin) == {want: n}, experts_calls(twin)
+    assert ("_moe_weight_grad_kernel" in launched) == (backward == "triton"), launched
+    assert bool(grouped) == (backward == "grouped_mm")
+    experts_calls(twin).clear()
+    with torch.no_grad():  # no backward to run: no note
+        twin(**{k: v for k, v in padded_batch().items() if k != "labels"})
+    assert experts_calls(twin) == {"fused": n}
+
+
+def test_the_twin_counts_no_grouped_mm_backward_whatever_the_switch(monkeypatch):
+    on_the_twin(monkeypatch)
+    monkeypatch.setenv(experts.site.BACKWARD_SWITCH, "grouped_mm")
+    stock, twin = pair("qwen3_moe")
+    swap_kernels(twin, ops="experts")
+    training_step(twin, padded_batch())
+    assert experts_calls(twin) == {"fused": len(experts_modules(twin))}
