@@ -31,6 +31,8 @@
 #   e2e-compile  240 s (~160) stock + torch.compile and accel-patch + torch.compile (Inductor, cold cache), full
 #   bench        120 s (~70)  python -m accel_kernels.bench --quick: each op against eager and Liger, host-inclusive
 #                             and device (profiler) times, % of copy bandwidth
+#   moe-op        60 s (~30)  the experts op alone at Qwen3-30B-A3B's shape, forward and backward timed apart, each
+#                             backward (Triton, grouped_mm, auto) against transformers' grouped_mm path
 #   moe          110 s (~70)  Qwen3-30B-A3B layers (2 of them), full and LoRA: grouped_mm vs accel-patch
 #   moe-checkpointed 70 s (~40) the same under gradient checkpointing, LoRA on the experts
 #   qlora        150 s        QLoRA (bitsandbytes 4-bit base): stock PEFT vs fused LoRA, where bitsandbytes is
@@ -110,6 +112,8 @@ add e2e-compile    240  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 
                         '$PY benchmarks/e2e.py --dry-run --backend eager --variants stock+compile,swapped+compile --json "$OUT/$STEP.json"'
 add bench          120  '$PY -m accel_kernels.bench --quick --json "$OUT/$STEP.json"' \
                         '$PY -m accel_kernels.bench --quick --ops rms_norm --json "$OUT/$STEP.json"'
+add moe-op          60  '$PY benchmarks/moe_backward.py --steps 10 --repeats 3 --json "$OUT/$STEP.json"' \
+                        '$PY benchmarks/moe_backward.py --steps 2 --repeats 1 --json "$OUT/$STEP.json"'
 MOE='--variants grouped_mm,accel_patch --layers 2 --steps 4'
 add moe            110  '$PY benchmarks/moe.py --device cuda '"$MOE"' --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe.py --dry-run '"$MOE"' --json "$OUT/$STEP.json"'
@@ -127,12 +131,12 @@ add lora-compile   170  '$PY benchmarks/lora.py --device cuda --autocast bf16 --
                         '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --compile eager --variants "stock,fused LoRA" --json "$OUT/$STEP.json"'
 add check          120  '$PY -m accel_patch.cli check --json > "$OUT/$STEP.json"' \
                         '$PY -m accel_patch.cli check --json --parts launch > "$OUT/$STEP.json"'
-add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants grouped_mm,ours --json "$OUT/$STEP.json"' \
+add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants grouped_mm,ours,ours-triton-bwd --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe.py --dry-run --block --variants grouped_mm,ours --json "$OUT/$STEP.json"'
 add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' tests --ignore=tests/kernels" \
                         "$T -m 'not slow' --collect-only tests --ignore=tests/kernels"
 
-DEFAULT_STEPS="versions kernel-tests e2e lora e2e-compile bench moe moe-checkpointed qlora trl-post"
+DEFAULT_STEPS="versions kernel-tests e2e lora e2e-compile bench moe-op moe moe-checkpointed qlora trl-post"
 if [ "$LIST" = 1 ]; then
     for s in "${NAMES[@]}"; do
         case " $DEFAULT_STEPS " in *" $s "*) d=default ;; *) d=other ;; esac
