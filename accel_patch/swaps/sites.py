@@ -18,6 +18,7 @@ table and in multiprocessing's pickler; every other method pickles exactly as be
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import functools
 import inspect
 import types
@@ -165,12 +166,20 @@ def bind_for_call(module, forward) -> tuple:
 
 
 def unbind(module, bound: tuple) -> None:
-    """Put back what `bind_for_call` replaced (or remove the binding where there was none)."""
+    """Put back what `bind_for_call` replaced (or remove the binding where there was none; dynamo
+    in torch 2.11 cannot trace that removal, so a traced caller binds over an instance forward made
+    at swap time: `class_forward`)."""
     slot, had, previous = bound
     if had:
         module.__dict__[slot] = previous
     elif slot in module.__dict__:
         del module.__dict__[slot]
+
+
+def class_forward(module, *args, **kwargs):
+    """The class's forward of `module`, called: an instance forward that runs as stock (bound as
+    `functools.partial(class_forward, module)`, picklable and copied with the module)."""
+    return type(module).forward(module, *args, **kwargs)
 
 
 def call_kept(attr: str, module, *args, **kwargs):
@@ -247,9 +256,11 @@ def storage_freed(t: torch.Tensor) -> bool:
     return t.numel() == 0 or t.untyped_storage().nbytes() < needed
 
 
+@torch.compiler.assume_constant_result
 def autocast_available(device_type: str) -> bool:
-    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))
-    return available(device_type)
+    """Whether autocast exists for `device_type`. Asked at trace time and kept as a constant of the
+    graph: dynamo in torch 2.11 cannot trace `torch._C._is_autocast_available` (a graph break)."""
+    return torch.amp.is_autocast_available(device_type)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -277,17 +288,26 @@ def count(site, outcome: str, *before) -> None:
     as "compiled: <outcome>": what the graph computes at every call of it (a change that would
     give another outcome fails a guard and is traced, and counted, anew)."""
     if compiling():
-        _count_traced(site, before, outcome)
+        _count_traced(id(site), before, outcome)
     else:
         site.count(*before, outcome)
 
 
 @torch.compiler.assume_constant_result
-def _count_traced(site, before: tuple, outcome: str) -> bool:
+def _count_traced(site_id: int, before: tuple, outcome: str) -> bool:
     """Dynamo runs this at trace time and keeps only its result, so the count is one per compiled
-    graph, not per call; its only guard is the site's identity (the site lives as long as the swap)."""
-    site.count(*before, COMPILED + outcome)
+    graph, not per call. The site comes by id: dynamo in torch 2.11 hands such a function constants
+    only, and `id(site)` in the trace is one, guarded on the site's identity (as 2.13 guards a site
+    passed itself); the site lives as long as the swap."""
+    traced_object(site_id).count(*before, COMPILED + outcome)
     return True
+
+
+def traced_object(object_id: int):
+    """The object whose `id()` is `object_id`, asked for by a function dynamo runs at trace time
+    (`torch.compiler.assume_constant_result`) while the trace that took the id holds the object,
+    so it is alive at that address."""
+    return ctypes.cast(object_id, ctypes.py_object).value
 
 
 def head_name(model, default: str | None = None) -> str:

@@ -85,12 +85,18 @@ def check_first_order(op: str) -> None:
         )
 
 
+@torch.compiler.assume_constant_result
+def _autocast_available(device_type: str) -> bool:
+    """Asked at trace time and kept as a constant of the graph: dynamo in torch 2.11 cannot trace
+    `torch._C._is_autocast_available` (a graph break)."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def autocast_state(device_type: str) -> tuple | None:
     """The autocast setting in force for device_type (None where autocast does not exist): a
     twin that recomputes its forward in backward replays it with `autocast_as`, so that the
     recomputation matches the forward (backward usually runs outside the autocast block)."""
-    available = getattr(torch.amp, "is_autocast_available", lambda kind: kind in ("cpu", "cuda"))
-    if not available(device_type):
+    if not _autocast_available(device_type):
         return None
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 

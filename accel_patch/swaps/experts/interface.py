@@ -108,15 +108,16 @@ def _count_eager(module, outcome: str) -> None:
 
 
 @torch.compiler.assume_constant_result
-def _count_traced(module, outcome: str) -> bool:
-    """Once per compiled graph (dynamo keeps the result, not the call): sites.count's rule."""
-    _count_eager(module, "compiled: " + outcome)
+def _count_traced(module_id: int, outcome: str) -> bool:
+    """Once per compiled graph (dynamo keeps the result, not the call): sites.count's rule, the
+    module by id as there."""
+    _count_eager(sites.traced_object(module_id), "compiled: " + outcome)
     return True
 
 
 def _count_own(module, outcome: str) -> None:
     if sites.compiling():
-        _count_traced(module, outcome)
+        _count_traced(id(module), outcome)
     else:
         _count_eager(module, outcome)
 

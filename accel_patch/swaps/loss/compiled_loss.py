@@ -137,8 +137,14 @@ def prepare(state, leaf) -> None:
     """At swap time: the head's capturing forward, made once (recorded in `state`, undone at
     restore). Where a graph break falls inside the model's forward (stock Mixtral's router-logit
     capture has one), dynamo guards on the identity of the head's forward: one made per call would
-    fail that guard at every call, a recompile per step."""
+    fail that guard at every call, a recompile per step. Where the head's forward slot is empty (a
+    plain linear layer), it gets an instance forward that runs the class's (`sites.class_forward`),
+    so that `fused_call` puts a forward back rather than removing one: dynamo in torch 2.11 cannot
+    trace removing an instance attribute (2.13 can)."""
     state.set(leaf, CAPTURE_ATTR, functools.partial(capture, leaf))
+    slot = sites.forward_slot(leaf)
+    if slot not in leaf.__dict__:
+        state.set(leaf, slot, functools.partial(sites.class_forward, leaf))
 
 
 def fused_call(model, leaf, args, kwargs):

@@ -9,6 +9,7 @@ import os
 import platform
 
 import torch
+import torch._functorch.config  # torch 2.11 has no torch._functorch.config attribute until it is imported
 
 from .. import _triton
 from . import harness, report
