@@ -5,9 +5,12 @@ Shapes stay small: on CPU the Triton interpreter runs one Python program per tok
 """
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import accel_kernels._dispatch as dispatch
@@ -206,6 +209,66 @@ def test_never_materialises_full_logits(device, path, reduction, monkeypatch):
     assert spy.largest <= 16 * vocab * 4, f"a tensor of {spy.largest} bytes; full logits have {n * vocab * 4}"
     ref = _reference(hidden, weight, bias, labels, torch.ones(n) if reduction == "none" else torch.tensor(1.0),
                      reduction=reduction)
+    assert_close(leaves[1].grad, ref[2], torch.float32, what="grad weight")
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held at once by tensors made while active (each storage counted once,
+    until it is freed; storages of `before` never), as torch.cuda.max_memory_allocated counts a
+    step's rise on a GPU. Our ops run with the mode on, as in _LargestOutput."""
+
+    def __init__(self, before=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self.counted = {}
+        self.before = {t.untyped_storage().data_ptr() for t in before if t is not None}
+
+    def _freed(self, key, size):
+        self.live -= size
+        self.counted.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "accel_kernels":
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size and key not in self.counted and key not in self.before:
+                    self.counted[key] = size
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, key, size)
+        return out
+
+
+@pytest.mark.usefixtures("unguarded_outputs")
+@pytest.mark.parametrize("reduction, grad_output", [("mean", 1.0), ("mean", 0.25), ("sum", 1.0)])
+def test_forward_backward_holds_the_gradients_and_one_tile(reduction, grad_output, monkeypatch):
+    # The GPU benchmark's shape (8192 tokens, hidden 4096, vocab 128256) with every dimension / 32,
+    # in fp32 on the plain-torch path (bf16 on a CPU adds an fp32 copy of the weight that a GPU
+    # does not make), the fp32 budget / 32**2 and a tile of all tokens by 64 vocabulary rows, half
+    # of grad h's bytes as on the GPU (8192 x 2048 bf16). What a forward+backward may hold at its
+    # peak: the two results (grad W (V, H) and grad h (N, H)), one tile of logits, and small
+    # per-token vectors; a copy of grad h (instead of scaling the forward's in place) or the old
+    # fp32 (V, H) sum with a scaled copy of it (2x this) exceed it.
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    n, hidden_size, vocab = 256, 128, 4008
+    tile = 4 * n * 64
+    monkeypatch.setattr(flce_module, "TORCH_CHUNK_BYTES", tile)
+    monkeypatch.setattr(flce_module, "TORCH_WEIGHT_FP32_BYTES", flce_module.WEIGHT_FP32_BYTES >> 10)
+    hidden, weight, _, labels = _inputs((n,), hidden_size, vocab, torch.float32, "cpu", bias=False, ignored=(5,))
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+    with _LiveBytes(before=[*leaves, labels]) as held:
+        loss = fused_linear_cross_entropy(*leaves, labels, reduction=reduction)
+        loss.backward(torch.tensor(grad_output))
+    results = 4 * (vocab * hidden_size + n * hidden_size)
+    small = 64 * n  # lse, loss, labels by block, scales: a few per-token vectors
+    assert held.peak <= results + tile + small, (held.peak, results, tile)
+    ref = _reference(hidden, weight, None, labels, torch.tensor(grad_output), reduction=reduction)
+    assert_close(leaves[0].grad, ref[1], torch.float32, what="grad hidden")
     assert_close(leaves[1].grad, ref[2], torch.float32, what="grad weight")
 
 
