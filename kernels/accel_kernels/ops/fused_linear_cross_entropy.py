@@ -3,22 +3,41 @@
 Tokens are processed in chunks. For each chunk: logits = h_chunk @ W.T (+ b) into one reused
 chunk buffer (torch matmul), the cross-entropy rows of cross_entropy.py (Triton kernel, or its
 plain-torch twin off-GPU) turn that buffer in place into the gradient of the loss w.r.t. those
-logits, and the chunk's share of every gradient follows at once: grad_h_chunk = g @ W,
-grad_W += g.T @ h_chunk, grad_b += g.sum(0). Neither the full logits nor their gradient ever
-exist; the per-chunk temporary is one chunk of logits (CHUNK_BYTES).
+logits, and the chunk's share of the gradients follows at once: grad_h_chunk = g @ W, and (below
+the fp32 budget, see next) grad_W += g.T @ h_chunk, grad_b += g.sum(0). Neither the full logits
+nor their gradient ever exist; the per-chunk temporary is one chunk of logits (CHUNK_BYTES).
 
-For "mean" and "sum" the gradients are computed during the forward (when some input requires
-grad) and only scaled by grad_output in the backward, as Liger does: that saves recomputing the
-logits matmul. For "none" each token's loss has its own grad_output, unknown during the forward,
-so the forward keeps only the per-token log-sum-exp and the backward recomputes each chunk's
-logits (one extra matmul).
+The weight's gradient, by what it holds. Summed over token chunks it needs an fp32 (V, H) buffer:
+in bf16 the sum of chunk contributions measurably loses to eager torch's single matmul (relative
+error 4.9e-3 vs 2.0e-3 with 16 chunks, 256 tokens, CPU; Liger's bf16 sum over 32 chunks of 256
+tokens at vocabulary 128256 would round 32 times). At 8192 tokens x 4096 hidden x 128256 vocab
+in bf16 that buffer is 2004 MiB, and the backward, scaling it by grad_output into a new tensor,
+held 2004 + 2004 + 1002 + 2 x 64 (grad_h and its copy) = 5138 MiB, the H200's measured peak.
+So when the fp32 (V, H) sum would exceed WEIGHT_FP32_BYTES (256 MiB; TORCH_WEIGHT_FP32_BYTES,
+1 GiB, on the plain-torch path, whose CPU time rule was measured with the sum), the forward
+computes only loss, lse and grad_h, and the backward computes the weight's (and bias's)
+gradient in a pass of its own, one block of vocabulary rows at a time over all tokens: the
+block's logits recomputed into one (N, block) tile of TILE_BYTES (32 MiB: 2048 rows at 8192
+tokens in bf16), turned into their gradient by the backward rows from the saved lse, and
+grad_W[block] = g.T @ h written in the weight's dtype, summed in the matmul's fp32 accumulator
+over all tokens and rounded once, as eager does. The forward's grad_h is scaled by grad_output
+in place and handed over. At the shape above that holds grad_W 1002 + grad_h 64 + tile 32 =
+1098 MiB at the peak (Liger: 1002 + 64 + a 62.6 MiB chunk = 1129), and between forward and
+backward only grad_h and lse (Liger: grad_W and grad_h, 1066 MiB). The price is one more logits
+matmul: 4 x 2NHV = 34.4 TFLOP against 3 (+10.9 ms at 790 TFLOP/s), less the fp32 sum's traffic
+(up to 31.5 GB, 7.4 ms at 4249 GB/s) and the backward's scaling (7.3 GB, 1.7 ms) it replaces.
+docs/fused-loss.md has the model.
 
-grad_W is accumulated across chunks in float32 (one (V, H) fp32 buffer) also when weight is
-bf16/fp16: summing chunk contributions in bf16 measurably loses to eager torch's single matmul
-(relative error 4.9e-3 vs 2.0e-3 with 16 chunks, 256 tokens, CPU). The backward returns the
-scaled gradients as new tensors rather than scaling the saved ones in place, so for a moment it
-holds both (another (V, H)): in place, AccumulateGrad could adopt a saved tensor as .grad and a
-second backward through a retained graph would see it modified.
+For "mean" and "sum" below the budget the gradients are computed during the forward (when some
+input requires grad) and only scaled by grad_output in the backward, as Liger does: that saves
+recomputing the logits matmul. For "none" each token's loss has its own grad_output, unknown
+during the forward, so the forward keeps only the per-token log-sum-exp and the backward
+recomputes each chunk's logits (one extra matmul; above the budget, one more for the weight's
+pass). Below the budget the backward returns the scaled gradients as new tensors rather than
+scaling the saved ones in place: in place, AccumulateGrad could adopt a saved tensor as .grad and
+a second backward through a retained graph would see it modified. Above it, grad_h is scaled in
+place through `.data` (so no version bump reaches the saved tensor), and a second backward
+through a retained graph recomputes grad_h rather than read it.
 
 This op has no kernels of its own: its host function `_chunked_pass` runs torch matmuls and
 cross_entropy.py's row functions on each chunk, the Triton launches or their plain-torch twins as
@@ -465,7 +484,9 @@ def fused_linear_cross_entropy(
     Gradients flow to hidden, weight and bias, each only if it requires grad, in its own dtype.
     For "mean" and "sum" they are computed during the forward, chunk by chunk, and scaled by
     grad_output in the backward; for "none" the backward recomputes each chunk's logits. grad of
-    weight is accumulated in float32 across chunks.
+    weight is summed in float32 across chunks, or, when that (V, H) sum would exceed
+    WEIGHT_FP32_BYTES, computed in the backward per vocabulary block over all tokens (one more
+    logits matmul; see the module docstring).
 
     chunk_size: tokens per chunk (default: as many as fit CHUNK_BYTES of logits on the Triton
     path, TORCH_CHUNK_BYTES on the plain-torch path).
