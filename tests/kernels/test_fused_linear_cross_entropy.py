@@ -138,8 +138,31 @@ def test_gradients_only_for_inputs_that_require_them(device):
     assert not fused_linear_cross_entropy(hidden, weight, labels, bias=bias).requires_grad
 
 
+def _weight_pass_always(monkeypatch, tile_bytes):
+    """Every call takes the weight's own pass over vocabulary blocks, through tiles of tile_bytes."""
+    monkeypatch.setattr(flce_module, "WEIGHT_FP32_BYTES", 0)
+    monkeypatch.setattr(flce_module, "TORCH_WEIGHT_FP32_BYTES", 0)
+    monkeypatch.setattr(flce_module, "TILE_BYTES", tile_bytes)
+    monkeypatch.setattr(flce_module, "TORCH_CHUNK_BYTES", tile_bytes)
+
+
+@pytest.mark.parametrize("tile_tokens", [18, 8], ids=["all tokens", "token chunks"])
+@pytest.mark.parametrize("dtype, reduction", matrix(
+    DTYPES, REDUCTIONS, quick=lambda dtype, reduction: dtype == torch.float32 or reduction == "mean"))
+def test_weight_pass_matches_float64(device, dtype, reduction, tile_tokens, monkeypatch):
+    # blocks of 64 vocabulary rows over 500 (labels land in different blocks, the last block is
+    # ragged); a tile of every token (grad W of a block in one matmul) or of 8 (summed in fp32)
+    _weight_pass_always(monkeypatch, tile_tokens * 64 * 4)
+    hidden, weight, bias, labels = _inputs((2, 9), 32, 500, dtype, device, ignored=(3, 9, 10), scale=2.0)
+    _check(hidden, weight, bias, labels, dtype, chunk_size=8, softcap=15.0, reduction=reduction,
+           what=f"tile of {tile_tokens} tokens")
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["fp32 sum", "vocab blocks"])
 @pytest.mark.parametrize("factor", [1.0, 2.0])
-def test_inputs_not_modified_and_second_backward_equal(device, factor):
+def test_inputs_not_modified_and_second_backward_equal(device, factor, blocks, monkeypatch):
+    if blocks:  # grad h handed over by the first backward: the second recomputes it
+        _weight_pass_always(monkeypatch, 16 * 50 * 4)
     hidden, weight, bias, labels = _inputs((10,), 8, 50, torch.float32, device)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], chunk_size=3)
@@ -191,16 +214,21 @@ class _LargestOutput(TorchDispatchMode):
 
 
 @pytest.mark.usefixtures("unguarded_outputs")
-@pytest.mark.parametrize("path, reduction", [("torch", r) for r in REDUCTIONS] + [("triton", "none")])
-def test_never_materialises_full_logits(device, path, reduction, monkeypatch):
+@pytest.mark.parametrize("blocks", [False, True], ids=["fp32 sum", "vocab blocks"])
+@pytest.mark.parametrize("path, reduction", [("torch", r) for r in REDUCTIONS] + [("triton", "none"), ("triton", "mean")])
+def test_never_materialises_full_logits(device, path, reduction, blocks, monkeypatch):
     # the twin on CPU; the kernels where they run: GPU tensors, or CPU ones under the interpreter
     if path == "torch":
         device = torch.device("cpu")
         monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
     assert dispatch.use_triton(torch.empty(0, device=device)) == (path == "triton")
     n, hidden_size, vocab = 64, 8, 300
-    # The default chunking, with a budget of 16 tokens' logits.
+    # The default chunking, with a budget of 16 tokens' logits (and the weight's own pass, when
+    # blocks, with a tile of the same budget).
     monkeypatch.setattr(flce_module, "TORCH_CHUNK_BYTES" if path == "torch" else "CHUNK_BYTES", 16 * vocab * 4)
+    if blocks:
+        monkeypatch.setattr(flce_module, "TORCH_WEIGHT_FP32_BYTES" if path == "torch" else "WEIGHT_FP32_BYTES", 0)
+        monkeypatch.setattr(flce_module, "TILE_BYTES", 16 * vocab * 4)
     hidden, weight, bias, labels = _inputs((n,), hidden_size, vocab, torch.float32, device)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     with _LargestOutput() as spy:
@@ -276,6 +304,17 @@ def test_chunk_rows_fits_the_budget():
     assert flce_module.chunk_rows(10_000, 128_256, 2, 256 << 20) == 1024  # 1046 rounded down to tiles of 64
     assert flce_module.chunk_rows(100, 128_256, 2, 256 << 20) == 100
     assert flce_module.chunk_rows(10_000, 10**9, 4, 1 << 20) == 1
+
+
+def test_the_weight_gradient_pass_follows_the_fp32_budget():
+    # the GPU benchmark's head (an fp32 (V, H) sum of 2004 MiB): the weight's own pass, by blocks
+    # of 2048 vocabulary rows over 8192 tokens (32 MiB of bf16 logits)
+    assert flce_module.weight_grad_by_blocks(128_256, 4096, triton_path=True)
+    assert flce_module.chunk_rows(128_256, 8192, 2, flce_module.TILE_BYTES) == 2048
+    # CPU heads keep the fp32 sum, as the CPU time rule was measured: the e2e benchmark's (31 MiB)
+    # and the kernel benchmark's (125 MiB)
+    assert not flce_module.weight_grad_by_blocks(32_000, 256, triton_path=False)
+    assert not flce_module.weight_grad_by_blocks(32_000, 1024, triton_path=False)
 
 
 @pytest.mark.parametrize("bad", [-1, 30])
