@@ -362,3 +362,23 @@ def test_bad_input_names_the_argument(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         fused_linear_cross_entropy(**args)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_weight_pass_under_compile_equals_eager(reduction, monkeypatch):
+    # the backward formula that scales grad h in place and hands it over, traced by AOTAutograd
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    _weight_pass_always(monkeypatch, 16 * 300 * 4)
+    hidden, weight, bias, labels = _inputs((40,), 16, 300, torch.float32, "cpu", ignored=(3,))
+    go = _grad_output(labels, reduction, "cpu")
+
+    def fn(h, w, b):
+        return fused_linear_cross_entropy(h, w, labels, bias=b, reduction=reduction)
+
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(fn, backend="aot_eager", fullgraph=True), hidden, weight, bias, go)
+    ref = _reference(hidden, weight, bias, labels, go, reduction=reduction)
+    for name, c, e, r in zip(("loss", "grad hidden", "grad weight", "grad bias"), compiled,
+                             _run(fn, hidden, weight, bias, go), ref):
+        assert_close(c, r, torch.float32, what=f"{name} compiled")
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7, msg=name)
