@@ -196,9 +196,9 @@ def _weight_pass(h, w, b, y, ignore_index, softcap, triton_path, lse, scale, nee
     time: the block's logits over the tokens are recomputed into one tile (TILE_BYTES, in fp32 on
     the plain-torch path), turned into their gradient, and grad_w[block] = g.T @ h is written in
     the weight's dtype: summed in the matmul's fp32 accumulator over all tokens and rounded once,
-    as eager torch does. Only when the tile cannot hold every token (more than TILE_BYTES / 64
-    columns' worth) are token chunks summed per block in an fp32 (block, H) buffer. scale: fp32,
-    one element or one per token. Returns (grad_w, grad_b), None for those not needed."""
+    as eager torch does. Only when 64 vocabulary rows of every token's logits exceed the tile are
+    token chunks summed per block in an fp32 (block, H) buffer. scale: fp32, one element or one
+    per token. Returns (grad_w, grad_b) in the weight's and bias's dtypes, None for those not needed."""
     n, hidden = h.shape
     vocab = w.shape[0]
     grad_w = _dispatch.empty((vocab, hidden), dtype=w.dtype, device=h.device) if need_w else None
@@ -267,7 +267,8 @@ def _fused_linear_cross_entropy_op(
     need_h: bool, need_w: bool, need_b: bool, check_label_range: bool, triton_path: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse (N,) float32, grad_h, grad_w float32, grad_b float32). For "mean" and "sum" the
-    gradients asked for by need_* are computed here, unscaled by grad_output; every gradient not
+    gradients asked for by need_* are computed here, unscaled by grad_output, except the weight's
+    and bias's when weight_grad_by_blocks (the backward's pass computes those); every gradient not
     computed is (0,). rows: tokens per chunk."""
     if check_label_range:
         _check_label_range(labels, weight.shape[0], ignore_index)
