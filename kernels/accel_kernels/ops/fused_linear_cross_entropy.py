@@ -3,22 +3,41 @@
 Tokens are processed in chunks. For each chunk: logits = h_chunk @ W.T (+ b) into one reused
 chunk buffer (torch matmul), the cross-entropy rows of cross_entropy.py (Triton kernel, or its
 plain-torch twin off-GPU) turn that buffer in place into the gradient of the loss w.r.t. those
-logits, and the chunk's share of every gradient follows at once: grad_h_chunk = g @ W,
-grad_W += g.T @ h_chunk, grad_b += g.sum(0). Neither the full logits nor their gradient ever
-exist; the per-chunk temporary is one chunk of logits (CHUNK_BYTES).
+logits, and the chunk's share of the gradients follows at once: grad_h_chunk = g @ W, and (below
+the fp32 budget, see next) grad_W += g.T @ h_chunk, grad_b += g.sum(0). Neither the full logits
+nor their gradient ever exist; the per-chunk temporary is one chunk of logits (CHUNK_BYTES).
 
-For "mean" and "sum" the gradients are computed during the forward (when some input requires
-grad) and only scaled by grad_output in the backward, as Liger does: that saves recomputing the
-logits matmul. For "none" each token's loss has its own grad_output, unknown during the forward,
-so the forward keeps only the per-token log-sum-exp and the backward recomputes each chunk's
-logits (one extra matmul).
+The weight's gradient, by what it holds. Summed over token chunks it needs an fp32 (V, H) buffer:
+in bf16 the sum of chunk contributions measurably loses to eager torch's single matmul (relative
+error 4.9e-3 vs 2.0e-3 with 16 chunks, 256 tokens, CPU; Liger's bf16 sum over 32 chunks of 256
+tokens at vocabulary 128256 would round 32 times). At 8192 tokens x 4096 hidden x 128256 vocab
+in bf16 that buffer is 2004 MiB, and the backward, scaling it by grad_output into a new tensor,
+held 2004 + 2004 + 1002 + 2 x 64 (grad_h and its copy) = 5138 MiB, the H200's measured peak.
+So when the fp32 (V, H) sum would exceed WEIGHT_FP32_BYTES (256 MiB; TORCH_WEIGHT_FP32_BYTES,
+1 GiB, on the plain-torch path, whose CPU time rule was measured with the sum), the forward
+computes only loss, lse and grad_h, and the backward computes the weight's (and bias's)
+gradient in a pass of its own, one block of vocabulary rows at a time over all tokens: the
+block's logits recomputed into one (N, block) tile of TILE_BYTES (32 MiB: 2048 rows at 8192
+tokens in bf16), turned into their gradient by the backward rows from the saved lse, and
+grad_W[block] = g.T @ h written in the weight's dtype, summed in the matmul's fp32 accumulator
+over all tokens and rounded once, as eager does. The forward's grad_h is scaled by grad_output
+in place and handed over. At the shape above that holds grad_W 1002 + grad_h 64 + tile 32 =
+1098 MiB at the peak (Liger: 1002 + 64 + a 62.6 MiB chunk = 1129), and between forward and
+backward only grad_h and lse (Liger: grad_W and grad_h, 1066 MiB). The price is one more logits
+matmul: 4 x 2NHV = 34.4 TFLOP against 3 (+10.9 ms at 790 TFLOP/s), less the fp32 sum's traffic
+(up to 31.5 GB, 7.4 ms at 4249 GB/s) and the backward's scaling (7.3 GB, 1.7 ms) it replaces.
+docs/fused-loss.md has the model.
 
-grad_W is accumulated across chunks in float32 (one (V, H) fp32 buffer) also when weight is
-bf16/fp16: summing chunk contributions in bf16 measurably loses to eager torch's single matmul
-(relative error 4.9e-3 vs 2.0e-3 with 16 chunks, 256 tokens, CPU). The backward returns the
-scaled gradients as new tensors rather than scaling the saved ones in place, so for a moment it
-holds both (another (V, H)): in place, AccumulateGrad could adopt a saved tensor as .grad and a
-second backward through a retained graph would see it modified.
+For "mean" and "sum" below the budget the gradients are computed during the forward (when some
+input requires grad) and only scaled by grad_output in the backward, as Liger does: that saves
+recomputing the logits matmul. For "none" each token's loss has its own grad_output, unknown
+during the forward, so the forward keeps only the per-token log-sum-exp and the backward
+recomputes each chunk's logits (one extra matmul; above the budget, one more for the weight's
+pass). Below the budget the backward returns the scaled gradients as new tensors rather than
+scaling the saved ones in place: in place, AccumulateGrad could adopt a saved tensor as .grad and
+a second backward through a retained graph would see it modified. Above it, grad_h is scaled in
+place through `.data` (so no version bump reaches the saved tensor), and a second backward
+through a retained graph recomputes grad_h rather than read it.
 
 This op has no kernels of its own: its host function `_chunked_pass` runs torch matmuls and
 cross_entropy.py's row functions on each chunk, the Triton launches or their plain-torch twins as
@@ -34,14 +53,23 @@ from typing import Optional
 import torch
 
 from .. import _dispatch, _library
-from .cross_entropy import _check_label_range, _check_labels, _check_options, _flat_labels, _row_functions
+from .cross_entropy import (_check_label_range, _check_labels, _check_options, _flat_labels, _row_functions,
+                            _torch_capped)
 
 # Budget for one chunk of logits. The Triton path holds one chunk in the logits dtype (at vocab
 # 128256 in bf16: 1024 tokens, matmuls of M=1024 are already efficient on an H100/H200). The
-# plain-torch path also makes fp32 temporaries of bounded size (cross_entropy.TORCH_ROWS_ELEMENTS);
-# its peak is set by the (V, H) gradients, not by this budget, and CPU matmuls want larger chunks.
+# plain-torch path also makes fp32 temporaries of bounded size (cross_entropy.TORCH_ROWS_ELEMENTS)
+# and CPU matmuls want larger chunks.
 CHUNK_BYTES = 256 << 20
 TORCH_CHUNK_BYTES = 64 << 20
+# The weight's gradient is summed over the token chunks in one fp32 (V, H) buffer only while that
+# buffer fits this budget; above it, it is computed one block of vocabulary rows at a time over
+# all tokens (the block's logits recomputed from the saved lse: one more logits matmul), straight
+# into the weight's dtype, through one (N, block) tile of TILE_BYTES (see the module docstring).
+# The plain-torch path (CPU) keeps the fp32 sum up to 1 GiB: its time rule was measured that way.
+WEIGHT_FP32_BYTES = 256 << 20
+TORCH_WEIGHT_FP32_BYTES = 1 << 30
+TILE_BYTES = 32 << 20
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,6 +88,12 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
     if rows >= 64:
         rows -= rows % 64  # whole tiles for the matmuls
     return max(1, min(rows, n_rows))
+
+
+def weight_grad_by_blocks(vocab: int, hidden: int, triton_path: bool) -> bool:
+    """Whether the weight's gradient is computed per vocabulary block in a pass of its own (its
+    fp32 (V, H) sum over token chunks would not fit WEIGHT_FP32_BYTES, TORCH_WEIGHT_FP32_BYTES)."""
+    return vocab * hidden * 4 > (WEIGHT_FP32_BYTES if triton_path else TORCH_WEIGHT_FP32_BYTES)
 
 
 # Whether torch.addmm(..., out_dtype=torch.float32) works on a device type (cuBLAS, torch >= 2.8):
@@ -142,6 +176,78 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
     return grad_h, grad_w, grad_b
 
 
+def _block_grad_torch(logits, y_block, lse, scale, softcap):
+    """scale * d loss / d logits (fp32) of a (rows, block) tile of logits from the full-vocabulary
+    lse: y_block is the label's column in the block, -1 for an ignored row, the block's width for
+    a label outside it. NaN lse (an out-of-range label) gives a NaN row, as the rows do."""
+    z, t = _torch_capped(logits, softcap)
+    valid = y_block >= 0
+    g = z.sub_(torch.where(valid, lse, float("inf")).unsqueeze(1)).exp_()  # ignored rows: 0
+    g.mul_(scale.unsqueeze(1))
+    hit = torch.nonzero(valid & (y_block < logits.shape[1])).squeeze(1)
+    g[hit, y_block[hit].long()] -= scale[hit]
+    if t is not None:
+        g.mul_(t.square_().neg_().add_(1.0))  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
+    return g
+
+
+def _weight_pass(h, w, b, y, ignore_index, softcap, triton_path, lse, scale, need_w, need_b):
+    """The weight's (and bias's) gradient from the saved lse, one block of vocabulary rows at a
+    time: the block's logits over the tokens are recomputed into one tile (TILE_BYTES, in fp32 on
+    the plain-torch path), turned into their gradient, and grad_w[block] = g.T @ h is written in
+    the weight's dtype: summed in the matmul's fp32 accumulator over all tokens and rounded once,
+    as eager torch does. Only when 64 vocabulary rows of every token's logits exceed the tile are
+    token chunks summed per block in an fp32 (block, H) buffer. scale: fp32, one element or one
+    per token. Returns (grad_w, grad_b) in the weight's and bias's dtypes, None for those not needed."""
+    n, hidden = h.shape
+    vocab = w.shape[0]
+    grad_w = _dispatch.empty((vocab, hidden), dtype=w.dtype, device=h.device) if need_w else None
+    grad_b = torch.zeros((vocab,), dtype=torch.float32, device=h.device) if need_b else None
+    if n == 0 or not (need_w or need_b):
+        return grad_w.zero_() if need_w else None, grad_b.to(b.dtype) if need_b else None
+    fp32_tile = not triton_path  # the plain-torch gradient is fp32
+    itemsize = 4 if fp32_tile else h.element_size()
+    budget = TORCH_CHUNK_BYTES if fp32_tile else TILE_BYTES
+    cols = max(chunk_rows(vocab, n, itemsize, budget), min(vocab, 64))
+    rows = chunk_rows(n, cols, itemsize, budget)
+    tile = _dispatch.empty((rows * cols,), dtype=h.dtype, device=h.device)
+    acc = _dispatch.empty((cols, hidden), dtype=torch.float32, device=h.device) if need_w and rows < n else None
+    scale = scale.reshape(-1).float().expand(n)
+    y = y.long()
+    backward_rows = _row_functions(True)[1] if triton_path else None
+    wide = h.device.type == "cpu" and h.dtype != torch.float32  # CPU: gradient matmuls in fp32
+    for v0 in range(0, vocab, cols):
+        v1 = min(vocab, v0 + cols)
+        # labels as columns of this block: -1 ignored, v1 - v0 (no column) outside the block
+        y_block = torch.where(y == ignore_index, -1, torch.where((y >= v0) & (y < v1), y - v0, v1 - v0))
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            h_c, logits = h[s:e], tile[: (e - s) * (v1 - v0)].view(e - s, v1 - v0)
+            if b is None:
+                torch.matmul(h_c, w[v0:v1].t(), out=logits)
+            else:
+                torch.addmm(b[v0:v1], h_c, w[v0:v1].t(), out=logits)
+            if triton_path:
+                backward_rows(logits, y_block[s:e], -1, softcap, lse[s:e], scale[s:e], logits)
+                g = logits
+            else:
+                g = _block_grad_torch(logits, y_block[s:e], lse[s:e], scale[s:e], softcap)
+            if need_w:
+                g_mm, h_mm = (g.float(), h_c.float()) if wide or g.dtype != h_c.dtype else (g, h_c)
+                if acc is None:
+                    if g_mm.dtype == grad_w.dtype:
+                        torch.matmul(g_mm.t(), h_mm, out=grad_w[v0:v1])
+                    else:
+                        grad_w[v0:v1] = g_mm.t() @ h_mm
+                else:
+                    _add_matmul_(acc[: v1 - v0], g_mm.t(), h_mm, first=s == 0)
+            if need_b:
+                grad_b[v0:v1] += g.sum(0, dtype=torch.float32)
+        if acc is not None:
+            grad_w[v0:v1] = acc[: v1 - v0]
+    return grad_w, grad_b.to(b.dtype) if need_b else None
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library ops (see _library.py): forward, backward, fake implementations, autograd formula
 # --------------------------------------------------------------------------------------------
@@ -161,7 +267,8 @@ def _fused_linear_cross_entropy_op(
     need_h: bool, need_w: bool, need_b: bool, check_label_range: bool, triton_path: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse (N,) float32, grad_h, grad_w float32, grad_b float32). For "mean" and "sum" the
-    gradients asked for by need_* are computed here, unscaled by grad_output; every gradient not
+    gradients asked for by need_* are computed here, unscaled by grad_output, except the weight's
+    and bias's when weight_grad_by_blocks (the backward's pass computes those); every gradient not
     computed is (0,). rows: tokens per chunk."""
     if check_label_range:
         _check_label_range(labels, weight.shape[0], ignore_index)
@@ -176,9 +283,11 @@ def _fused_linear_cross_entropy_op(
         scale = torch.ones(1, dtype=torch.float32, device=h.device)
     loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
     lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
+    # Above the fp32 budget the weight's and bias's gradients wait for the backward (_weight_pass).
+    in_pass = grads_now and not weight_grad_by_blocks(weight.shape[0], h.shape[1], triton_path)
     grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows, scale=scale,
-                          need_h=need_h and grads_now, need_w=need_w and grads_now,
-                          need_b=need_b and bias is not None and grads_now, loss=loss, lse=lse)
+                          need_h=need_h and grads_now, need_w=need_w and in_pass,
+                          need_b=need_b and bias is not None and in_pass, loss=loss, lse=lse)
     grads = _grads_or_nothing(grads, h, weight, bias)
     if reduction == "none":
         return (loss.view(labels.shape), lse, *grads)
@@ -192,11 +301,12 @@ def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, need
       check_label_range, triton_path):
     now = reduction != "none"
     n, vocab, size = labels.numel(), weight.shape[0], hidden.shape[-1]
+    in_pass = now and not weight_grad_by_blocks(vocab, size, triton_path)
     return (hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32),
             hidden.new_empty((n,), dtype=torch.float32),
             hidden.new_empty((n, size) if now and need_h else (0,)),
-            hidden.new_empty((vocab, size) if now and need_w else (0,), dtype=torch.float32),
-            hidden.new_empty((vocab,) if now and need_b and bias is not None else (0,), dtype=torch.float32))
+            hidden.new_empty((vocab, size) if in_pass and need_w else (0,), dtype=torch.float32),
+            hidden.new_empty((vocab,) if in_pass and need_b and bias is not None else (0,), dtype=torch.float32))
 
 
 @_library.custom_op("fused_linear_cross_entropy_backward")
@@ -205,14 +315,23 @@ def _fused_linear_cross_entropy_backward_op(
     labels: torch.Tensor, lse: torch.Tensor, ignore_index: int, softcap: Optional[float], rows: int,
     need_h: bool, need_w: bool, need_b: bool, triton_path: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reduction "none": (grad_h of hidden's shape, grad_w, grad_b) in the inputs' dtypes, each (0,)
-    unless asked for; the logits of each chunk are recomputed."""
+    """(grad_h of hidden's shape, grad_w, grad_b) in the inputs' dtypes, each (0,) unless asked for,
+    from the forward's lse; grad_output: the gradient scale, one per token or one for all (for
+    "mean" already divided by the kept tokens). The logits of each chunk are recomputed; above the
+    fp32 budget the weight's gradient comes from its own pass over vocabulary blocks."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = _flat_labels(labels)
     need_b = need_b and bias is not None
-    grad_h, grad_w, grad_b = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows,
-                                           scale=grad_output.reshape(-1).float(), need_h=need_h,
-                                           need_w=need_w, need_b=need_b, saved_lse=lse)
+    scale = grad_output.reshape(-1).float()
+    by_blocks = weight_grad_by_blocks(weight.shape[0], h.shape[1], triton_path)
+    grad_h = grad_w = grad_b = None
+    if need_h or ((need_w or need_b) and not by_blocks):
+        grad_h, grad_w, grad_b = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows,
+                                               scale=scale, need_h=need_h, need_w=need_w and not by_blocks,
+                                               need_b=need_b and not by_blocks, saved_lse=lse)
+    if by_blocks and (need_w or need_b):
+        grad_w, grad_b = _weight_pass(h, weight, bias, y, ignore_index, softcap, triton_path, lse, scale,
+                                      need_w, need_b)
     return (grad_h.view(hidden.shape) if need_h else _library.nothing(hidden),
             grad_w.to(weight.dtype) if need_w else _library.nothing(weight),
             grad_b.to(bias.dtype) if need_b else _library.nothing(weight))
@@ -232,10 +351,13 @@ def _setup_context(ctx, inputs, output):
     _, lse, grad_h, grad_w, grad_b = output
     ctx.options = (ignore_index, softcap, reduction, rows, triton_path, hidden.shape)
     ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-    else:
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+    # "mean"/"sum" with the weight's gradient left to the backward (weight_grad_by_blocks) keep the
+    # inputs for its pass, as "none" does, and the forward's unscaled grad_h
+    ctx.recompute = reduction == "none" or (
+        (need_w or (need_b and bias is not None))
+        and weight_grad_by_blocks(weight.shape[0], hidden.shape[-1], triton_path))
+    ctx.grad_h_given = False
+    ctx.save_for_backward(grad_h, grad_w, grad_b, *((hidden, weight, bias, labels, lse) if ctx.recompute else ()))
     ctx.set_materialize_grads(False)  # lse and the gradients get no gradient: allocate none for them
 
 
@@ -248,21 +370,44 @@ def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tor
     return torch.mul(grad.float(), factor.float()).to(dtype)
 
 
+def _scale_in_place(grad: torch.Tensor, factor: torch.Tensor, rows: int) -> torch.Tensor:
+    """grad *= factor, computed in fp32 a chunk of rows at a time (one rounding, bounded temporaries)."""
+    for s in range(0, grad.shape[0], rows):
+        grad[s:s + rows] = grad[s:s + rows].float().mul_(factor)
+    return grad
+
+
 def _backward(ctx, grad_output, *_unused):
     _dispatch.check_first_order("fused_linear_cross_entropy")
     ignore_index, softcap, reduction, rows, triton_path, hidden_shape = ctx.options
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     h_dtype, w_dtype, b_dtype = ctx.dtypes
-    if reduction == "none":
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
-        grad_h, grad_w, grad_b = torch.ops.accel_kernels.fused_linear_cross_entropy_backward(
-            grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
-            need_h, need_w, need_b, triton_path)
-    else:
+    if not ctx.recompute:
         grad_h, grad_w, grad_b = ctx.saved_tensors
         grad_h = _scaled(grad_h, grad_output, h_dtype).view(hidden_shape) if need_h else None
         grad_w = _scaled(grad_w, grad_output, w_dtype) if need_w else None
         grad_b = _scaled(grad_b, grad_output, b_dtype) if need_b else None
+    elif reduction == "none":
+        hidden, weight, bias, labels, lse = ctx.saved_tensors[3:]
+        grad_h, grad_w, grad_b = torch.ops.accel_kernels.fused_linear_cross_entropy_backward(
+            grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
+            need_h, need_w, need_b, triton_path)
+    else:
+        saved_h, _, _, hidden, weight, bias, labels, lse = ctx.saved_tensors
+        scale = grad_output.float()
+        if reduction == "mean":
+            scale = scale / (labels != ignore_index).sum().clamp(min=1)
+        # The forward's grad_h (already divided by the kept tokens) is scaled in place and handed
+        # over: a copy would hold a second (N, H) beside the (V, H) result. Through `.data`, so
+        # neither this nor a user's in-place work on the .grad that adopts it bumps the saved
+        # tensor's version; a later backward through a retained graph recomputes grad_h instead.
+        again = need_h and ctx.grad_h_given
+        grad_h, grad_w, grad_b = torch.ops.accel_kernels.fused_linear_cross_entropy_backward(
+            scale, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
+            again, need_w, need_b, triton_path)
+        if need_h and not again:
+            grad_h = _scale_in_place(saved_h.data, grad_output.float(), rows).view(hidden_shape)
+            ctx.grad_h_given = True
     return ((grad_h if need_h else None), (grad_w if need_w else None), (grad_b if need_b else None),
             *(None,) * 10)
 
@@ -340,7 +485,9 @@ def fused_linear_cross_entropy(
     Gradients flow to hidden, weight and bias, each only if it requires grad, in its own dtype.
     For "mean" and "sum" they are computed during the forward, chunk by chunk, and scaled by
     grad_output in the backward; for "none" the backward recomputes each chunk's logits. grad of
-    weight is accumulated in float32 across chunks.
+    weight is summed in float32 across chunks, or, when that (V, H) sum would exceed
+    WEIGHT_FP32_BYTES, computed in the backward per vocabulary block over all tokens (one more
+    logits matmul; see the module docstring).
 
     chunk_size: tokens per chunk (default: as many as fit CHUNK_BYTES of logits on the Triton
     path, TORCH_CHUNK_BYTES on the plain-torch path).
