@@ -23,6 +23,7 @@ bool form (1 byte/element) goes in and is kept for backward.
 from __future__ import annotations
 
 import functools
+import math
 from collections import namedtuple
 
 import torch
@@ -134,18 +135,68 @@ def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
+def dropout_scale(p: float, dtype: torch.dtype, device_type: str, backward: bool = False) -> float:
+    """The factor F.dropout multiplies a kept element by (its backward's when `backward`), as a Python
+    float exact in float32: on CPU the noise `ones.div_(1 - p)` computed in the input's dtype; CUDA's
+    fused kernel: float32 1/(1-p) of float32 (1-p), its backward 1/(1-p) rounded to float32."""
+    if device_type in _FUSED_DROPOUT:
+        return _f32(1.0 / (1.0 - p) if backward else 1.0 / _f32(1.0 - p))
+    return _cpu_noise(p, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_noise(p: float, dtype: torch.dtype) -> float:
+    return float(torch.ones((), dtype=dtype).div_(1 - p))
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _same_rounding(v_dtype, noise_dtype, out_dtype) -> bool:
+    """Whether `v * noise` computed in v's dtype and stored in out_dtype equals PEFT's: v cast to
+    noise_dtype, multiplied there, cast to out_dtype. True when v is in noise_dtype already (the
+    store casts as `.to` does), and when v is half precision, the noise float32 and the result cast
+    back to v's dtype: half-precision arithmetic computes in float32 and rounds once to half, which
+    is float32's rounding followed by the cast."""
+    return v_dtype == noise_dtype or (v_dtype in _HALF and noise_dtype == torch.float32 and out_dtype == v_dtype)
+
+
+def dropped(v: torch.Tensor, mask: torch.Tensor | None, p: float, noise_dtype: torch.dtype,
+            out_dtype: torch.dtype, backward: bool = False, casts: dict | None = None) -> torch.Tensor:
+    """PEFT's `dropout(v.to(noise_dtype)).to(out_dtype)` (or the same for dropout's backward), bit for
+    bit as F.dropout computes it, in as few passes as that allows: the mask multiply (exact in any
+    dtype) and the scale in v's own dtype where the rounding is the same (`_same_rounding`: no
+    float32 copy of a half-precision v), the cast to out_dtype taken by the scale's store. Without a
+    mask: v itself where the casts are a round trip (half -> float32 -> half)."""
+    same = _same_rounding(v.dtype, noise_dtype, out_dtype)
+    if mask is None:
+        return _as(v, out_dtype, casts) if same else _as(v, noise_dtype, casts).to(out_dtype)
+    mask = mask.reshape(v.shape)
+    scale = dropout_scale(p, noise_dtype, v.device.type, backward)
+    if casts is not None:
+        # projections reading the same x: fp32(x * scale) once (rounded to out_dtype), then one exact
+        # mask multiply each ((x * s) * 0/1 is (x * 0/1) * s, signed zeros and NaNs included as s > 0;
+        # not where x * s overflows, within a factor 1/(1-p) of the dtype's largest value)
+        key = ("scaled", noise_dtype, out_dtype, scale)
+        if key not in casts:
+            casts[key] = _scaled(v if same else _as(v, noise_dtype, casts), scale, out_dtype)
+        return casts[key] * mask
+    t = (v if same else v.to(noise_dtype)) * mask
+    return _scaled(t, scale, out_dtype, inplace=True)
+
+
+def _scaled(t: torch.Tensor, scale: float, out_dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
+    """t * scale computed in t's dtype, stored in out_dtype (in place where t may be overwritten)."""
+    if t.dtype == out_dtype:
+        return t.mul_(scale) if inplace else t * scale
+    return torch.mul(t, scale, out=torch.empty_like(t, dtype=out_dtype))
+
+
 def drop(v: torch.Tensor, mask: torch.Tensor | None, p: float, backward: bool = False) -> torch.Tensor:
     """v times the dropout noise of `mask`, bit for bit as `F.dropout` multiplies (and its backward):
     CPU multiplies by a noise tensor of `1 / (1 - p)` computed in v's dtype; CUDA's fused kernel by
     float32 1/(1-p) in float32."""
-    if mask is None:
-        return v
-    mask = mask.reshape(v.shape)
-    if v.device.type in _FUSED_DROPOUT:  # native_dropout's scale: 1/(1-p) of float32 (1-p); its backward's: of (1-p)
-        scale = _f32(1.0 / (1.0 - p) if backward else 1.0 / _f32(1.0 - p))
-        return (v.float() * mask).mul_(scale).to(v.dtype)
-    noise = torch.ones((), dtype=v.dtype, device=v.device).div_(1 - p)  # `noise.div_(1 - p)`'s value
-    return v * torch.where(mask, noise, 0)
+    return dropped(v, mask, p, v.dtype, v.dtype, backward)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype, casts: dict | None) -> torch.Tensor:
@@ -167,10 +218,21 @@ def _accumulate(dx, term: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _adapter_input(x: torch.Tensor, m: Meta, mask, casts: dict | None) -> torch.Tensor:
     """What lora_A multiplies: x cast to the adapter's input dtype, dropped, cast to its matmul dtype."""
-    dt = m.dt
-    if mask is None and dt.lora_in == x.dtype:
-        return _as(x, dt.lora, casts)
-    return drop(_as(x, dt.lora_in, casts), mask, m.p).to(dt.lora)
+    return dropped(x, mask, m.p, m.dt.lora_in, m.dt.lora, casts=casts)
+
+
+def _folded(scale: float, dtype: torch.dtype) -> bool:
+    """Whether `scale` may multiply the r-wide x A^T instead of the output-wide product: a power of
+    two >= 1 (an exact multiply, and (s x A^T) B^T = s (x A^T B^T) exactly, the matmul's sums scaled
+    alike) in a dtype with float32's range (bf16, float32: no overflow the later multiply would not
+    have too)."""
+    mantissa, exponent = math.frexp(scale)
+    return mantissa == 0.5 and exponent >= 1 and dtype in (torch.bfloat16, torch.float32, torch.float64)
+
+
+def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """Whether every value of `narrow` is one of `wide` (narrow -> wide -> narrow is the identity)."""
+    return torch.promote_types(narrow, wide) == wide
 
 
 def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None) -> torch.Tensor:
@@ -184,12 +246,19 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None) -
         return y
     A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
     mask = t.get("mask")
-    xl = _adapter_input(x, m, mask, casts)
+    xa = _adapter_input(x, m, mask, casts) @ A.t()  # (n, r)
     if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
-        return y.addmm_(xl @ A.t(), B.t(), alpha=m.scale)
-    # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps one by one
-    lora = torch.mm(xl @ A.t(), B.t()).mul_(m.scale).to(dt.add)
-    return y.to(dt.add).add_(lora).to(dt.out)
+        return y.addmm_(xa, B.t(), alpha=m.scale)
+    # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps, each as few passes as exact
+    folded = _folded(m.scale, dt.lora)
+    if folded and m.scale != 1.0:
+        xa.mul_(m.scale)
+    lora = torch.mm(xa, B.t())
+    if not folded:
+        lora.mul_(m.scale)
+    if dt.out == y.dtype and torch.promote_types(y.dtype, lora.dtype) == dt.add:
+        return y.add_(lora)  # computed in dt.add (the promoted dtype), stored in the result's: PEFT's add and cast back
+    return y.to(dt.add).add_(lora.to(dt.add)).to(dt.out)
 
 
 def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts: dict | None = None):
@@ -198,7 +267,8 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
     (x needs no gradient: the base's dx matmul is skipped, as autograd skips it). The adapter's term
     is added before the base's, the order in which autograd sums PEFT's two branches."""
     dt = m.dt
-    d_add = dy.to(dt.add)
+    # dy -> the sum's dtype -> back is the identity where the sum's dtype holds dy's: no copies then
+    d_add = dy if _widens(dy.dtype, dt.add) else dy.to(dt.add)
     dA = dB = None
     if m.adapted:
         A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
@@ -210,7 +280,7 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
         dA = (u.t() @ xl).to(t["A"].dtype)
         del xl, g
         if dx is not False:
-            dx = _accumulate(dx, drop((u @ A).to(dt.lora_in), mask, m.p, backward=True), x.dtype)
+            dx = _accumulate(dx, dropped(u @ A, mask, m.p, dt.lora_in, x.dtype, backward=True), x.dtype)
     if dx is not False:
         w = base_weight(m, t)
         dx = _accumulate(dx, d_add.to(dt.result).to(dt.base) @ w, x.dtype)
