@@ -345,12 +345,14 @@ def _grad_fakes(metas, ts) -> list:
     return [t[name].new_empty(t[name].shape) for m, t in zip(metas, ts) if m.adapted for name in ("A", "B")]
 
 
-@_custom_op("linears")
-def _linears_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+def _linears(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     """Each projection of `spec` on x (2-D outputs): PEFT's LoRA forward, fused."""
     metas, _ = parse(spec)
     x2, casts = _rows(x), {}
     return [proj_forward(x2, m, t, casts) for m, t in zip(metas, _split(metas, tensors))]
+
+
+_linears_op = _custom_op("linears")(_linears)
 
 
 @_linears_op.register_fake
@@ -359,8 +361,7 @@ def _(x, tensors, spec):
     return [x.new_empty((_n_rows(x), m.out_features), dtype=m.dt.out) for m in metas]
 
 
-@_custom_op("linears_backward")
-def _linears_backward_op(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor], spec: str,
+def _linears_bwd(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor], spec: str,
                          need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
     metas, _ = parse(spec)
@@ -372,6 +373,9 @@ def _linears_backward_op(douts: list[torch.Tensor], x: torch.Tensor, tensors: li
         if m.adapted:
             grads = [dA, dB] + grads
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + grads
+
+
+_linears_backward_op = _custom_op("linears_backward")(_linears_bwd)
 
 
 @_linears_backward_op.register_fake
@@ -398,8 +402,7 @@ def _linears_backward(ctx, douts):
 _linears_op.register_autograd(_linears_backward, setup_context=_linears_setup)
 
 
-@_custom_op("mlp")
-def _mlp_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mlp(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(down(act(gate(x)) * up(x)) as 2-D, gate, up) for the projections of `spec` (gate, up, down;
     or gate_up, down, where the second output is gate_up whole and the third an empty tensor)."""
     metas, (act, gate_first, path) = parse(spec)
@@ -417,6 +420,9 @@ def _mlp_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[to
     return out, gate, up
 
 
+_mlp_op = _custom_op("mlp")(_mlp)
+
+
 def _halves(gate_up: torch.Tensor, gate_first: bool):
     first, second = gate_up.chunk(2, dim=-1)
     return (first, second) if gate_first else (second, first)
@@ -431,8 +437,7 @@ def _(x, tensors, spec):
     return x.new_empty((n, metas[-1].out_features), dtype=metas[-1].dt.out), gate, up
 
 
-@_custom_op("mlp_backward")
-def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+def _mlp_bwd(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                      tensors: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
     metas, (act, gate_first, path) = parse(spec)
@@ -462,6 +467,9 @@ def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + flat
 
 
+_mlp_backward_op = _custom_op("mlp_backward")(_mlp_bwd)
+
+
 @_mlp_backward_op.register_fake
 def _(dout, x, gate, up, tensors, spec, need_dx):
     metas, _ = parse(spec)
@@ -483,6 +491,63 @@ def _mlp_backward(ctx, dout, _dgate, _dup):
 
 
 _mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+# Eager: the same functions without the custom-op boundary, whose dispatch (the library's autograd
+# wrapper, its dynamo-disabled entry) costs more host time a call than PEFT's three layers do at a
+# few tokens (tests/swaps/lora/lora_census.py --timing). Under torch.compile the ops are traced.
+
+
+class _NoAutocast:
+    """Autocast off inside (as inside a custom op), only where it is on: the dtypes come in the spec."""
+
+    def __init__(self, device_type: str) -> None:
+        self.ctx = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx is not None else False
+
+
+class _EagerLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, *tensors):
+        with _NoAutocast(x.device.type):
+            outs = _linears(x, list(tensors), spec)
+        ctx.save_for_backward(x, *tensors)
+        ctx.spec, ctx.need_dx = spec, ctx.needs_input_grad[0]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        x, *tensors = ctx.saved_tensors
+        metas, _ = parse(ctx.spec)
+        douts = [d if d is not None else x.new_zeros((_n_rows(x), m.out_features), dtype=m.dt.out)
+                 for d, m in zip(douts, metas)]
+        with _NoAutocast(x.device.type):
+            grads = _linears_bwd(douts, x, tensors, ctx.spec, ctx.need_dx)
+        return (grads[0] if ctx.need_dx else None), None, *_adapter_grads(metas, grads[1:])
+
+
+class _EagerMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, *tensors):
+        with _NoAutocast(x.device.type):
+            out, gate, up = _mlp(x, list(tensors), spec)
+        ctx.save_for_backward(x, gate, up, *tensors)
+        ctx.spec, ctx.need_dx = spec, ctx.needs_input_grad[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, gate, up, *tensors = ctx.saved_tensors
+        metas, _ = parse(ctx.spec)
+        with _NoAutocast(x.device.type):
+            grads = _mlp_bwd(dout, x, gate, up, tensors, ctx.spec, ctx.need_dx)
+        return (grads[0] if ctx.need_dx else None), None, *_adapter_grads(metas, grads[1:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,7 +591,11 @@ def linears_inputs(x, projs, adapters) -> tuple:
 
 def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
     """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
-    outs = torch.ops.accel_patch_lora.linears(*linears_inputs(x, projs, adapters))
+    x, tensors, spec = linears_inputs(x, projs, adapters)
+    if torch.compiler.is_compiling():
+        outs = torch.ops.accel_patch_lora.linears(x, tensors, spec)
+    else:
+        outs = _EagerLinears.apply(x, spec, *tensors)
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
@@ -555,7 +624,11 @@ def mlp_inputs(x, projs, adapters, act: str, gate_first: bool, glu_path: str = G
 def fused_mlp(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GLU_KERNEL) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
     saving x, gate, up and the dropout masks."""
-    out, _, _ = torch.ops.accel_patch_lora.mlp(*mlp_inputs(x, projs, adapters, act, gate_first, glu_path))
+    x, tensors, spec = mlp_inputs(x, projs, adapters, act, gate_first, glu_path)
+    if torch.compiler.is_compiling():
+        out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
+    else:
+        out = _EagerMLP.apply(x, spec, *tensors)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -122,22 +122,22 @@ class Census(TorchDispatchMode):
 
 
 class _Attn(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden, inter, kv) -> None:
         super().__init__()
-        self.q_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.k_proj = torch.nn.Linear(HIDDEN, KV, bias=False)
-        self.v_proj = torch.nn.Linear(HIDDEN, KV, bias=False)
+        self.q_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, kv, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, kv, bias=False)
 
 
 class _MLP(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden, inter, kv) -> None:
         super().__init__()
-        self.gate_proj = torch.nn.Linear(HIDDEN, INTER, bias=False)
-        self.up_proj = torch.nn.Linear(HIDDEN, INTER, bias=False)
-        self.down_proj = torch.nn.Linear(INTER, HIDDEN, bias=False)
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
 
 
-def peft_modules(dropout: float):
+def peft_modules(dropout: float, widths=(HIDDEN, INTER, KV)):
     """(attention, MLP) with PEFT's LoRA layers (r=16, alpha 32) on a bf16 base: float32 adapters
     (PEFT's autocast_adapter_dtype), B non-zero."""
     from peft import LoraConfig, get_peft_model
@@ -145,7 +145,7 @@ def peft_modules(dropout: float):
     torch.manual_seed(0)
     out = []
     for cls, names in ((_Attn, ["q_proj", "k_proj", "v_proj"]), (_MLP, ["gate_proj", "up_proj", "down_proj"])):
-        m = cls().to(torch.bfloat16)
+        m = cls(*widths).to(torch.bfloat16)
         model = get_peft_model(m, LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=dropout, target_modules=names))
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -180,10 +180,10 @@ def mlp_call(mlp, fused: bool):
     return lambda x: (mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)),)
 
 
-def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True):
+def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True, hidden: int = HIDDEN):
     """(forward records, backward records) of one call on a bf16 input of `tokens` tokens."""
     torch.manual_seed(1)
-    x = torch.randn(1, tokens, HIDDEN, dtype=torch.bfloat16).requires_grad_()
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16).requires_grad_()
     fwd, bwd = [], []
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with (Census(fwd) if count else _null()):
@@ -256,32 +256,46 @@ def table(show_ops: bool = False) -> str:
     return "\n".join(lines + detail)
 
 
-def host_us_per_call(repeats: int = 20) -> str:
-    """Median host time (us) of forward + backward of one call at SMALL_TOKENS, fused and PEFT
+HOST_WIDTHS, HOST_TOKENS = (64, 256, 16), 8
+
+
+def _step(call, x, autocast: bool) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        outs = call(x * 1)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+def host_us_per_call(repeats: int = 200) -> str:
+    """Wall time (us; minimum and median) of forward + backward of one call at HOST_WIDTHS and
+    HOST_TOKENS, where the work is negligible: the host's cost of a call. Fused and PEFT
     interleaved (the load changes for both alike)."""
     out = []
     for label, autocast, p in SETTINGS:
-        attn, mlp = peft_modules(p)
+        attn, mlp = peft_modules(p, HOST_WIDTHS)
+        x = torch.randn(1, HOST_TOKENS, HOST_WIDTHS[0], dtype=torch.bfloat16).requires_grad_()
         for call_name, make in (("q/k/v", lambda f: qkv_call(attn, f)), ("MLP", lambda f: mlp_call(mlp, f))):
             times = {"PEFT": [], "fused": []}
             calls = {"PEFT": make(False), "fused": make(True)}
-            for _ in range(repeats):
+            for i in range(repeats + 10):
                 for path in ("PEFT", "fused"):
                     t0 = time.perf_counter()
-                    run(calls[path], autocast, count=False)
-                    times[path].append(time.perf_counter() - t0)
-            med = {k: sorted(v)[len(v) // 2] * 1e6 for k, v in times.items()}
-            out.append(f"| {label} | {call_name} | {med['PEFT']:.0f} | {med['fused']:.0f} |")
-    return "\n".join(["| setting | call | PEFT us | fused us |", "|---|---|---|---|"] + out)
+                    _step(calls[path], x, autocast)
+                    if i >= 10:
+                        times[path].append(time.perf_counter() - t0)
+            st = {k: (min(v) * 1e6, sorted(v)[len(v) // 2] * 1e6) for k, v in times.items()}
+            out.append(f"| {label} | {call_name} | {st['PEFT'][0]:.0f} / {st['PEFT'][1]:.0f} "
+                       f"| {st['fused'][0]:.0f} / {st['fused'][1]:.0f} |")
+    return "\n".join(["| setting | call | PEFT us (min / median) | fused us (min / median) |", "|---|---|---|---|"] + out)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", action="store_true", help="also list every op in order")
-    ap.add_argument("--timing", action="store_true", help="also the host time per call, interleaved")
+    ap.add_argument("--timing", action="store_true", help="instead: the host time per call, interleaved")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    print(table(a.ops))
-    if a.timing:
+    if not a.timing:
+        print(table(a.ops))
+    else:
         print()
         print(host_us_per_call())
