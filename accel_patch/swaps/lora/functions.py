@@ -8,7 +8,9 @@ backward op derived by hand (2-D math; the adapter tensors come in as (A, B) pai
 Ops (namespace `accel_patch_lora`, see _library in accel_kernels for the pattern): `linears`,
 `linears_backward`, `mlp`, `mlp_backward`, each with a fake implementation, the forward ones with
 a registered autograd formula, so that dynamo sees one node per call (fullgraph) and AOTAutograd
-keeps what backward saves as small as eager does. Inside an op autocast and autograd are off: the
+keeps what backward saves as small as eager does; in eager the same functions run through a
+torch.autograd.Function (`_EagerLinears`, `_EagerMLP`), without the custom-op boundary's host cost.
+Inside an op autocast and autograd are off: the
 dtypes of every step come in explicitly (`plans.dtypes`, from the autocast state captured at the
 call), and backward replays them. Tensors go in as one flat list and a `spec` string says what
 each is (which projection, bias, adapter, dropout mask, 4-bit quant state) and the dtypes; a 4-bit
@@ -190,13 +192,6 @@ def _scaled(t: torch.Tensor, scale: float, out_dtype: torch.dtype, inplace: bool
     if t.dtype == out_dtype:
         return t.mul_(scale) if inplace else t * scale
     return torch.mul(t, scale, out=torch.empty_like(t, dtype=out_dtype))
-
-
-def drop(v: torch.Tensor, mask: torch.Tensor | None, p: float, backward: bool = False) -> torch.Tensor:
-    """v times the dropout noise of `mask`, bit for bit as `F.dropout` multiplies (and its backward):
-    CPU multiplies by a noise tensor of `1 / (1 - p)` computed in v's dtype; CUDA's fused kernel by
-    float32 1/(1-p) in float32."""
-    return dropped(v, mask, p, v.dtype, v.dtype, backward)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype, casts: dict | None) -> torch.Tensor:
