@@ -14,6 +14,7 @@ an op costs before its work grows, the part a GPU step pays per call on the host
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections import defaultdict
 
@@ -65,12 +66,10 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-class Op(tuple):
-    """(name, kind, flops, bytes read, bytes written, written dtypes, host seconds, output shapes)"""
-
-
 class Census(TorchDispatchMode):
-    """Records every aten op (and the ops inside accel_patch_lora's custom ops) with its cost."""
+    """Records every aten op (and the ops inside accel_patch_lora's custom ops) with its cost: a
+    record is (name, kind, FLOPs, bytes read, bytes written, bytes allocated, written dtypes, host
+    seconds, output shapes at TOKENS)."""
 
     def __init__(self, records=None) -> None:
         super().__init__()
@@ -186,20 +185,12 @@ def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True, hi
     x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16).requires_grad_()
     fwd, bwd = [], []
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        with (Census(fwd) if count else _null()):
+        with (Census(fwd) if count else contextlib.nullcontext()):
             outs = call(x * 1)
     grads = [torch.ones_like(o) for o in outs]
-    with (Census(bwd) if count else _null()):
+    with (Census(bwd) if count else contextlib.nullcontext()):
         torch.autograd.backward(outs, grads)
     return fwd, bwd
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def summary(records) -> dict:
