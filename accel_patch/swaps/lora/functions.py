@@ -8,7 +8,9 @@ backward op derived by hand (2-D math; the adapter tensors come in as (A, B) pai
 Ops (namespace `accel_patch_lora`, see _library in accel_kernels for the pattern): `linears`,
 `linears_backward`, `mlp`, `mlp_backward`, each with a fake implementation, the forward ones with
 a registered autograd formula, so that dynamo sees one node per call (fullgraph) and AOTAutograd
-keeps what backward saves as small as eager does. Inside an op autocast and autograd are off: the
+keeps what backward saves as small as eager does; in eager the same functions run through a
+torch.autograd.Function (`_EagerLinears`, `_EagerMLP`), without the custom-op boundary's host cost.
+Inside an op autocast and autograd are off: the
 dtypes of every step come in explicitly (`plans.dtypes`, from the autocast state captured at the
 call), and backward replays them. Tensors go in as one flat list and a `spec` string says what
 each is (which projection, bias, adapter, dropout mask, 4-bit quant state) and the dtypes; a 4-bit
@@ -23,6 +25,7 @@ bool form (1 byte/element) goes in and is kept for backward.
 from __future__ import annotations
 
 import functools
+import math
 from collections import namedtuple
 
 import torch
@@ -134,18 +137,61 @@ def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
-def drop(v: torch.Tensor, mask: torch.Tensor | None, p: float, backward: bool = False) -> torch.Tensor:
-    """v times the dropout noise of `mask`, bit for bit as `F.dropout` multiplies (and its backward):
-    CPU multiplies by a noise tensor of `1 / (1 - p)` computed in v's dtype; CUDA's fused kernel by
-    float32 1/(1-p) in float32."""
+def dropout_scale(p: float, dtype: torch.dtype, device_type: str, backward: bool = False) -> float:
+    """The factor F.dropout multiplies a kept element by (its backward's when `backward`), as a Python
+    float exact in float32: on CPU the noise `ones.div_(1 - p)` computed in the input's dtype; CUDA's
+    fused kernel: float32 1/(1-p) of float32 (1-p), its backward 1/(1-p) rounded to float32."""
+    if device_type in _FUSED_DROPOUT:
+        return _f32(1.0 / (1.0 - p) if backward else 1.0 / _f32(1.0 - p))
+    return _cpu_noise(p, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_noise(p: float, dtype: torch.dtype) -> float:
+    return float(torch.ones((), dtype=dtype).div_(1 - p))
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _same_rounding(v_dtype, noise_dtype, out_dtype) -> bool:
+    """Whether `v * noise` computed in v's dtype and stored in out_dtype equals PEFT's: v cast to
+    noise_dtype, multiplied there, cast to out_dtype. True when v is in noise_dtype already (the
+    store casts as `.to` does), and when v is half precision, the noise float32 and the result cast
+    back to v's dtype: half-precision arithmetic computes in float32 and rounds once to half, which
+    is float32's rounding followed by the cast."""
+    return v_dtype == noise_dtype or (v_dtype in _HALF and noise_dtype == torch.float32 and out_dtype == v_dtype)
+
+
+def dropped(v: torch.Tensor, mask: torch.Tensor | None, p: float, noise_dtype: torch.dtype,
+            out_dtype: torch.dtype, backward: bool = False, casts: dict | None = None) -> torch.Tensor:
+    """PEFT's `dropout(v.to(noise_dtype)).to(out_dtype)` (or the same for dropout's backward), bit for
+    bit as F.dropout computes it, in as few passes as that allows: the mask multiply (exact in any
+    dtype) and the scale in v's own dtype where the rounding is the same (`_same_rounding`: no
+    float32 copy of a half-precision v), the cast to out_dtype taken by the scale's store. Without a
+    mask: v itself where the casts are a round trip (half -> float32 -> half)."""
+    same = _same_rounding(v.dtype, noise_dtype, out_dtype)
     if mask is None:
-        return v
+        return _as(v, out_dtype, casts) if same else _as(v, noise_dtype, casts).to(out_dtype)
     mask = mask.reshape(v.shape)
-    if v.device.type in _FUSED_DROPOUT:  # native_dropout's scale: 1/(1-p) of float32 (1-p); its backward's: of (1-p)
-        scale = _f32(1.0 / (1.0 - p) if backward else 1.0 / _f32(1.0 - p))
-        return (v.float() * mask).mul_(scale).to(v.dtype)
-    noise = torch.ones((), dtype=v.dtype, device=v.device).div_(1 - p)  # `noise.div_(1 - p)`'s value
-    return v * torch.where(mask, noise, 0)
+    scale = dropout_scale(p, noise_dtype, v.device.type, backward)
+    if casts is not None:
+        # projections reading the same x: fp32(x * scale) once (rounded to out_dtype), then one exact
+        # mask multiply each ((x * s) * 0/1 is (x * 0/1) * s, signed zeros and NaNs included as s > 0;
+        # not where x * s overflows, within a factor 1/(1-p) of the dtype's largest value)
+        key = ("scaled", noise_dtype, out_dtype, scale)
+        if key not in casts:
+            casts[key] = _scaled(v if same else _as(v, noise_dtype, casts), scale, out_dtype)
+        return casts[key] * mask
+    t = (v if same else v.to(noise_dtype)) * mask
+    return _scaled(t, scale, out_dtype, inplace=True)
+
+
+def _scaled(t: torch.Tensor, scale: float, out_dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
+    """t * scale computed in t's dtype, stored in out_dtype (in place where t may be overwritten)."""
+    if t.dtype == out_dtype:
+        return t.mul_(scale) if inplace else t * scale
+    return torch.mul(t, scale, out=torch.empty_like(t, dtype=out_dtype))
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype, casts: dict | None) -> torch.Tensor:
@@ -167,10 +213,21 @@ def _accumulate(dx, term: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _adapter_input(x: torch.Tensor, m: Meta, mask, casts: dict | None) -> torch.Tensor:
     """What lora_A multiplies: x cast to the adapter's input dtype, dropped, cast to its matmul dtype."""
-    dt = m.dt
-    if mask is None and dt.lora_in == x.dtype:
-        return _as(x, dt.lora, casts)
-    return drop(_as(x, dt.lora_in, casts), mask, m.p).to(dt.lora)
+    return dropped(x, mask, m.p, m.dt.lora_in, m.dt.lora, casts=casts)
+
+
+def _folded(scale: float, dtype: torch.dtype) -> bool:
+    """Whether `scale` may multiply the r-wide x A^T instead of the output-wide product: a power of
+    two >= 1 (an exact multiply, and (s x A^T) B^T = s (x A^T B^T) exactly, the matmul's sums scaled
+    alike) in a dtype with float32's range (bf16, float32: no overflow the later multiply would not
+    have too)."""
+    mantissa, exponent = math.frexp(scale)
+    return mantissa == 0.5 and exponent >= 1 and dtype in (torch.bfloat16, torch.float32, torch.float64)
+
+
+def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """Whether every value of `narrow` is one of `wide` (narrow -> wide -> narrow is the identity)."""
+    return torch.promote_types(narrow, wide) == wide
 
 
 def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None) -> torch.Tensor:
@@ -184,12 +241,19 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None) -
         return y
     A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
     mask = t.get("mask")
-    xl = _adapter_input(x, m, mask, casts)
+    xa = _adapter_input(x, m, mask, casts) @ A.t()  # (n, r)
     if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
-        return y.addmm_(xl @ A.t(), B.t(), alpha=m.scale)
-    # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps one by one
-    lora = torch.mm(xl @ A.t(), B.t()).mul_(m.scale).to(dt.add)
-    return y.to(dt.add).add_(lora).to(dt.out)
+        return y.addmm_(xa, B.t(), alpha=m.scale)
+    # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps, each as few passes as exact
+    folded = _folded(m.scale, dt.lora)
+    if folded and m.scale != 1.0:
+        xa.mul_(m.scale)
+    lora = torch.mm(xa, B.t())
+    if not folded:
+        lora.mul_(m.scale)
+    if dt.out == y.dtype and torch.promote_types(y.dtype, lora.dtype) == dt.add:
+        return y.add_(lora)  # computed in dt.add (the promoted dtype), stored in the result's: PEFT's add and cast back
+    return y.to(dt.add).add_(lora.to(dt.add)).to(dt.out)
 
 
 def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts: dict | None = None):
@@ -198,7 +262,8 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
     (x needs no gradient: the base's dx matmul is skipped, as autograd skips it). The adapter's term
     is added before the base's, the order in which autograd sums PEFT's two branches."""
     dt = m.dt
-    d_add = dy.to(dt.add)
+    # dy -> the sum's dtype -> back is the identity where the sum's dtype holds dy's: no copies then
+    d_add = dy if _widens(dy.dtype, dt.add) else dy.to(dt.add)
     dA = dB = None
     if m.adapted:
         A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
@@ -210,7 +275,7 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
         dA = (u.t() @ xl).to(t["A"].dtype)
         del xl, g
         if dx is not False:
-            dx = _accumulate(dx, drop((u @ A).to(dt.lora_in), mask, m.p, backward=True), x.dtype)
+            dx = _accumulate(dx, dropped(u @ A, mask, m.p, dt.lora_in, x.dtype, backward=True), x.dtype)
     if dx is not False:
         w = base_weight(m, t)
         dx = _accumulate(dx, d_add.to(dt.result).to(dt.base) @ w, x.dtype)
@@ -275,12 +340,14 @@ def _grad_fakes(metas, ts) -> list:
     return [t[name].new_empty(t[name].shape) for m, t in zip(metas, ts) if m.adapted for name in ("A", "B")]
 
 
-@_custom_op("linears")
-def _linears_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+def _linears(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     """Each projection of `spec` on x (2-D outputs): PEFT's LoRA forward, fused."""
     metas, _ = parse(spec)
     x2, casts = _rows(x), {}
     return [proj_forward(x2, m, t, casts) for m, t in zip(metas, _split(metas, tensors))]
+
+
+_linears_op = _custom_op("linears")(_linears)
 
 
 @_linears_op.register_fake
@@ -289,8 +356,7 @@ def _(x, tensors, spec):
     return [x.new_empty((_n_rows(x), m.out_features), dtype=m.dt.out) for m in metas]
 
 
-@_custom_op("linears_backward")
-def _linears_backward_op(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor], spec: str,
+def _linears_bwd(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor], spec: str,
                          need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
     metas, _ = parse(spec)
@@ -302,6 +368,9 @@ def _linears_backward_op(douts: list[torch.Tensor], x: torch.Tensor, tensors: li
         if m.adapted:
             grads = [dA, dB] + grads
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + grads
+
+
+_linears_backward_op = _custom_op("linears_backward")(_linears_bwd)
 
 
 @_linears_backward_op.register_fake
@@ -328,8 +397,7 @@ def _linears_backward(ctx, douts):
 _linears_op.register_autograd(_linears_backward, setup_context=_linears_setup)
 
 
-@_custom_op("mlp")
-def _mlp_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mlp(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(down(act(gate(x)) * up(x)) as 2-D, gate, up) for the projections of `spec` (gate, up, down;
     or gate_up, down, where the second output is gate_up whole and the third an empty tensor)."""
     metas, (act, gate_first, path) = parse(spec)
@@ -347,6 +415,9 @@ def _mlp_op(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[to
     return out, gate, up
 
 
+_mlp_op = _custom_op("mlp")(_mlp)
+
+
 def _halves(gate_up: torch.Tensor, gate_first: bool):
     first, second = gate_up.chunk(2, dim=-1)
     return (first, second) if gate_first else (second, first)
@@ -361,8 +432,7 @@ def _(x, tensors, spec):
     return x.new_empty((n, metas[-1].out_features), dtype=metas[-1].dt.out), gate, up
 
 
-@_custom_op("mlp_backward")
-def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+def _mlp_bwd(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                      tensors: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
     metas, (act, gate_first, path) = parse(spec)
@@ -392,6 +462,9 @@ def _mlp_backward_op(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + flat
 
 
+_mlp_backward_op = _custom_op("mlp_backward")(_mlp_bwd)
+
+
 @_mlp_backward_op.register_fake
 def _(dout, x, gate, up, tensors, spec, need_dx):
     metas, _ = parse(spec)
@@ -413,6 +486,63 @@ def _mlp_backward(ctx, dout, _dgate, _dup):
 
 
 _mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+# Eager: the same functions without the custom-op boundary, whose dispatch (the library's autograd
+# wrapper, its dynamo-disabled entry) costs more host time a call than PEFT's three layers do at a
+# few tokens (tests/swaps/lora/lora_census.py --timing). Under torch.compile the ops are traced.
+
+
+class _NoAutocast:
+    """Autocast off inside (as inside a custom op), only where it is on: the dtypes come in the spec."""
+
+    def __init__(self, device_type: str) -> None:
+        self.ctx = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx is not None else False
+
+
+class _EagerLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, *tensors):
+        with _NoAutocast(x.device.type):
+            outs = _linears(x, list(tensors), spec)
+        ctx.save_for_backward(x, *tensors)
+        ctx.spec, ctx.need_dx = spec, ctx.needs_input_grad[0]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        x, *tensors = ctx.saved_tensors
+        metas, _ = parse(ctx.spec)
+        douts = [d if d is not None else x.new_zeros((_n_rows(x), m.out_features), dtype=m.dt.out)
+                 for d, m in zip(douts, metas)]
+        with _NoAutocast(x.device.type):
+            grads = _linears_bwd(douts, x, tensors, ctx.spec, ctx.need_dx)
+        return (grads[0] if ctx.need_dx else None), None, *_adapter_grads(metas, grads[1:])
+
+
+class _EagerMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spec, *tensors):
+        with _NoAutocast(x.device.type):
+            out, gate, up = _mlp(x, list(tensors), spec)
+        ctx.save_for_backward(x, gate, up, *tensors)
+        ctx.spec, ctx.need_dx = spec, ctx.needs_input_grad[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, gate, up, *tensors = ctx.saved_tensors
+        metas, _ = parse(ctx.spec)
+        with _NoAutocast(x.device.type):
+            grads = _mlp_bwd(dout, x, gate, up, tensors, ctx.spec, ctx.need_dx)
+        return (grads[0] if ctx.need_dx else None), None, *_adapter_grads(metas, grads[1:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,7 +586,11 @@ def linears_inputs(x, projs, adapters) -> tuple:
 
 def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
     """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
-    outs = torch.ops.accel_patch_lora.linears(*linears_inputs(x, projs, adapters))
+    x, tensors, spec = linears_inputs(x, projs, adapters)
+    if torch.compiler.is_compiling():
+        outs = torch.ops.accel_patch_lora.linears(x, tensors, spec)
+    else:
+        outs = _EagerLinears.apply(x, spec, *tensors)
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
@@ -485,7 +619,11 @@ def mlp_inputs(x, projs, adapters, act: str, gate_first: bool, glu_path: str = G
 def fused_mlp(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GLU_KERNEL) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
     saving x, gate, up and the dropout masks."""
-    out, _, _ = torch.ops.accel_patch_lora.mlp(*mlp_inputs(x, projs, adapters, act, gate_first, glu_path))
+    x, tensors, spec = mlp_inputs(x, projs, adapters, act, gate_first, glu_path)
+    if torch.compiler.is_compiling():
+        out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
+    else:
+        out = _EagerMLP.apply(x, spec, *tensors)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

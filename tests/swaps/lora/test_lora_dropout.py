@@ -48,6 +48,11 @@ def test_with_dropout_under_bf16_autocast_the_qkv_function_equals_pefts_layers_b
     assert_qkv_equals_peft(torch.bfloat16, None, dropout=DROPOUT)
 
 
+def test_with_dropout_a_bf16_model_under_bf16_autocast_equals_pefts_layers_bit_for_bit():
+    # the GPU benchmark's setting: bf16 base, PEFT's float32 adapters, bf16 autocast, dropout
+    assert_qkv_equals_peft(torch.bfloat16, torch.bfloat16, dropout=DROPOUT)
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.sh)")
 
 

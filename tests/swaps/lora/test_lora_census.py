@@ -1,0 +1,41 @@
+"""What one fused LoRA call costs against PEFT's layers, counted op by op (lora_census.py): at
+Llama-1B widths, under bf16 autocast with PEFT's float32 adapters and dropout (the GPU benchmark's
+setting) the fused calls write no float32 [tokens, width] tensor, and in every counted setting they
+move no more bytes, forward plus backward, than PEFT's layers do."""
+from __future__ import annotations
+
+import pytest
+
+import lora_census as census
+
+
+@pytest.fixture(scope="module")
+def counted():
+    out = {}
+    for label, autocast, p in census.SETTINGS:
+        attn, mlp = census.peft_modules(p)
+        for call, make in (("q/k/v", lambda f: census.qkv_call(attn, f)), ("MLP", lambda f: census.mlp_call(mlp, f))):
+            for path, fused in (("PEFT", False), ("fused", True)):
+                fwd, bwd = census.run(make(fused), autocast)
+                out[label, call, path] = census.summary(fwd), census.summary(bwd)
+    return out
+
+
+AUTOCAST_DROPOUT = census.SETTINGS[0][0]
+
+
+@pytest.mark.parametrize("call", ["q/k/v", "MLP"])
+def test_under_autocast_the_fused_call_writes_no_float32_activation(counted, call):
+    fwd, bwd = counted[AUTOCAST_DROPOUT, call, "fused"]
+    peft_fwd, _ = counted[AUTOCAST_DROPOUT, call, "PEFT"]
+    assert peft_fwd["float32 [tokens, width] outputs"] > 0  # the count sees PEFT's float32 copies
+    # the dropout masks' own draw (float32, as PEFT's dropout sees it) is the only one left: one per projection
+    assert fwd["float32 [tokens, width] outputs"] <= 3 * 2 and bwd["float32 [tokens, width] outputs"] == 0
+
+
+@pytest.mark.parametrize("setting", [s[0] for s in census.SETTINGS])
+@pytest.mark.parametrize("call", ["q/k/v", "MLP"])
+def test_the_fused_call_moves_no_more_bytes_than_pefts_layers(counted, setting, call):
+    fused = sum(s["bytes"] for s in counted[setting, call, "fused"])
+    peft = sum(s["bytes"] for s in counted[setting, call, "PEFT"])
+    assert fused <= peft, (fused / 1e9, peft / 1e9)
