@@ -31,6 +31,8 @@
 #   e2e-compile  240 s (~160) stock + torch.compile and accel-patch + torch.compile (Inductor, cold cache), full
 #   bench        120 s (~70)  python -m accel_kernels.bench --quick: each op against eager and Liger, host-inclusive
 #                             and device (profiler) times, % of copy bandwidth
+#   flce          60 s (~25)  the fused loss alone at 8192 x 4096 x 128256 bf16: the weight's gradient by its own
+#                             vocabulary pass (the default) against the fp32 sum over token chunks, and Liger's
 #   moe-op        60 s (~30)  the experts op alone at Qwen3-30B-A3B's shape, forward and backward timed apart, each
 #                             backward (Triton, grouped_mm, auto) against transformers' grouped_mm path
 #   moe          110 s (~70)  Qwen3-30B-A3B layers (2 of them), full and LoRA: grouped_mm vs accel-patch
@@ -112,6 +114,8 @@ add e2e-compile    240  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 
                         '$PY benchmarks/e2e.py --dry-run --backend eager --variants stock+compile,swapped+compile --json "$OUT/$STEP.json"'
 add bench          120  '$PY -m accel_kernels.bench --quick --json "$OUT/$STEP.json"' \
                         '$PY -m accel_kernels.bench --quick --ops rms_norm --json "$OUT/$STEP.json"'
+add flce            60  '$PY benchmarks/flce_weight.py --json "$OUT/$STEP.json"' \
+                        '$PY benchmarks/flce_weight.py --dry-run --json "$OUT/$STEP.json"'
 add moe-op          60  '$PY benchmarks/moe_backward.py --steps 10 --repeats 3 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe_backward.py --steps 2 --repeats 1 --json "$OUT/$STEP.json"'
 MOE='--variants grouped_mm,accel_patch --layers 2 --steps 4'
@@ -136,7 +140,7 @@ add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants 
 add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' tests --ignore=tests/kernels" \
                         "$T -m 'not slow' --collect-only tests --ignore=tests/kernels"
 
-DEFAULT_STEPS="versions kernel-tests e2e lora e2e-compile bench moe-op moe moe-checkpointed qlora trl-post"
+DEFAULT_STEPS="versions kernel-tests e2e lora e2e-compile bench flce moe-op moe moe-checkpointed qlora trl-post"
 if [ "$LIST" = 1 ]; then
     for s in "${NAMES[@]}"; do
         case " $DEFAULT_STEPS " in *" $s "*) d=default ;; *) d=other ;; esac

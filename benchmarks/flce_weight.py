@@ -1,0 +1,108 @@
+"""The fused linear cross-entropy's two ways to the weight's gradient, timed apart, beside Liger's.
+
+    python benchmarks/flce_weight.py              # GPU: 8192 tokens x 4096 hidden x 128256 vocabulary, bf16
+    python benchmarks/flce_weight.py --json PATH  # the figures as JSON too
+    python benchmarks/flce_weight.py --dry-run    # CPU, tiny shapes: only checks that the script runs
+
+"vocabulary pass": today's rule (the weight's gradient in its own pass over vocabulary blocks once
+an fp32 (V, H) sum would exceed `WEIGHT_FP32_BYTES`: one more logits matmul, about Liger's peak).
+"fp32 sum": the same op with that budget lifted, so the gradient is summed over the token chunks
+in one fp32 (V, H) buffer (three matmuls, 2 GiB more at this shape). Each variant: forward +
+backward, the median of --repeats timings of --steps calls (CUDA events on a GPU), and the peak
+memory growth of one call over what its inputs hold. The choice between them is the default of
+`WEIGHT_FP32_BYTES` in kernels/accel_kernels/ops/fused_linear_cross_entropy.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+import accel_kernels
+import accel_kernels.ops.fused_linear_cross_entropy as flce
+
+
+def _liger(hidden, weight, labels):
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    return LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
+
+
+def _ours(hidden, weight, labels):
+    return accel_kernels.fused_linear_cross_entropy(hidden, weight, labels)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.dry_run
+    device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
+    N, H, V = (8192, 4096, 128256) if gpu else (256, 64, 1000)
+    torch.manual_seed(0)
+    hidden = torch.randn(N, H, device=device, dtype=dtype)
+    weight = (torch.randn(V, H, device=device) / math.sqrt(H)).to(dtype)
+    labels = torch.randint(0, V, (N,), device=device)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    variants = {"vocabulary pass": (_ours, None), "fp32 sum": (_ours, 1 << 62)}
+    try:
+        import liger_kernel  # noqa: F401
+        if gpu:
+            variants["liger"] = (_liger, None)
+    except ImportError:
+        pass
+    results = {"shape": dict(tokens=N, hidden=H, vocab=V, dtype=str(dtype)), "variants": {}}
+    default_budget = flce.WEIGHT_FP32_BYTES
+    for name, (fn, budget) in variants.items():
+        flce.WEIGHT_FP32_BYTES = default_budget if budget is None else budget
+        try:
+            h = hidden.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+
+            def step():
+                loss = fn(h, w, labels)
+                loss.backward()
+                h.grad = w.grad = None
+
+            step()  # warm-up: compiles the kernels
+            sync()
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            step()
+            sync()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if gpu else None
+            times = []
+            for _ in range(args.repeats):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    step()
+                sync()
+                times.append((time.perf_counter() - t0) / args.steps * 1e3)
+            row = dict(ms=statistics.median(times), peak_mib=peak)
+        except Exception as error:  # a variant that raises is a row, not a dead run
+            row = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        finally:
+            flce.WEIGHT_FP32_BYTES = default_budget
+        results["variants"][name] = row
+        shown = row.get("error") or f"{row['ms']:.2f} ms" + (f", peak growth {row['peak_mib']:.0f} MiB" if gpu else "")
+        print(f"flce {name:16s} {shown}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
