@@ -255,8 +255,8 @@ def _backward(ctx, grad_output, *_unused):
     h_dtype, w_dtype, b_dtype = ctx.dtypes
     if reduction == "none":
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        grad_h, grad_w, grad_b = torch.ops.accel_kernels.fused_linear_cross_entropy_backward(
-            grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
+        grad_h, grad_w, grad_b = _fused_linear_cross_entropy_backward_op.backward_call(
+            ctx, grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
             need_h, need_w, need_b, triton_path)
     else:
         grad_h, grad_w, grad_b = ctx.saved_tensors
@@ -356,6 +356,6 @@ def fused_linear_cross_entropy(
     need_h, need_w = grad and hidden.requires_grad, grad and weight.requires_grad
     need_b = grad and bias is not None and bias.requires_grad
     softcap = None if softcap is None else float(softcap)
-    return torch.ops.accel_kernels.fused_linear_cross_entropy(
+    return _fused_linear_cross_entropy_op(
         hidden, weight, bias, labels, ignore_index, softcap, reduction, chunk_size,
         need_h, need_w, need_b, True, triton_path)[0]
