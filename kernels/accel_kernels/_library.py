@@ -44,7 +44,8 @@ inside a plain `torch.autograd.Function` whose setup and backward are the op's r
 and whose backward calls the backward op's implementation directly too (`Op.backward_call`: by a
 flag on ctx, since AOTAutograd traces the registered formula with `is_compiling()` False on torch
 2.11). The op path stays for: compiling, an active TorchDispatchMode (FlopCounterMode, opcheck,
-make_fx: they must see one op) and tensor subclasses (DTensor...), whose dispatch the op gives.
+make_fx: they must see one op), functorch transforms, and tensor subclasses (DTensor...), whose
+dispatch the op gives.
 Launch recording, capture, the allocator hooks, float64 and every check of the public functions
 are the same code on both paths.
 """
