@@ -3,12 +3,15 @@
     python benchmarks/overhead.py              # CPU, the path users get (no TRITON_INTERPRET)
     python benchmarks/overhead.py --quick      # fewer shapes and repeats
     python benchmarks/overhead.py --json o.json
+    python benchmarks/overhead.py --host       # only the GPU path's host work, launches stubbed
 
 1. Per site kind, at tiny shapes (so the math is negligible): microseconds per call of the stock
    module and of the swapped one, forward alone and forward + backward. On CPU without Triton the
    swapped norm, MLP and RoPE call the stock computation (one check per call); the fused loss
-   runs its plain-torch twin. Beside them, the host work the GPU path does before each launch
-   (custom-op dispatch, checks, grid, allocation), timed here with the launches stubbed out.
+   runs its plain-torch twin. Beside them, the host work the GPU path does around each launch
+   (checks, autograd, grid, allocation; the custom-op dispatch only under torch.compile), timed
+   here with the launches stubbed out, and the floor of that harness (an empty
+   autograd.Function).
 2. One training step (forward + backward) of a tiny Llama (2 layers) on CPU eager, stock vs
    swapped, at hidden 32 to 1024 and vocabulary 99 to 32000, the swapped model with every op
    and without the fused loss: target <= 1.1x stock at every shape.
@@ -145,8 +148,14 @@ def launches_stubbed():
         _triton.AVAILABLE, _triton.INTERPRETING, _launch.launch = saved
 
 
+FLOOR = "floor: an empty autograd.Function"
+
+
 def host_rows(repeats: int, inner: int) -> list[dict]:
-    """Microseconds of host work per call of each op on the GPU path (launches stubbed)."""
+    """Microseconds of host work per call of each op on the GPU path (launches stubbed), and
+    `FLOOR`: the same harness (call, `.float().sum().backward()`) around a Function that does
+    nothing but allocate, which no Python op can go under. The CPU label range check of the fused
+    loss (a few CPU ops, skipped on GPU tensors) is in its figure."""
     import torch
 
     from accel_kernels import fused_linear_cross_entropy, rms_norm, rope, swiglu
@@ -156,11 +165,25 @@ def host_rows(repeats: int, inner: int) -> list[dict]:
     q, k = torch.randn(1, 2, 14, 16, requires_grad=True), torch.randn(1, 2, 14, 16, requires_grad=True)
     cos, sin = torch.randn(1, 14, 16), torch.randn(1, 14, 16)
     h, w, y = torch.randn(14, 32, requires_grad=True), torch.randn(99, 32, requires_grad=True), torch.randint(0, 99, (14,))
+
+    class Floor(torch.autograd.Function):
+        """What any autograd op costs the host: one Function whose forward and backward only
+        allocate their outputs."""
+
+        @staticmethod
+        def forward(ctx, a, b):
+            return torch.empty_like(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.empty_like(grad), torch.empty_like(wn)
+
     calls = {
         "rms_norm": lambda: rms_norm(x, wn),
         "glu": lambda: swiglu(g, u),
         "rope": lambda: rope(q, k, cos, sin),
         "fused loss twin vs stock": lambda: fused_linear_cross_entropy(h, w, y),
+        FLOOR: lambda: Floor.apply(x, wn),
     }
     rows = []
     with launches_stubbed():
@@ -212,6 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     p.add_argument("--tokens", type=int, default=14, help="tokens per training step (default 14)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--host", action="store_true", help="only the GPU path's host work per op (launches stubbed)")
     args = p.parse_args(argv)
     if args.tokens < 2:
         p.error(f"--tokens must be >= 2, got {args.tokens}")
@@ -229,6 +253,12 @@ def main(argv=None) -> int:
     results = dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, torch=torch.__version__,
                    interpreter=_dispatch.interpreting())
 
+    if args.host:
+        print("\nGPU path's host work per call, launches stubbed, 14 tokens, microseconds")
+        # many short samples: on a loaded machine a long one is rarely left alone
+        for r in host_rows(40 * repeats, max(1, inner // 10)):
+            print(f"{r['site']:<40}{'fwd':>5}{r['forward_us']:>8.1f}{'fwd+bwd':>9}{r['both_us']:>8.1f}")
+        return 0
     print("\n1. per call, tiny shapes (14 tokens, hidden 32), microseconds")
     sites = site_rows(repeats, inner)
     host = {r["site"]: r for r in host_rows(repeats, inner)}
@@ -238,6 +268,8 @@ def main(argv=None) -> int:
         gpu = h["forward_us"] if r["phase"] == "forward" else h["both_us"]
         print(f"{r['site']:<29}{r['phase']:<18}{r['stock_us']:>9.1f}{r['swapped_us']:>9.1f}"
               f"{r['swapped_us'] / r['stock_us']:>6.2f}x{gpu:>15.1f}")
+    floor = host[FLOOR]
+    print(f"{FLOOR:<47}{'':>25}{floor['forward_us']:>8.1f} / {floor['both_us']:.1f} (fwd / fwd+bwd)")
     results["sites"], results["gpu_host"] = sites, list(host.values())
 
     shapes = ([(32, 99), (256, 32000)] if args.quick else

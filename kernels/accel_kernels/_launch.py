@@ -3,7 +3,8 @@
 
 - the device guard: triton launches on the backend's *current* device, but the layers of one model
   may live on several GPUs (device_map over GPUs, pipeline stages); `launch` enters the device of
-  the kernel's tensor arguments (torch.cuda.device / torch.xpu.device) for the launch;
+  the kernel's tensor arguments (torch.cuda.device / torch.xpu.device) for the launch, unless that
+  device is the current one already (a model on one GPU: no guard, microseconds a launch saved);
 - the device check: all tensor arguments of one launch must be on one device;
 - recording: `recording()` lists the kernels launched while it is active, so tests can prove that
   a swapped model really ran each kernel;
@@ -74,6 +75,9 @@ def launch(kernel, grid, *args, **meta) -> None:
             for launches in _captures:
                 launches.append(Launch(kernel, grid, args, dict(meta)))
         return
+    if device.type not in _GUARDED or _is_current(device):
+        kernel[grid](*args, **meta)
+        return
     with _device_guard(device):
         kernel[grid](*args, **meta)
 
@@ -140,6 +144,16 @@ def _device_of(kernel, args) -> torch.device:
     if device is None:
         raise ValueError(f"{_kernel_name(kernel)}: no tensor argument to take the device from")
     return device
+
+
+_GUARDED = ("cuda", "xpu")
+
+
+def _is_current(device: torch.device) -> bool:
+    """Whether device is already the backend's current one (then no guard is entered: entering and
+    leaving torch.cuda.device costs microseconds a launch, and a model on one GPU never needs it).
+    False before CUDA is initialized, and for xpu (always guarded)."""
+    return device.type == "cuda" and torch.cuda.is_initialized() and device.index == torch.cuda.current_device()
 
 
 def _device_guard(device: torch.device):

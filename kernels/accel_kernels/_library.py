@@ -30,10 +30,29 @@ float64 calls of rms_norm and rope do not go through the ops: they run the modul
 plain differentiable torch, so that second derivatives through them stay exact (a custom op's
 backward is opaque to autograd; every registered backward refuses create_graph=True, see
 `_dispatch.check_first_order`).
+
+Eager calls go around the op (`Op.__call__`). Through the custom-op boundary one call of a norm,
+RoPE or GLU cost 130-250 us of host work forward + backward (benchmarks/overhead.py, launches
+stubbed: dispatcher redispatch, `fill_defaults`, the alias check of every output, the generated
+autograd Function, the same again for the backward op), several times a small kernel's GPU time.
+So the op is what the compiler sees, and only it: under `torch.compiler.is_compiling()` (dynamo
+folds it to True) the public functions call `torch.ops.accel_kernels.<op>`, one graph node each;
+in eager they call the same implementation directly, in the dispatch state an op's kernel runs in
+(`below_op`: autograd's keys excluded, autocast as the caller has it, as through the op: the
+tests compare both under bf16 autocast bit for bit),
+inside a plain `torch.autograd.Function` whose setup and backward are the op's registered formula,
+and whose backward calls the backward op's implementation directly too (`Op.backward_call`: by a
+flag on ctx, since AOTAutograd traces the registered formula with `is_compiling()` False on torch
+2.11). The op path stays for: compiling, an active TorchDispatchMode (FlopCounterMode, opcheck,
+make_fx: they must see one op), functorch transforms, and tensor subclasses (DTensor...), whose
+dispatch the op gives.
+Launch recording, capture, the allocator hooks, float64 and every check of the public functions
+are the same code on both paths.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -41,8 +60,89 @@ NAMESPACE = "accel_kernels"
 
 
 def custom_op(name: str):
-    """Decorator: the function becomes the op `torch.ops.accel_kernels.<name>` (no input mutated)."""
-    return torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
+    """Decorator: the function becomes the `Op` `torch.ops.accel_kernels.<name>` (no input mutated)."""
+    return lambda impl: Op(name, impl)
+
+
+class Op:
+    """One kernel's custom op (what the compiler sees) and its direct eager call (module docstring).
+
+    `register_fake` and `register_autograd` register on the op (the same signatures as
+    torch.library's); calling the Op runs it: `op(*args)` with every schema argument positional,
+    defaults at the end may be left out.
+    """
+
+    def __init__(self, name: str, impl):
+        self.name, self.impl = name, impl
+        self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(impl)
+        params = list(inspect.signature(impl).parameters.values())
+        self._n_params = len(params)
+        self._defaults = tuple(p.default for p in params if p.default is not inspect.Parameter.empty)
+        # the positions whose schema type is a tensor (or an optional one): the ones checked per call
+        self._tensor_positions = tuple(i for i, p in enumerate(params) if "Tensor" in str(p.annotation))
+        self._apply = None
+        self.__doc__ = impl.__doc__
+
+    def register_fake(self, fn):
+        return self.op.register_fake(fn)
+
+    def register_autograd(self, backward, *, setup_context):
+        self.op.register_autograd(backward, setup_context=setup_context)
+        impl = self.impl
+
+        # the op's formula (its setup_context and backward) on a plain Function; setup_context is
+        # called from forward, as torch's own Function for the op does: a Function that defines
+        # setup_context binds its arguments with inspect.signature on every call (15 us)
+        def forward(ctx, *args):
+            with below_op():
+                output = impl(*args)
+                ctx.direct = True  # its backward calls the backward ops' implementations directly
+                setup_context(ctx=ctx, inputs=args, output=output)
+            return output
+
+        function = type(f"{self.name}_direct", (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(backward)})
+        # Function.apply's C half: its Python half binds defaults and unwraps functorch's dead
+        # wrappers (3 us), neither of which a call from `__call__` has (`_eager` sends functorch
+        # to the op)
+        self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+
+    def _full(self, args: tuple) -> tuple:
+        missing = self._n_params - len(args)
+        return args + self._defaults[len(self._defaults) - missing:] if missing else args
+
+    def _eager(self, args: tuple) -> bool:
+        """Whether this call may go around the op: not compiling, no TorchDispatchMode active,
+        plain tensors only."""
+        if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active()):
+            return False
+        for i in self._tensor_positions:
+            t = args[i] if i < len(args) else None
+            if t is not None and (type(t) not in _PLAIN or _functorch_wrapped(t)):
+                return False
+        return True
+
+    def __call__(self, *args):
+        if not self._eager(args):
+            return getattr(torch.ops.accel_kernels, self.name)(*args)
+        if self._apply is not None and torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return self._apply(*self._full(args))
+        with below_op():  # nothing to differentiate: the implementation alone
+            return self.impl(*args)
+
+    def backward_call(self, ctx, *args):
+        """The backward op called from a forward op's autograd formula: its implementation
+        directly when the formula runs for the direct Function (`ctx.direct`), else the op."""
+        # (ctx.direct: the forward was eager on plain tensors; compiled autograd may trace this)
+        if getattr(ctx, "direct", False) and not torch.compiler.is_compiling():
+            with below_op():
+                return self.impl(*args)
+        return getattr(torch.ops.accel_kernels, self.name)(*args)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def nothing(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -71,6 +171,16 @@ _KEYS = torch._C.DispatchKey
 # autocast on whatever the caller had (on CUDA, float32 from float16 pow and rsqrt); a twin replays
 # the caller's autocast from the dtype its op was given (`autocast_state`, `_dispatch.autocast_as`).
 _BELOW_OP_EXCLUDED = [_KEYS.AutogradFunctionality, _KEYS.AutogradOther, _KEYS.AutogradNestedTensor]
+
+
+def below_op():
+    """Context manager: the dispatch state an op's implementation runs in, for the implementation
+    called directly: autograd's keys excluded (torch's own `_AutoDispatchBelowAutograd`, the guard
+    around the op's redispatch). Autocast stays as the caller has it, as it does inside an eager
+    op: no autocast kernel is registered for our ops, so its key falls through (torch 2.13 and
+    2.11, CPU: `torch.mm` in an op's implementation under bf16 autocast gives bf16). A C++ guard:
+    under a microsecond."""
+    return torch._C._AutoDispatchBelowAutograd()
 
 
 @contextlib.contextmanager

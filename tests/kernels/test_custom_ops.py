@@ -330,3 +330,64 @@ def test_compiled_cpu_label_check_still_raises():
     compiled = torch.compile(lambda z: accel_kernels.cross_entropy(z, labels), fullgraph=True, backend="aot_eager")
     with pytest.raises(ValueError, match="labels contains 60"):
         compiled(torch.randn(2, 50))
+
+
+# --------------------------------------------------------------------------------------------
+# Eager: around the op boundary (its host cost), with the op's numbers
+# --------------------------------------------------------------------------------------------
+
+
+def _op_names():
+    return [name for family in ("rms_norm", "rope", "glu", "relu_squared", "cross_entropy",
+                                "fused_linear_cross_entropy", "moe_experts") for name in (family, f"{family}_backward")]
+
+
+@pytest.mark.parametrize("name", list(public_calls()))
+def test_eager_calls_never_cross_the_custom_op_boundary(name, monkeypatch):
+    # the boundary costs tens of microseconds a call (docs/kernels.md): in eager the public
+    # functions run the implementations directly, forward and backward
+    crossed = []
+    for op_name in _op_names():
+        real = getattr(ops, op_name)
+        monkeypatch.setattr(ops, op_name, lambda *a, _name=op_name, _real=real: crossed.append(_name) or _real(*a))
+    fn, inputs = public_calls()[name]
+    got = _outputs_and_grads(fn, inputs)
+    assert crossed == [], f"{name}: eager call went through torch.ops.accel_kernels.{crossed}"
+    assert all(torch.isfinite(t).all() for t in got if t is not None)
+
+
+def _through_the_op(monkeypatch):
+    import accel_kernels._library as library
+
+    monkeypatch.setattr(library.Op, "_eager", lambda self, args: False)
+
+
+@pytest.mark.parametrize("name, path", matrix(list(public_calls()), ["twin", "triton"],
+                                              quick=lambda name, path: path == "twin" or name == "rms_norm"))
+@pytest.mark.parametrize("grad", [True, False])
+def test_eager_direct_call_equals_the_op_bit_for_bit_under_autocast(name, path, grad, monkeypatch):
+    # an op's implementation runs with autocast excluded; the direct call must too (and the twins
+    # that replay the caller's autocast must still see it): bf16 autocast, outputs and gradients
+    if path == "twin":
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    fn, inputs = public_calls()[name]
+    device_type = torch.get_default_device().type
+
+    def run():
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            if grad:
+                return _outputs_and_grads(fn, inputs)
+            with torch.no_grad():
+                outs = fn(*inputs)
+            return list(outs) if isinstance(outs, tuple) else [outs]
+
+    direct = run()
+    with monkeypatch.context() as m:
+        _through_the_op(m)
+        through_op = run()
+    assert len(direct) == len(through_op)
+    for d, o in zip(direct, through_op):
+        assert (d is None) == (o is None)
+        if d is not None:
+            assert d.dtype == o.dtype and d.shape == o.shape
+            torch.testing.assert_close(d, o, rtol=0, atol=0, equal_nan=True)

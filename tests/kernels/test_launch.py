@@ -156,6 +156,25 @@ def test_launch_enters_the_device_of_its_tensors(monkeypatch):
     assert kernel.calls[-1][1] == "cuda:0"
 
 
+def test_launch_enters_no_guard_when_its_device_is_already_current(monkeypatch):
+    # entering and leaving torch.cuda.device costs microseconds a launch: skipped on the current device
+    entered = []
+
+    @contextlib.contextmanager
+    def cuda_device(device):
+        entered.append(str(torch.device(device)))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", cuda_device)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    kernel = _FakeKernel(["cuda:1"])
+    launch.launch(kernel, (1,), _FakeTensor("cuda:1"), 4)
+    assert entered == [] and len(kernel.calls) == 1
+    launch.launch(kernel, (1,), _FakeTensor("cuda:0"), 4)
+    assert entered == ["cuda:0"] and len(kernel.calls) == 2
+
+
 def test_launch_refuses_tensors_on_two_devices():
     kernel = _FakeKernel(["cpu"])
     with pytest.raises(ValueError, match=r"_fake_kernel: tensor arguments on cuda:0 and cuda:1"):

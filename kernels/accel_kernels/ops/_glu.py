@@ -171,7 +171,7 @@ def _backward(ctx, dout):
     activation, triton_path, limit = ctx.options
     _dispatch.check_first_order(_OP_NAMES[ACTIVATIONS[activation]])
     gate, up = ctx.saved_tensors
-    dgate, dup = torch.ops.accel_kernels.glu_backward(dout, gate, up, activation, triton_path, limit)
+    dgate, dup = _glu_backward_op.backward_call(ctx, dout, gate, up, activation, triton_path, limit)
     return dgate, dup, None, None, None
 
 
@@ -267,5 +267,5 @@ def gated_unit(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float | No
         raise ValueError(f"limit must be a positive number or None, got {limit!r}")
     triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64
     if limit is None:  # the op's schema as before: compiled graphs keep their nodes
-        return torch.ops.accel_kernels.glu(gate, up, _ACTIVATION_NAMES[act], triton_path)
-    return torch.ops.accel_kernels.glu(gate, up, _ACTIVATION_NAMES[act], triton_path, float(limit))
+        return _glu_op(gate, up, _ACTIVATION_NAMES[act], triton_path)
+    return _glu_op(gate, up, _ACTIVATION_NAMES[act], triton_path, float(limit))

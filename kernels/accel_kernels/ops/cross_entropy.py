@@ -308,7 +308,7 @@ def _backward(ctx, grad_output, _dlse, _dn_valid):
     _dispatch.check_first_order("cross_entropy")
     logits, labels, lse, n_valid = ctx.saved_tensors
     ignore_index, softcap, reduction, triton_path = ctx.options
-    grad = torch.ops.accel_kernels.cross_entropy_backward(grad_output, logits, labels, lse, n_valid,
+    grad = _cross_entropy_backward_op.backward_call(ctx, grad_output, logits, labels, lse, n_valid,
                                                           ignore_index, softcap, reduction, triton_path)
     return grad, None, None, None, None, None, None
 
@@ -476,5 +476,5 @@ def cross_entropy(
     """
     _check_inputs(logits, labels, ignore_index, softcap, reduction)
     softcap = None if softcap is None else float(softcap)
-    return torch.ops.accel_kernels.cross_entropy(logits, labels, ignore_index, softcap, reduction, True,
+    return _cross_entropy_op(logits, labels, ignore_index, softcap, reduction, True,
                                                  _dispatch.use_triton(logits))[0]

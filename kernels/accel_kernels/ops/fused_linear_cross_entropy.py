@@ -389,8 +389,8 @@ def _backward(ctx, grad_output, *_unused):
         grad_b = _scaled(grad_b, grad_output, b_dtype) if need_b else None
     elif reduction == "none":
         hidden, weight, bias, labels, lse = ctx.saved_tensors[3:]
-        grad_h, grad_w, grad_b = torch.ops.accel_kernels.fused_linear_cross_entropy_backward(
-            grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
+        grad_h, grad_w, grad_b = _fused_linear_cross_entropy_backward_op.backward_call(
+            ctx, grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
             need_h, need_w, need_b, triton_path)
     else:
         saved_h, _, _, hidden, weight, bias, labels, lse = ctx.saved_tensors
@@ -402,8 +402,8 @@ def _backward(ctx, grad_output, *_unused):
         # neither this nor a user's in-place work on the .grad that adopts it bumps the saved
         # tensor's version; a later backward through a retained graph recomputes grad_h instead.
         again = need_h and ctx.grad_h_given
-        grad_h, grad_w, grad_b = torch.ops.accel_kernels.fused_linear_cross_entropy_backward(
-            scale, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
+        grad_h, grad_w, grad_b = _fused_linear_cross_entropy_backward_op.backward_call(
+            ctx, scale, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
             again, need_w, need_b, triton_path)
         if need_h and not again:
             grad_h = _scale_in_place(saved_h.data, grad_output.float(), rows).view(hidden_shape)
@@ -503,6 +503,6 @@ def fused_linear_cross_entropy(
     need_h, need_w = grad and hidden.requires_grad, grad and weight.requires_grad
     need_b = grad and bias is not None and bias.requires_grad
     softcap = None if softcap is None else float(softcap)
-    return torch.ops.accel_kernels.fused_linear_cross_entropy(
+    return _fused_linear_cross_entropy_op(
         hidden, weight, bias, labels, ignore_index, softcap, reduction, chunk_size,
         need_h, need_w, need_b, True, triton_path)[0]

@@ -906,7 +906,7 @@ def _autograd_backward(ctx, grad_out, *_unused):
     if grad_out is None or not any(needs):
         return (None,) * len(ctx.needs_input_grad)
     named = dict(zip(_BACKWARD_SAVED, ctx.saved_tensors), grad_out=grad_out, needs=needs, **ctx.options)
-    grads = torch.ops.accel_kernels.moe_experts_backward(*(named[name] for name in _BACKWARD_ARGS))
+    grads = _moe_experts_backward_op.backward_call(ctx, *(named[name] for name in _BACKWARD_ARGS))
     by_name = {name: grad if need else None for name, grad, need in zip(_GRADS, grads, needs)}
     return tuple(by_name.get(name) for name in _TENSORS) + (None,) * (len(ctx.needs_input_grad) - len(_TENSORS))
 
@@ -1466,7 +1466,7 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
     path = backward_path(hidden, backward, autocast_dtype, any(t is not None for t in adapters))
     triton_path = path != "twin"
-    return torch.ops.accel_kernels.moe_experts(
+    return _moe_experts_op(
         hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, scaling, transposed,
         interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path,
         bool(save_gate_up) and not triton_path, path == "grouped_mm")[0]

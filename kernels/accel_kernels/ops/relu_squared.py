@@ -106,7 +106,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout):
     _dispatch.check_first_order("relu_squared")
     (x,) = ctx.saved_tensors
-    return torch.ops.accel_kernels.relu_squared_backward(dout, x, ctx.triton_path), None
+    return _relu_squared_backward_op.backward_call(ctx, dout, x, ctx.triton_path), None
 
 
 _relu_squared_op.register_autograd(_backward, setup_context=_setup_context)
@@ -156,4 +156,4 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """
     _check_inputs(x)
     triton_path = _dispatch.use_triton(x) and x.dtype != torch.float64
-    return torch.ops.accel_kernels.relu_squared(x, triton_path)
+    return _relu_squared_op(x, triton_path)

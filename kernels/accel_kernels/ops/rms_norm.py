@@ -477,8 +477,8 @@ def _backward(ctx, dy, _drstd):
     eps, offset, casting, triton_path, activation = ctx.options
     need_x, need_w = ctx.needs_input_grad[:2]
     need_g = len(ctx.needs_input_grad) > 7 and ctx.needs_input_grad[7]
-    dx, dw, dg = torch.ops.accel_kernels.rms_norm_backward(
-        dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast, gate, activation, need_g)
+    dx, dw, dg = _rms_norm_backward_op.backward_call(
+        ctx, dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast, gate, activation, need_g)
     grads = [(dx if need_x else None), (dw if need_w else None), None, None, None, None, None]
     return (*grads, (dg if need_g else None), None)[:len(ctx.needs_input_grad)]
 
@@ -604,7 +604,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6,
     triton_path = _dispatch.use_triton(x) and x.numel() > 0 and dtypes <= set(_DTYPES)
     autocast = None if triton_path else _library.autocast_dtype(x.device.type)
     if gate is None:  # the ungated op's schema as before: compiled graphs keep their nodes
-        return torch.ops.accel_kernels.rms_norm(x, weight, float(eps), float(offset), casting, triton_path,
+        return _rms_norm_op(x, weight, float(eps), float(offset), casting, triton_path,
                                                 autocast)[0]
-    return torch.ops.accel_kernels.rms_norm(x, weight, float(eps), float(offset), casting, triton_path,
+    return _rms_norm_op(x, weight, float(eps), float(offset), casting, triton_path,
                                             autocast, gate, activation)[0]

@@ -254,7 +254,7 @@ def _backward(ctx, dq_out, dk_out):
     cos, sin, q, k = ctx.saved_tensors
     unsqueeze_dim, triton_path, q_dtype, k_dtype, form = ctx.options
     needs = ctx.needs_input_grad[:4]
-    grads = torch.ops.accel_kernels.rope_backward(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype,
+    grads = _rope_backward_op.backward_call(ctx, dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype,
                                                   k_dtype, needs[2], needs[3], triton_path, form)
     return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
 
@@ -423,5 +423,5 @@ def rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: tor
     else:
         triton_path = (_dispatch.use_triton(q) and q.numel() > 0
                        and all(t.dtype in _DTYPES for t in (q, k, cos, sin)) and not grad_tables)
-        q_out, k_out = torch.ops.accel_kernels.rope(q, k, cos, sin, unsqueeze_dim, triton_path, index)
+        q_out, k_out = _rope_op(q, k, cos, sin, unsqueeze_dim, triton_path, index)
     return (q_out, None) if alone else (q_out, k_out)
