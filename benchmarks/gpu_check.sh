@@ -22,19 +22,21 @@
 # included; the Triton cache the kernel tests fill serves the later steps):
 #   versions      20 s (~6)   the versions and the GPU (benchmarks/versions.py)
 #   kernel-tests  75 s (~35)  tests/kernels -m "not slow" on CUDA tensors, real kernels, pytest -n 8 (32 s measured)
+#   gpu-tests     45 s (~20)  the CUDA-only tests: fused LoRA's dropout against PEFT's on CUDA, the tiled MLP under
+#                             checkpoint offloading (tests/swaps/lora/test_lora_dropout.py, tests/swaps/layers/test_tiled_mlp.py -k cuda)
 #   e2e          150 s (~80)  the Llama-3.2-1B-shape step, bf16, 4 x 2048 tokens, one process: full fine-tune stock,
 #                             accel-patch, Liger; LoRA r=16 all-linear stock PEFT, accel-patch, Liger + PEFT; each
 #                             judged by its first loss and gradient norm against stock's; plus torch.profiler of
 #                             one accel-patch and one Liger step ($OUT/profile.json)
 #   lora         100 s (~55)  LoRA as adapter users train it (bf16 autocast, dropout 0.05): stock PEFT, Liger +
 #                             PEFT, accel-patch without the LoRA ops ("swapped today"), accel-patch fused LoRA
-#   e2e-compile  240 s (~160) stock + torch.compile and accel-patch + torch.compile (Inductor, cold cache), full
-#   bench        120 s (~70)  python -m accel_kernels.bench --quick: each op against eager and Liger, host-inclusive
-#                             and device (profiler) times, % of copy bandwidth
 #   flce          60 s (~25)  the fused loss alone at 8192 x 4096 x 128256 bf16: the weight's gradient by its own
 #                             vocabulary pass (the default) against the fp32 sum over token chunks, and Liger's
 #   moe-op        60 s (~30)  the experts op alone at Qwen3-30B-A3B's shape, forward and backward timed apart, each
 #                             backward (Triton, grouped_mm, auto) against transformers' grouped_mm path
+#   e2e-compile  240 s (~160) stock + torch.compile and accel-patch + torch.compile (Inductor, cold cache), full
+#   bench        120 s (~70)  python -m accel_kernels.bench --quick: each op against eager and Liger, host-inclusive
+#                             and device (profiler) times, % of copy bandwidth
 #   moe          110 s (~70)  Qwen3-30B-A3B layers (2 of them), full and LoRA: grouped_mm vs accel-patch
 #   moe-checkpointed 70 s (~40) the same under gradient checkpointing, LoRA on the experts
 #   qlora        150 s        QLoRA (bitsandbytes 4-bit base): stock PEFT vs fused LoRA, where bitsandbytes is
@@ -43,7 +45,7 @@
 # MIN_STEP_S (60 s): every benchmark writes its JSON after each variant, so a step cut by its limit
 # keeps what finished. With the estimates, the steps through moe-checkpointed fit (~520 s); qlora and
 # trl-post run where the earlier steps were faster than estimated.
-# Others: gpu-tests (the CUDA-only tests: LoRA dropout, the tiled MLP under offloading), long
+# Others: long
 # (benchmarks/long_context.py --no-longest, gradient checkpointing at 16k/32k), rank-sync, lora-compile
 # (stock PEFT and fused LoRA compiled, Inductor), moe-block, check (accel-patch check), unit-tests (the
 # quick loop without tests/kernels, real kernels). The longest-sequence search (long_context.py
@@ -102,7 +104,7 @@ add versions        20  '$PY benchmarks/versions.py --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/versions.py --json "$OUT/$STEP.json"'
 add kernel-tests    75  "TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda $T -n 8 -m 'not slow' tests/kernels" \
                         "$T -n 2 -m 'not slow' --collect-only tests/kernels"
-add gpu-tests       60  "TRITON_INTERPRET=0 $T $GPU_TESTS" \
+add gpu-tests       45  "TRITON_INTERPRET=0 $T $GPU_TESTS" \
                         "$T --collect-only $GPU_TESTS"
 E2E_VARIANTS=stock,swapped,liger,stock+lora,swapped+lora,liger+lora
 add e2e            150  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 5 --variants '$E2E_VARIANTS' --profile "$OUT/profile.json" --json "$OUT/$STEP.json"' \
@@ -110,14 +112,14 @@ add e2e            150  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 
 LORA_VARIANTS='"stock,liger,swapped today,fused LoRA"'
 add lora           100  '$PY benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 --warmup 2 --steps 5 --variants '"$LORA_VARIANTS"' --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --variants '"$LORA_VARIANTS"' --json "$OUT/$STEP.json"'
-add e2e-compile    240  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 5 --variants stock+compile,swapped+compile --json "$OUT/$STEP.json"' \
-                        '$PY benchmarks/e2e.py --dry-run --backend eager --variants stock+compile,swapped+compile --json "$OUT/$STEP.json"'
-add bench          120  '$PY -m accel_kernels.bench --quick --json "$OUT/$STEP.json"' \
-                        '$PY -m accel_kernels.bench --quick --ops rms_norm --json "$OUT/$STEP.json"'
 add flce            60  '$PY benchmarks/flce_weight.py --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/flce_weight.py --dry-run --json "$OUT/$STEP.json"'
 add moe-op          60  '$PY benchmarks/moe_backward.py --steps 10 --repeats 3 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe_backward.py --steps 2 --repeats 1 --json "$OUT/$STEP.json"'
+add e2e-compile    240  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 5 --variants stock+compile,swapped+compile --json "$OUT/$STEP.json"' \
+                        '$PY benchmarks/e2e.py --dry-run --backend eager --variants stock+compile,swapped+compile --json "$OUT/$STEP.json"'
+add bench          120  '$PY -m accel_kernels.bench --quick --json "$OUT/$STEP.json"' \
+                        '$PY -m accel_kernels.bench --quick --ops rms_norm --json "$OUT/$STEP.json"'
 MOE='--variants grouped_mm,accel_patch --layers 2 --steps 4'
 add moe            110  '$PY benchmarks/moe.py --device cuda '"$MOE"' --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe.py --dry-run '"$MOE"' --json "$OUT/$STEP.json"'
@@ -140,7 +142,7 @@ add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants 
 add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' tests --ignore=tests/kernels" \
                         "$T -m 'not slow' --collect-only tests --ignore=tests/kernels"
 
-DEFAULT_STEPS="versions kernel-tests e2e lora e2e-compile bench flce moe-op moe moe-checkpointed qlora trl-post"
+DEFAULT_STEPS="versions kernel-tests gpu-tests e2e lora flce moe-op e2e-compile bench moe moe-checkpointed qlora trl-post"
 if [ "$LIST" = 1 ]; then
     for s in "${NAMES[@]}"; do
         case " $DEFAULT_STEPS " in *" $s "*) d=default ;; *) d=other ;; esac
