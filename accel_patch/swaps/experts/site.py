@@ -28,7 +28,8 @@ at both is the plan; none within it is a refusal that says how far the closest o
 
 Decided at every call and counted in `calls["experts"]` (`forward`): "fused", "fused (LoRA)"
 (PEFT's LoRA on the experts' parameters as split LoRA, adapters.py), with ", tiled" when the call
-ran over chunks of tokens by the tiled MLP's rule and "grouped_mm backward" when its backward's
+ran over chunks of tokens (`_tiling`: the tiled MLP named, or on the Triton path a checkpointed
+call whose temporaries exceed ACCEL_PATCH_EXPERTS_TILE_BUDGET) and "grouped_mm backward" when its backward's
 GEMMs run through torch._grouped_mm (ACCEL_PATCH_EXPERTS_BACKWARD); else which forward ran and why. Under
 torch.compile a call is counted once per trace, as "compiled: <outcome>" (the LoRA sites' rule).
 """
@@ -64,6 +65,20 @@ BACKWARD_SWITCH = "ACCEL_PATCH_EXPERTS_BACKWARD"
 #: The note of a call with grad whose backward runs its GEMMs through torch._grouped_mm (a call
 #: without it, on the Triton path, runs the all-Triton backward; on the twin, the twin's).
 GROUPED_BACKWARD = "grouped_mm backward"
+#: The option that bounds what one call may hold untiled on the Triton path where the tiled MLP's
+#: rule would tile it (a checkpointed layer): a size ("512MiB", "2GiB"; "0" tiles every such call,
+#: "inf" none), read once per site when the site is made, as BACKWARD_SWITCH (a bad value raises
+#: BadSwitch there). Unset: TILE_BUDGET_FRACTION of a CUDA device's memory, TILE_BUDGET_BYTES
+#: elsewhere. docs/moe.md ("Tiled, untiled or windowed") gives the model it rests on.
+TILE_BUDGET_SWITCH = "ACCEL_PATCH_EXPERTS_TILE_BUDGET"
+#: A checkpointed call on a CUDA device runs untiled while its temporaries (`held_bytes`) stay
+#: under this fraction of the device's memory: 1/16, 8.8 GB of an H200, 5 GB of an 80 GB H100
+#: (Qwen3-30B-A3B's experts hold 448 MiB at 4096 tokens, so untiled to about 80k and 45k tokens a
+#: call). The temporaries are freed before the next layer's backward, so they add to the step's
+#: peak once, as stock grouped_mm's recomputed layer (S (4H + 8I + 26) bytes, about as much) does.
+TILE_BUDGET_FRACTION = 1 / 16
+#: The budget on other devices (the Triton path on CPU tensors under the interpreter): 256 MiB.
+TILE_BUDGET_BYTES = 256 << 20
 ROUTED, DENSE = "routed", "dense"  # the call styles: (hidden, top_k_index, top_k_weights) / (hidden) per expert
 
 
@@ -96,6 +111,7 @@ class Site:
         self.requested, self.holders = requested, tuple(holders)
         self.gate_up = gate_up_mode()
         self.backward = backward_mode()
+        self.tile_budget = tile_budget_switch()
 
     def count(self, outcome: str) -> None:
         sites.count_into(self.calls, OP, outcome)
@@ -398,6 +414,39 @@ def backward_mode(environ=None) -> str:
     return switches.choice(BACKWARD_SWITCH, BACKWARDS, environ) or "auto"
 
 
+def tile_budget_switch(environ=None) -> float | None:
+    """ACCEL_PATCH_EXPERTS_TILE_BUDGET in bytes (None: unset, the device's default, `tile_budget`);
+    core.switches.BadSwitch naming the variable, its value and the valid forms otherwise."""
+    from ...core import switches
+
+    return switches.size(TILE_BUDGET_SWITCH, environ)
+
+
+_device_memory: dict = {}
+
+
+def tile_budget(site: Site, device: torch.device) -> float:
+    """The bytes a call may hold untiled (`held_bytes`) on `device`: the switch's value, else
+    TILE_BUDGET_FRACTION of a CUDA device's memory (read once per device), else TILE_BUDGET_BYTES."""
+    if site.tile_budget is not None:
+        return site.tile_budget
+    if device.type != "cuda":
+        return TILE_BUDGET_BYTES
+    key = str(device)
+    if key not in _device_memory:
+        _device_memory[key] = torch.cuda.get_device_properties(device).total_memory
+    return TILE_BUDGET_FRACTION * _device_memory[key]
+
+
+def held_bytes(tokens: int, top_k: int, hidden: int, inter: int, element: int, grouped: bool) -> int:
+    """What one untiled call of the op holds at once on the Triton path beyond its inputs, outputs
+    and saved tensors, for S = tokens x top_k sorted rows: the backward's h [S, I], dgu [S, 2I]
+    and one [S, H] product in the compute dtype (the forward holds less: h and the down output),
+    plus, with the grouped_mm backward, one gathered [S, H] operand and w h [S, I]."""
+    rows = tokens * top_k
+    return rows * (3 * inter + hidden + (inter + hidden if grouped else 0)) * element
+
+
 def save_gate_up(site: Site, hidden: torch.Tensor) -> bool:
     """Whether this call's op keeps gate/up for backward instead of recomputing them there: where
     ACCEL_PATCH_EXPERTS_GATE_UP=save says so, on the plain-torch twin (the Triton path always
@@ -413,10 +462,14 @@ def save_gate_up(site: Site, hidden: torch.Tensor) -> bool:
     return site.gate_up == "save" and torch.is_grad_enabled() and not _dispatch.use_triton(hidden)
 
 
-def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
-    """Tokens per chunk when this call is tiled by the tiled MLP's rule (long enough, on the K
-    expert rows a token has; under gradient checkpointing or named), else None. On the plain-torch
-    twin a call tiles only where the tiled MLP is named: the twin runs in windows of whole experts,
+def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int, element: int, grouped: bool) -> int | None:
+    """Tokens per chunk when this call is tiled, else None. Where the tiled MLP is named, by its
+    rule (long enough, on the K expert rows a token has, with grad, training). Otherwise only on the
+    Triton path, in a checkpointed layer (the rule's other case), and only when the call's
+    temporaries (`held_bytes`, in the compute dtype's `element` bytes) exceed the budget
+    (`tile_budget`): checkpointing alone does not tile, since each chunk re-reads every expert's
+    weights and shrinks each grouped GEMM (docs/moe.md, "Tiled, untiled or windowed"). The
+    plain-torch twin tiles only where the tiled MLP is named: it runs in windows of whole experts,
     which bound its temporaries as tiles do without shrinking its per-expert GEMMs (tiles made the
     CPU step 1.3-1.6x slower, docs/moe.md)."""
     from accel_kernels import _dispatch
@@ -428,6 +481,9 @@ def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int) -> int | None:
     inter = (gate_up.shape[2] if plan.transposed else gate_up.shape[1]) // 2
     rule = tiled_mlp.Site(hidden.shape[-1], inter * top_k, {}, site.requested, site.holders)
     if tiled_mlp.decide(rule, module, hidden) is not None:
+        return None
+    if not site.requested and held_bytes(hidden.shape[0], top_k, hidden.shape[-1], inter, element,
+                                         grouped) <= tile_budget(site, hidden.device):
         return None
     return tiled_mlp.chunk_tokens(rule.hidden, rule.intermediate)
 
@@ -470,10 +526,11 @@ def forward(self, *args, **kwargs):
     else:
         index, weights = dense_routes(hidden, experts)
     autocast_dtype = sites.autocast_dtype(hidden.device.type)
-    chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1])
     save = save_gate_up(site, hidden)
     backward = site.backward
     grouped = torch.is_grad_enabled() and _backward_path(hidden, backward, autocast_dtype, lora) == "grouped_mm"
+    element = (autocast_dtype or hidden.dtype).itemsize
+    chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1], element, grouped)
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save),
                                    (GROUPED_BACKWARD, grouped)) if on]
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))

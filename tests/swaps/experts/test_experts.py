@@ -227,11 +227,11 @@ def test_the_router_and_its_aux_loss_stay_stock_and_restore_puts_the_forward_bac
 
 
 @pytest.mark.slow
-def test_a_long_checkpointed_call_runs_in_windows_on_the_twin_and_tiles_on_the_triton_path(monkeypatch):
+def test_a_long_checkpointed_call_runs_in_windows_on_the_twin(monkeypatch):
     on_the_twin(monkeypatch)
     import accel_kernels.ops.moe_experts as op
-    from accel_kernels import _dispatch
 
+    monkeypatch.setenv(experts.site.TILE_BUDGET_SWITCH, "0")  # would tile every such call on the Triton path
     stock, twin = pair("qwen3_moe")
     swap_kernels(twin, ops="experts")  # the experts alone: the other kernels, interpreted, add only time
     monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
@@ -248,15 +248,124 @@ def test_a_long_checkpointed_call_runs_in_windows_on_the_twin_and_tiles_on_the_t
     assert rel(grads1[worst], grads0[worst]) <= 1e-4, worst
     # the twin: not tiled (its windows bound what a call holds), the forward and its recompute
     assert experts_calls(twin) == {"fused": 2 * len(experts_modules(twin))}, experts_calls(twin)
-    # the Triton path: the same call tiles by the tiled MLP's rule (its kernels have no windows)
-    module = next(iter(experts_modules(twin).values()))
-    site = module.__dict__[experts.SITE_ATTR]
-    hidden = torch.zeros(900, twin.config.hidden_size)
-    for triton, want in ((False, None), (True, twin.config.hidden_size)):
-        monkeypatch.setattr(_dispatch, "use_triton", lambda t, triton=triton: triton)
-        assert experts.site._tiling(module, site, hidden, 2) == want, triton
-    twin.gradient_checkpointing_disable()
-    assert experts.site._tiling(module, site, hidden, 2) is None  # as the tiled MLP: a forward more
+
+
+def _tiling_site(monkeypatch, **env):
+    """(the first experts module of a swapped tiny Qwen3-MoE, its site, the model), checkpointed,
+    with the tiled MLP's thresholds at their least (chunks of `hidden` = 64 tokens)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = pair("qwen3_moe")[1]
+    swap_kernels(model, ops="experts")
+    monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)
+    model.gradient_checkpointing_enable()
+    model.train()
+    module = next(iter(experts_modules(model).values()))
+    return module, module.__dict__[experts.SITE_ATTR], model
+
+
+def test_a_checkpointed_call_on_the_triton_path_tiles_only_above_the_memory_budget(monkeypatch):
+    """Checkpointing alone does not tile the Triton path: a call tiles where what it would hold
+    untiled (held_bytes) exceeds the budget, and runs whole up to it; without checkpointing (or with
+    no grad) it never tiles, whatever it holds; the twin tiles only where tiled_mlp is named."""
+    from accel_kernels import _dispatch
+
+    module, site, model = _tiling_site(monkeypatch)
+    monkeypatch.setattr(_dispatch, "use_triton", lambda t: True)
+    hidden = torch.zeros(900, model.config.hidden_size)  # 900 tokens, top-2, H 64, I 32, fp32
+    held = experts.site.held_bytes(900, 2, 64, 32, 4, False)
+    assert held == 900 * 2 * (3 * 32 + 64) * 4
+    assert experts.site.held_bytes(900, 2, 64, 32, 4, True) == 900 * 2 * (4 * 32 + 2 * 64) * 4
+    assert site.tile_budget is None and experts.site.tile_budget(site, hidden.device) == experts.site.TILE_BUDGET_BYTES
+    assert held < experts.site.TILE_BUDGET_BYTES
+    assert experts.site._tiling(module, site, hidden, 2, 4, False) is None  # checkpointed, within the budget
+    for budget, want in ((held, None), (held - 1, 64), (0.0, 64), (float("inf"), None)):
+        site.tile_budget = budget
+        assert experts.site._tiling(module, site, hidden, 2, 4, False) == want, budget
+    site.tile_budget = held  # the grouped_mm backward's temporaries count: the same call, over it
+    assert experts.site._tiling(module, site, hidden, 2, 4, True) == 64
+    assert experts.site._tiling(module, site, hidden, 2, 2, True) is None  # bf16: half the bytes
+    site.tile_budget = 0.0
+    with torch.no_grad():
+        assert experts.site._tiling(module, site, hidden, 2, 4, False) is None
+    model.gradient_checkpointing_disable()  # over the budget, not checkpointed: the budget alone never tiles
+    assert experts.site._tiling(module, site, hidden, 2, 4, False) is None
+    model.gradient_checkpointing_enable()
+    monkeypatch.setattr(_dispatch, "use_triton", lambda t: False)  # the twin: its windows, never tiles
+    assert experts.site._tiling(module, site, hidden, 2, 4, False) is None
+    site.requested, site.tile_budget = True, None  # tiled_mlp named: tiles, budget or not, either path
+    assert experts.site._tiling(module, site, hidden, 2, 4, False) == 64
+
+
+def test_the_default_budget_is_a_fraction_of_a_cuda_devices_memory(monkeypatch):
+    site = experts.site.Site(None, ("hidden",), {})
+    memory = 80 << 30
+
+    class Properties:
+        total_memory = memory
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    monkeypatch.setattr(experts.site, "_device_memory", {})
+    assert experts.site.tile_budget(site, torch.device("cuda:3")) == memory * experts.site.TILE_BUDGET_FRACTION
+    assert experts.site.tile_budget(site, torch.device("cpu")) == experts.site.TILE_BUDGET_BYTES
+    site.tile_budget = 1 << 20  # the switch's value wins everywhere
+    assert experts.site.tile_budget(site, torch.device("cuda:3")) == 1 << 20
+    # Qwen3-30B-A3B's experts at 4096 tokens (top-8, H 2048, I 768, bf16, the grouped_mm backward):
+    # 448 MiB, well under the default on an 80 GB device
+    assert experts.site.held_bytes(4096, 8, 2048, 768, 2, True) == 448 << 20
+
+
+def test_the_tile_budget_switch_reads_sizes_and_names_a_bad_one(monkeypatch):
+    from accel_patch.core import switches
+
+    read = experts.site.tile_budget_switch
+    assert read({}) is None and read({experts.site.TILE_BUDGET_SWITCH: " "}) is None
+    for value, want in (("0", 0), ("4096", 4096), ("512MiB", 512 << 20), ("2G", 2 << 30), ("1.5 GiB", 3 << 29),
+                        ("Inf", float("inf"))):
+        assert read({experts.site.TILE_BUDGET_SWITCH: value}) == want, value
+    for bad in ("2GB", "lots", "-1", "nan", "MiB"):
+        with pytest.raises(switches.BadSwitch, match=rf"ACCEL_PATCH_EXPERTS_TILE_BUDGET='{bad}' is not a size"):
+            read({experts.site.TILE_BUDGET_SWITCH: bad})
+    module, site, _ = _tiling_site(monkeypatch, ACCEL_PATCH_EXPERTS_TILE_BUDGET="64KiB")  # read at the swap
+    assert site.tile_budget == 64 << 10
+    # a bad value refuses the site with the error at the swap (the walk's rule), never the swap
+    monkeypatch.setenv(experts.site.TILE_BUDGET_SWITCH, "lots")
+    model = pair("qwen3_moe")[1]
+    report = swap_kernels(model, ops="experts")
+    refused = [r for r in report.refused if r.op == experts.OP]
+    assert not report.swapped.get(experts.OP) and len(refused) == len(experts_modules(model)), report
+    assert all("ACCEL_PATCH_EXPERTS_TILE_BUDGET='lots' is not a size" in r.reason for r in refused), refused
+
+
+@pytest.mark.slow  # interpreted Triton: two checkpointed steps of 3 x 50 tokens, about 5 s each
+@pytest.mark.parametrize("budget, want", [(None, "fused"), ("0", "fused (tiled)")])
+def test_a_checkpointed_step_on_the_triton_path_tiles_by_the_budget_and_equals_stock(monkeypatch, budget, want):
+    """Interpreted kernels, float32, non-reentrant checkpointing: within the budget (the default)
+    every call runs whole, over it (0) every call tiles, counted either way; both steps equal stock's."""
+    from accel_kernels import _launch
+
+    if budget is not None:
+        monkeypatch.setenv(experts.site.TILE_BUDGET_SWITCH, budget)
+    stock, twin = pair("qwen3_moe")
+    swap_kernels(twin, ops="experts")
+    monkeypatch.setattr(tiled_mlp, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(tiled_mlp, "CHUNK_ELEMENTS", 1)  # chunks of `hidden` (64) tokens: 3 a call
+    batch = {k: v.repeat(1, 5) for k, v in padded_batch().items()}  # 3 x 50 tokens
+    for model in (stock, twin):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    loss0, grads0, _ = training_step(stock, batch)
+    with _launch.recording() as launched:
+        loss1, grads1, _ = training_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5, (loss1, loss0)
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, (worst, rel(grads1[worst], grads0[worst]))
+    n = len(experts_modules(twin))
+    assert experts_calls(twin) == {want: 2 * n}, experts_calls(twin)  # the forward and its recompute
+    # every call launched its kernels: 3 forward launches per op call (3 per chunk when tiled)
+    calls = 2 * n * (3 if want.endswith("(tiled)") else 1)
+    assert launched.count("_moe_combine_kernel") >= calls, launched
 
 
 @pytest.mark.slow
