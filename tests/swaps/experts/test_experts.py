@@ -298,6 +298,22 @@ def test_a_checkpointed_call_on_the_triton_path_tiles_only_above_the_memory_budg
     assert experts.site._tiling(module, site, hidden, 2, 4, False) == 64
 
 
+def test_the_budget_weighs_a_call_in_its_compute_dtype(monkeypatch):
+    """The forward hands the rule the bytes of the dtype the op computes in: autocast's, else
+    hidden's (a bf16 autocast call holds half what a float32 one does)."""
+    on_the_twin(monkeypatch)
+    module, site, model = _tiling_site(monkeypatch)
+    seen = []
+    tiling = experts.site._tiling
+    monkeypatch.setattr(experts.site, "_tiling", lambda *a: seen.append(a[4]) or tiling(*a))
+    hidden = torch.randn(8, model.config.hidden_size)
+    index, weights = experts.site.routes(8, 2, 4, "cpu")
+    module(hidden, index, weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module(hidden, index, weights)
+    assert seen == [4, 2], seen
+
+
 def test_the_default_budget_is_a_fraction_of_a_cuda_devices_memory(monkeypatch):
     site = experts.site.Site(None, ("hidden",), {})
     memory = 80 << 30
