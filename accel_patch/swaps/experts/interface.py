@@ -70,10 +70,16 @@ def _prepared(module, dtype: torch.dtype):
         if isinstance(verdict, str):
             reason = verdict
         else:
-            site = experts_site.Site(verdict, found.arg_names, {})
-            site.interface = True  # its calls are the module's own, not a swapped model's
-            module.__dict__[experts_site.SITE_ATTR] = site
-            return site
+            from ...core import switches
+
+            try:  # the site reads the experts' switches: a bad value refuses it, as at the swap
+                site = experts_site.Site(verdict, found.arg_names, {})
+            except switches.BadSwitch as exc:
+                reason = f"BadSwitch: {exc}"
+            else:
+                site.interface = True  # its calls are the module's own, not a swapped model's
+                module.__dict__[experts_site.SITE_ATTR] = site
+                return site
     module.__dict__[REFUSED_ATTR] = reason
     return None
 

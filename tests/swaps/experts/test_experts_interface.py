@@ -56,6 +56,20 @@ def test_a_module_the_probe_refuses_runs_grouped_mm_counted_with_the_reason(monk
                for m in experts_modules(model).values())
 
 
+@pytest.mark.parametrize("switch", ["ACCEL_PATCH_EXPERTS_TILE_BUDGET", "ACCEL_PATCH_EXPERTS_BACKWARD"])
+def test_a_bad_experts_switch_refuses_the_module_with_its_error_and_runs_grouped_mm(monkeypatch, switch):
+    on_the_twin(monkeypatch)
+    from accel_patch.swaps import probe
+
+    probe.cache.clear()  # the verdict passes: the refusal is the switch's
+    monkeypatch.setenv(switch, "lots")
+    model = unswapped("qwen3_moe", "accel_patch")
+    training_step(model, padded_batch())  # no error reaches the step
+    assert accel_patch.report(model).calls["experts"] == {interface.REFUSED: len(experts_modules(model))}
+    assert all(m.__dict__[interface.REFUSED_ATTR].startswith(f"BadSwitch: {switch}='lots' is not")
+               for m in experts_modules(model).values())
+
+
 def test_disabling_accel_patch_removes_the_entry():
     accel_patch.disable()
     try:
