@@ -58,9 +58,10 @@ GATE_UP_MODES = ("auto", "save", "recompute")
 SAVED = "saved gate/up"
 #: The option that decides the op's backward on the Triton path, read once per site when the site
 #: is made (at the swap: a bad value raises BadSwitch there and the walk refuses the site with it;
-#: through the experts interface, at the module's first call, which refuses the module likewise): "auto" (grouped_mm's GEMMs on an
-#: sm_90+ CUDA device where torch._grouped_mm takes the compute dtype, for calls without LoRA;
-#: else Triton's), "triton" or "grouped_mm" (forced). docs/moe.md ("Which backward") says why.
+#: through the experts interface, at the module's first call, which refuses the module likewise):
+#: "auto" (grouped_mm's GEMMs on an sm_90+ CUDA device where torch._grouped_mm takes the compute
+#: dtype, for calls without LoRA; else Triton's), "triton" or "grouped_mm" (forced). docs/moe.md
+#: ("Which backward") says why.
 BACKWARD_SWITCH = "ACCEL_PATCH_EXPERTS_BACKWARD"
 #: The note of a call with grad whose backward runs its GEMMs through torch._grouped_mm (a call
 #: without it, on the Triton path, runs the all-Triton backward; on the twin, the twin's).
