@@ -73,9 +73,9 @@ GROUPED_BACKWARD = "grouped_mm backward"
 #: elsewhere. docs/moe.md ("Tiled, untiled or windowed") gives the model it rests on.
 TILE_BUDGET_SWITCH = "ACCEL_PATCH_EXPERTS_TILE_BUDGET"
 #: A checkpointed call on a CUDA device runs untiled while its temporaries (`held_bytes`) stay
-#: under this fraction of the device's memory: 1/16, 8.8 GB of an H200, 5 GB of an 80 GB H100
-#: (Qwen3-30B-A3B's experts hold 448 MiB at 4096 tokens, so untiled to about 80k and 45k tokens a
-#: call). The temporaries are freed before the next layer's backward, so they add to the step's
+#: within this fraction of the device's memory: 1/16, about 8.7 GiB of an H200 (139 GiB), 4.9 GiB
+#: of an H100 (79 GiB) (Qwen3-30B-A3B's experts hold 448 MiB at 4096 tokens, so untiled to about
+#: 80k and 45k tokens a call). The temporaries are freed before the next layer's backward, so they add to the step's
 #: peak once, as stock grouped_mm's recomputed layer (S (4H + 8I + 26) bytes, about as much) does.
 TILE_BUDGET_FRACTION = 1 / 16
 #: The budget on other devices (the Triton path on CPU tensors under the interpreter): 256 MiB.
