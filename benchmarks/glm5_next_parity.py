@@ -17,6 +17,9 @@ Runs, all from the same weights and batch:
 - stock32_flipped: stock in float32 with the batch's two rows in the other order: the same
   function (the loss sums over every token), another float32 summation order of every reduction
   over tokens, parameter gradients included;
+- stock32_sequential_norms: stock in float32 with its RMSNorms' mean of squares summed left to right
+  (`norms_summed_sequentially`): stock's formula, the norms' float32 summation order changed, which
+  is what the swapped norms change;
 and the same four with `swiglu_limit` out of reach (1e6): the clamp never acts.
 
 Per parameter the relative error ||a - b|| / ||b|| of the gradients: swapped vs stock, stock_flipped
@@ -27,6 +30,7 @@ stock is; a summation-order difference leaves both at the same distance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -87,6 +91,37 @@ def step(model, ids):
     return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}, past
 
 
+def _sequential_mean_sq(x):
+    """mean(x**2) over the last dim summed left to right (cumsum): the same value as torch's
+    vectorized mean, another float32 summation order."""
+    return x.pow(2).cumsum(-1)[..., -1:] / x.shape[-1]
+
+
+@contextlib.contextmanager
+def norms_summed_sequentially():
+    """Stock's RMSNorm and unweighted RMSNorm (the hyper-connections' input norm) with their formula
+    unchanged but for the order in which the mean of squares is summed: the part of the step the
+    swapped norms compute in their own order."""
+    import torch
+    from transformers.models.glm5_next import modeling_glm5_next as m
+
+    def weighted(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states * torch.rsqrt(_sequential_mean_sq(hidden_states) + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def unweighted(self, x):
+        return x * torch.rsqrt(_sequential_mean_sq(x.float()) + self.variance_epsilon).to(x.dtype)
+
+    saved = m.Glm5NextTextRMSNorm.forward, m.Glm5NextTextUnweightedRMSNorm.forward
+    m.Glm5NextTextRMSNorm.forward, m.Glm5NextTextUnweightedRMSNorm.forward = weighted, unweighted
+    try:
+        yield
+    finally:
+        m.Glm5NextTextRMSNorm.forward, m.Glm5NextTextUnweightedRMSNorm.forward = saved
+
+
 def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
@@ -108,11 +143,14 @@ def compare(limit: float) -> dict:
     with _launch.recording() as launched:
         g_swapped, _ = step(swapped, ids)
     g_flipped, _ = step(stock, ids.flip(0))
+    with norms_summed_sequentially():
+        g_other, _ = step(stock, ids)
     g64, _ = step(reference, ids)
     rows = {}
     for name in g_stock:
         rows[name] = dict(swapped_vs_stock=rel(g_swapped[name], g_stock[name]),
                           flipped_vs_stock=rel(g_flipped[name], g_stock[name]),
+                          sequential_norms_vs_stock=rel(g_other[name], g_stock[name]),
                           stock_vs_f64=rel(g_stock[name], g64[name]),
                           swapped_vs_f64=rel(g_swapped[name], g64[name]))
     return dict(limit=limit, past_limit=past, swapped=dict(report.swapped),
@@ -141,16 +179,18 @@ def main(argv=None) -> int:
         rows = res["rows"]
         print(f"\nswiglu_limit={res['limit']:g}: {res['past_limit']:.1%} of dense gate/up values past it; "
               f"swapped {res['swapped']}; GLU kernels run: {', '.join(res['glu_kernels'])}")
-        print(f"  {'parameter':44} {'swapped/stock':>14} {'flipped/stock':>14} {'stock/f64':>10} {'swapped/f64':>12}")
+        print(f"  {'parameter':30} {'swapped/stock':>14} {'flipped/stock':>14} {'seq-norms/stock':>20} "
+              f"{'stock/f64':>10} {'swapped/f64':>12}")
         names = sorted(rows, key=lambda n: -rows[n]["swapped_vs_stock"])[:args.top]
         names += [WATCH] if WATCH in rows and WATCH not in names else []
         for n in names:
             r = rows[n]
-            print(f"  {n:44} {r['swapped_vs_stock']:14.2e} {r['flipped_vs_stock']:14.2e} {r['stock_vs_f64']:10.2e} "
-                  f"{r['swapped_vs_f64']:12.2e}")
+            print(f"  {n:30} {r['swapped_vs_stock']:14.2e} {r['flipped_vs_stock']:14.2e} "
+                  f"{r['sequential_norms_vs_stock']:20.2e} {r['stock_vs_f64']:10.2e} {r['swapped_vs_f64']:12.2e}")
         worst_ratio = max(rows[n]["swapped_vs_f64"] / max(rows[n]["stock_vs_f64"], 1e-300) for n in rows)
         print(f"  every parameter: max swapped/stock {max(r['swapped_vs_stock'] for r in rows.values()):.2e}, "
               f"max flipped/stock {max(r['flipped_vs_stock'] for r in rows.values()):.2e}, "
+              f"max seq-norms/stock {max(r['sequential_norms_vs_stock'] for r in rows.values()):.2e}, "
               f"max (swapped vs f64) / (stock vs f64) {worst_ratio:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
