@@ -182,17 +182,25 @@ def test_triton_path_is_as_close_to_float64_as_the_twin(device, monkeypatch):
             assert_close(k, r, dtype, stock=t, what=f"{dtype} {what}")
 
 
-def test_autocast_on_the_cpu_keeps_xs_dtype_as_torch_does(device, monkeypatch):
-    # CPU autocast leaves layer_norm alone (a bfloat16 x stays bfloat16); CUDA's and XPU's run it in
-    # float32 (AUTOCAST_TO_FLOAT32), which the public function reproduces by casting up there
-    if device.type != "cpu":
-        pytest.skip("the CUDA case is the float32 policy: the output dtype is checked on the device's own run")
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_under_autocast_the_output_dtype_and_values_are_torchs_on_the_device(device, param_dtype):
+    # CPU autocast leaves layer_norm alone (bfloat16 x stays bfloat16, measured on torch 2.13);
+    # CUDA's and XPU's run it in float32 (AUTOCAST_TO_FLOAT32): on a GPU this checks that policy
     x = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
-    w, b = params(64, device, torch.float32, True, True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y, want = layer_norm(x, w, b), eager(x, w, b)
-    assert y.dtype == want.dtype == torch.bfloat16
-    assert rel_err(y, want) <= 1e-2
+    w, b = params(64, device, param_dtype, True, True)
+    dy = torch.randn(4, 64, device=device)
+    results = []
+    for fn in (layer_norm, eager):
+        leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = fn(*leaves)
+        y.backward(dy.to(y.dtype))
+        results.append([y.detach()] + [t.grad for t in leaves])
+    # the computation's precision is the output's: float32 under the float32 policy, else bfloat16's
+    bound = 1e-5 if results[1][0].dtype == torch.float32 else 1e-2
+    for what, ours, stock in zip(("output", "dx", "dw", "db"), *results):
+        assert ours.dtype == stock.dtype, what
+        assert rel_err(ours, stock) <= bound, what
 
 
 @pytest.mark.slow  # gradgradcheck: ~4 s here (test_package's second-derivative check runs in the quick loop)
