@@ -148,3 +148,23 @@ def test_rms_norm_alone_leaves_layer_norms_alone_and_says_nothing_of_them():
     report = swap_kernels(model, ops=["rms_norm"])
     assert report.swapped == {} and report.refused == [], report
     assert swap_kernels(model, ops="layernorm").swapped == {"layer_norm": 1}  # the alias
+
+
+@pytest.mark.slow  # dynamo and AOTAutograd over the swapped forward
+def test_a_swapped_layer_norm_compiles_fullgraph_to_the_op_and_equals_stock():
+    stock = randomized(torch.nn.LayerNorm(W, eps=1e-6))
+    model = Holder(copy.deepcopy(stock))
+    assert swap_kernels(model, ops=["layer_norm"]).swapped == {"layer_norm": 1}
+    x = torch.randn(2, 7, W) * 2 + 3
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model.child)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    nodes = [n for g in explained.graphs for n in g.graph.nodes if "accel_kernels.layer_norm" in str(n.target)]
+    assert len(nodes) == 1, [str(n.target) for g in explained.graphs for n in g.graph.nodes]
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = torch.compile(model.child, backend="aot_eager", fullgraph=True)(x1)
+    y.sum().backward()
+    want = stock(x2)
+    want.sum().backward()
+    assert probe.rel_err(y, want) <= 1e-5 and probe.rel_err(x1.grad, x2.grad) <= 1e-5
+    torch._dynamo.reset()
