@@ -86,8 +86,10 @@ FAMILIES = (
     ("mixtral", "Mixtral (control)", "MixtralConfig", {}),
 )
 KINDS = ("norm", "mlp", "experts", "rope")
-#: The op whose refusal decides a kind's state (the first), and others that may sit on the same site.
-KIND_OPS = {"norm": ("rms_norm",), "mlp": ("glu", "tiled_mlp"), "experts": ("experts",), "rope": ("rope",)}
+#: The ops whose swap or refusal decides a kind's state (OWN_OPS, the first by default: a norm is
+#: either op's site), and others that may sit on the same site.
+KIND_OPS = {"norm": ("rms_norm", "layer_norm"), "mlp": ("glu", "tiled_mlp"), "experts": ("experts",), "rope": ("rope",)}
+OWN_OPS = {"norm": ("rms_norm", "layer_norm")}
 MAX_LAYERS = 8
 HIDDEN, HEAD_DIM, VOCAB = 64, 16, 128
 #: Sizes set wherever the family's configuration has the attribute.
@@ -307,14 +309,15 @@ def census(key: str, label: str, cls_name: str, extra: dict) -> dict:
                                    dict(instances=0, swapped=0, ops=set(), refused={}))
         row["instances"] += 1
         ops = KIND_OPS[kind]
+        own = OWN_OPS.get(kind, ops[:1])
         marks = installed_ops(module)
         row["ops"].update(marks)
-        if sites.is_swapped(module) and ops[0] in marks:  # the kind's own op, beneath any on top
+        if sites.is_swapped(module) and any(op in marks for op in own):  # the kind's own op, beneath any on top
             row["swapped"] += 1
             continue
-        reason = refusals.get((where, ops[0]))
+        reason = next((refusals[(where, op)] for op in own if (where, op) in refusals), None)
         if reason is None:  # another op of the kind (the tiled MLP) refused there
-            reason = next((f"{op}: {refusals[(where, op)]}" for op in ops[1:] if (where, op) in refusals
+            reason = next((f"{op}: {refusals[(where, op)]}" for op in ops if op not in own and (where, op) in refusals
                            and op not in marks), None)
         if reason is not None:
             row["refused"][reason] = row["refused"].get(reason, 0) + 1

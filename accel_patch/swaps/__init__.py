@@ -28,7 +28,7 @@ def swap_kernels(model, ops=None) -> SwapReport:
 
     `model`: a transformers `PreTrainedModel`, a PEFT `PeftModel` (before or after
     `get_peft_model`), a bitsandbytes 4/8-bit model, or any of them wrapped in DDP.
-    `ops`: None for all, or names among "rms_norm", "rope", "glu", "fused_linear_cross_entropy",
+    `ops`: None for all, or names among "rms_norm", "layer_norm", "rope", "glu", "fused_linear_cross_entropy",
     "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp", "experts" (a list or a comma-separated string;
     "swiglu"/"geglu" mean "glu", "lora" the three LoRA sites, which fuse PEFT LoRA layers decided
     per call: lora/; "tiled_mlp" runs a long call of a gated MLP chunk by chunk: layers/tiled_mlp.py;

@@ -94,6 +94,7 @@ class SiteKind(NamedTuple):
 KINDS = (
     SiteKind((experts.OP,), "experts", False, experts.SITE_ATTR, sites.INNER_ATTR),
     SiteKind((norms.OP,), "norm", False, None, sites.INNER_ATTR),
+    SiteKind((norms.LAYER_NORM_OP,), "layer_norm", False, None, sites.INNER_ATTR),
     SiteKind((mlp.OP,), "glu", False, None, sites.INNER_ATTR),
     SiteKind((rope.OP,), "rope", False, rope.SITE_ATTR, sites.INNER_ATTR),
     SiteKind(lora.OPS, "lora", True, lora.SITE_ATTR, lora.INNER_ATTR),
@@ -305,6 +306,17 @@ class _Walk:
         self.probe_and_swap(where, norms.OP, module, norms.structure(module, form),
                             lambda: norms.probe_verdict(module, self.dtype, form, device), norms.forward_for,
                             device=device)
+
+    def layer_norm(self, where, module, ops=(norms.LAYER_NORM_OP,)) -> None:
+        if sites.is_swapped(module):  # an RMSNorm named LayerNorm (T5's), swapped by the step before
+            return
+        form = self.candidate(where, norms.LAYER_NORM_OP, norms.layer_norm_candidate(module))
+        if form is None:
+            return
+        device = norms.device(module, self.model)  # torch.nn.LayerNorm(elementwise_affine=False): no parameter
+        self.probe_and_swap(where, norms.LAYER_NORM_OP, module, (form,),
+                            lambda: norms.layer_norm_verdict(module, self.dtype, form, device),
+                            norms.layer_norm_forward_for, device=device)
 
     def glu(self, where, module, ops=(mlp.OP,)) -> None:
         found = self.candidate(where, mlp.OP, mlp.site_candidate(module))

@@ -9,11 +9,11 @@ else is refused by the probe, with the reason.
 from __future__ import annotations
 
 #: Op names accepted by `swap_kernels(ops=...)` and ACCEL_PATCH_KERNELS, in report order.
-OPS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy", "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp",
+OPS = ("rms_norm", "layer_norm", "rope", "glu", "fused_linear_cross_entropy", "lora_mlp", "lora_qkv", "lora_o", "tiled_mlp",
        "experts")
 #: Other spellings users write for the same op.
 OP_ALIASES = {"swiglu": "glu", "geglu": "glu", "flce": "fused_linear_cross_entropy",
-              "cross_entropy": "fused_linear_cross_entropy", "rmsnorm": "rms_norm",
+              "cross_entropy": "fused_linear_cross_entropy", "rmsnorm": "rms_norm", "layernorm": "layer_norm",
               "tiled": "tiled_mlp", "moe": "experts", "moe_experts": "experts"}
 #: Names that stand for several ops.
 OP_GROUPS = {"lora": ("lora_mlp", "lora_qkv", "lora_o")}
@@ -105,5 +105,5 @@ COMPLEX_ROPE_FUNCTIONS = ("apply_rotary_emb",)
 PARTIAL_ROTARY_ATTRIBUTES = ("partial_rotary_factor", "rotary_pct")
 
 # --- refusals worth naming -----------------------------------------------------------------
-#: Class-name fragments of norms with no kernel here (mean-centred LayerNorm).
+#: Class-name fragments of mean-centred norms (LayerNorm): the layer_norm op's sites, not rms_norm's.
 LAYER_NORM_MARKERS = ("layernorm", "layer_norm")

@@ -247,7 +247,7 @@ class SwapReport:
 
 
 #: Shorter names for a logged line that would otherwise pass 100 characters.
-_SHORT_NAMES = {"fused_linear_cross_entropy": "loss", "rms_norm": "norm"}
+_SHORT_NAMES = {"fused_linear_cross_entropy": "loss", "rms_norm": "norm", "layer_norm": "ln"}
 
 
 def _op_order(item) -> int:

@@ -1,7 +1,7 @@
 """accel_kernels: Triton kernels for LLM fine-tuning, each with a hand-written backward and a
 plain-torch twin of the same math.
 
-    from accel_kernels import rms_norm, rope, swiglu, geglu, relu_squared, cross_entropy, fused_linear_cross_entropy, moe_experts
+    from accel_kernels import rms_norm, layer_norm, rope, swiglu, geglu, relu_squared, cross_entropy, fused_linear_cross_entropy, moe_experts
 
 Importing this package patches nothing. It imports torch and, when it can, triton; never
 accel_patch, transformers or accelerate. Without triton (it is installed on Linux only) every op
@@ -54,11 +54,12 @@ the twin.
 from .ops.cross_entropy import cross_entropy
 from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from .ops.geglu import geglu
+from .ops.layer_norm import layer_norm
 from .ops.moe_experts import moe_experts
 from .ops.rms_norm import rms_norm
 from .ops.rope import rope
 from .ops.relu_squared import relu_squared
 from .ops.swiglu import swiglu
 
-__all__ = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "moe_experts", "relu_squared", "rms_norm", "rope",
+__all__ = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "layer_norm", "moe_experts", "relu_squared", "rms_norm", "rope",
            "swiglu"]

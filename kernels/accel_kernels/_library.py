@@ -1,7 +1,7 @@
 """The torch.library side of the ops: every op is a custom op in the namespace `accel_kernels`.
 
 Each op module registers, in its "torch.library ops" section, a forward op and the backward op(s)
-its autograd formula calls (`torch.ops.accel_kernels.rms_norm`, `.rms_norm_backward`, `.rope`,
+its autograd formula calls (`torch.ops.accel_kernels.rms_norm`, `.rms_norm_backward`, `.layer_norm`, `.layer_norm_backward`, `.rope`,
 `.rope_backward`, `.glu`, `.glu_backward`, `.cross_entropy`, `.cross_entropy_backward`,
 `.fused_linear_cross_entropy`, `.fused_linear_cross_entropy_backward`, `.moe_experts`,
 `.moe_experts_backward`), each with a fake (meta)

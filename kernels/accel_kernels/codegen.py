@@ -2,7 +2,7 @@
 model shapes, compiled ahead of time for sm_80 and sm_90a, within register, spill and shared-memory
 budgets.
 
-    python -m accel_kernels.codegen [--quick] [--json]
+    python -m accel_kernels.codegen [--quick] [--json] [--kernels _layer_norm]
 
 How: the host functions of each op (`_forward_triton`, `_backward_triton`, the fused loss's
 `_chunked_pass`) run on meta tensors that carry the real shapes, strides and dtypes of a model's
@@ -124,7 +124,15 @@ MOE_TOKENS = (4096, 1)
 MOE_DTYPES = ("bf16", "fp32")
 MOE_LORA_RANK = 16
 
+#: LayerNorms with a weight and a bias (layer_norm), by their width: rows = tokens of a step.
+LAYER_NORM_MODELS = {
+    "DeepSeek-V3.2": 128,  # the DSA indexer's k_norm over index_head_dim (GLM-MoE-DSA, GLM-5-next, Mistral Large 4 alike)
+    "GPT-NeoX-20B": 6144,  # the decoder's norms over the hidden width
+    "BLOOM-176B": 14336,  # rows wider than one block (layer_norm's separate dot pass)
+}
+
 QUICK_MODELS = ("Llama-3-8B", "Gemma-2-9B")
+QUICK_LAYER_NORM_MODELS = ("DeepSeek-V3.2",)
 QUICK_MOE_MODELS = ("Qwen3-30B-A3B",)  # at QUICK_TOKENS, without LoRA
 QUICK_DTYPES = ("bf16",)
 QUICK_TOKENS = (4096,)
@@ -160,18 +168,23 @@ def _meta(shape, dtype) -> torch.Tensor:
 @contextlib.contextmanager
 def _sized_for(target: Target):
     """The host code as it sizes grids on `target` (it asks torch.cuda for the SM count)."""
-    from .ops import rms_norm
+    from .ops import layer_norm, rms_norm
 
-    real = rms_norm._max_programs
+    modules = (rms_norm, layer_norm)
+    real = [m._max_programs for m in modules]
 
-    def max_programs(device, num_warps):
-        return max(1, REGISTERS_PER_SM // (32 * num_warps * rms_norm._BWD_REGISTERS)) * target.sms
+    def sized(module):
+        def max_programs(device, num_warps):
+            return max(1, REGISTERS_PER_SM // (32 * num_warps * module._BWD_REGISTERS)) * target.sms
+        return max_programs
 
-    rms_norm._max_programs = max_programs
+    for module in modules:
+        module._max_programs = sized(module)
     try:
         yield
     finally:
-        rms_norm._max_programs = real
+        for module, fn in zip(modules, real):
+            module._max_programs = fn
 
 
 def _drive(model: Model, dtype: torch.dtype, tokens: int, rope_forms=None):
@@ -224,6 +237,17 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int, rope_forms=None):
     for mode in ({"loss": loss, "lse": lse}, {"saved_lse": lse}):  # "mean"/"sum"; "none"'s backward
         fused_linear_cross_entropy._chunked_pass(h, w, None, labels, -100, model.softcap, True, rows, scale=scale,
                                                  need_h=True, need_w=True, need_b=False, **mode)
+
+
+def _drive_layer_norm(width: int, dtype: torch.dtype, tokens: int):
+    """layer_norm's host functions over (tokens, width), weight and bias in x's dtype, forward and
+    backward: trained weight and bias, and frozen ones (LoRA)."""
+    from .ops import layer_norm
+
+    x, w, b = _meta((tokens, width), dtype), _meta((width,), dtype), _meta((width,), dtype)
+    y, saved = layer_norm._forward_triton(x, w, b, 1e-6)
+    for need in (True, False):
+        layer_norm._backward_triton(torch.empty_like(y), saved, x.shape, 1e-6, True, need, need)
 
 
 def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = True):
@@ -471,6 +495,12 @@ def _configurations(quick: bool) -> dict:
                         _drive(MODELS[model_name], DTYPES[dtype_name], tokens,
                                rope_forms=None if model_name in QUICK_MODELS else (0,))
                     _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
+        for model_name in QUICK_LAYER_NORM_MODELS if quick else tuple(LAYER_NORM_MODELS):
+            for dtype_name in dtypes:
+                for tokens in QUICK_TOKENS if quick else TOKENS[dtype_name]:
+                    with _sized_for(target), _launch.capturing() as launches:
+                        _drive_layer_norm(LAYER_NORM_MODELS[model_name], DTYPES[dtype_name], tokens)
+                    _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
         for model_name in QUICK_MOE_MODELS if quick else tuple(MOE_MODELS):
             for dtype_name in QUICK_DTYPES if quick else MOE_DTYPES:
                 for tokens in QUICK_TOKENS if quick else MOE_TOKENS:
@@ -501,10 +531,10 @@ def _add_launches(found: dict, launches, backend, target: Target, where: str) ->
             record["models"].append(where)
 
 
-def _run_here(quick: bool, workers: int | None = None) -> list[dict]:
+def _run_here(quick: bool, workers: int | None = None, kernels: str | None = None) -> list[dict]:
     if _triton.INTERPRETING or not _triton.AVAILABLE:
         raise RuntimeError("codegen needs triton's compiler: run it without TRITON_INTERPRET=1")
-    configurations = list(_configurations(quick).values())
+    configurations = [c for c in _configurations(quick).values() if not kernels or c["kernel"].startswith(kernels)]
     workers = workers or os.cpu_count() or 1
     jobs = [c["job"] for c in configurations]
     if workers > 1:
@@ -523,17 +553,19 @@ def _run_here(quick: bool, workers: int | None = None) -> list[dict]:
     return records
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, kernels: str | None = None) -> list[dict]:
     """Capture, compile and judge every configuration (a subset of models, dtypes and token
-    counts with quick=True). Returns one record a configuration: kernel, target, dtype, shape (of
+    counts with quick=True; only the kernels whose names start with `kernels`, e.g.
+    "_layer_norm", when given). Returns one record a configuration: kernel, target, dtype, shape (of
     its first tensor argument), models (model/dtype/tokens that launch it), num_warps,
     num_stages, constants, registers, spill_stores, spill_loads (bytes), shared (bytes),
     blocks_per_sm, ok, problems (why not ok) or error."""
     if not _triton.INTERPRETING:
-        return _run_here(quick)
+        return _run_here(quick, kernels=kernels)
     # the kernels of this process were made for the interpreter: compile in one that has real ones
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "accel_kernels.codegen", "--json"] + (["--quick"] if quick else [])
+    command = [sys.executable, "-m", "accel_kernels.codegen", "--json"] + (["--quick"] if quick else []) + (
+        ["--kernels", kernels] if kernels else [])
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -565,8 +597,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m accel_kernels.codegen", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few models, bf16, one token count")
     parser.add_argument("--json", action="store_true", help="the records as JSON on stdout")
+    parser.add_argument("--kernels", help="only the kernels whose names start with this (e.g. _layer_norm)")
     args = parser.parse_args(argv)
-    records = run(quick=args.quick)
+    records = run(quick=args.quick, kernels=args.kernels)
     print(json.dumps(records) if args.json else table(records))
     return 0 if all(r["ok"] for r in records) else 1
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import accel_kernels._launch as launch
+import accel_kernels.ops.layer_norm as layer_norm_module
 import accel_kernels.ops.rms_norm as rms_norm_module
 from accel_kernels import codegen
 
@@ -32,11 +33,12 @@ def _check_matrix(records, expected_kernels):
         assert seen == expected_kernels, f"{target}: {expected_kernels - seen} never compiled"
     for r in records:
         assert r["registers"] and r["blocks_per_sm"] >= 1 and r["shared"] >= 0, r
-    # the rms_norm backward grid has as many programs as are resident at once: at
-    # least what the host sizes it for must fit a SM
+    # the norms' backward grids have as many programs as are resident at once: at
+    # least what the host sizes them for must fit a SM
+    sized = {"_rms_norm_bwd_kernel": rms_norm_module, "_layer_norm_bwd_kernel": layer_norm_module}
     for r in records:
-        if r["kernel"] == "_rms_norm_bwd_kernel":
-            host_per_sm = max(1, 65536 // (32 * r["num_warps"] * rms_norm_module._BWD_REGISTERS))
+        if r["kernel"] in sized:
+            host_per_sm = max(1, 65536 // (32 * r["num_warps"] * sized[r["kernel"]]._BWD_REGISTERS))
             assert r["blocks_per_sm"] >= host_per_sm, r
 
 
@@ -49,8 +51,8 @@ def quick_records():
 @pytest.mark.slow  # over 2 s: a compile per configuration (the whole matrix is slow too)
 def test_quick_matrix_compiles_within_budgets(quick_records):
     records = [dict(r) for r in quick_records]
-    # the dot pass only runs for rows wider than 8192: Llama-3-405B in the whole matrix
-    _check_matrix(records, set(kernels()) - {"_rms_norm_bwd_dot_kernel"})
+    # the dot passes only run for rows wider than 8192: Llama-3-405B and BLOOM-176B in the whole matrix
+    _check_matrix(records, set(kernels()) - {"_rms_norm_bwd_dot_kernel", "_layer_norm_bwd_dot_kernel"})
     assert {r["dtype"] for r in records} == set(codegen.QUICK_DTYPES)
     print("\n" + codegen.table(records))
 
@@ -78,7 +80,19 @@ def test_whole_matrix_compiles_within_budgets():
     _check_matrix(records, set(kernels()))
     assert {r["dtype"] for r in records} == set(codegen.DTYPES)
     models = {m.split("/")[0] for r in records for m in r["models"]}
-    assert models == set(codegen.MODELS) | set(codegen.MOE_MODELS)
+    assert models == set(codegen.MODELS) | set(codegen.MOE_MODELS) | set(codegen.LAYER_NORM_MODELS)
+    print("\n" + codegen.table(records))
+
+
+@pytest.mark.slow  # a compile per configuration
+def test_layer_norm_compiles_within_budgets_at_every_width_dtype_and_token_count():
+    # the whole matrix's layer_norm share: the indexer's 128-wide k_norm, a hidden-width norm, and
+    # rows wider than one block (the dot pass); trained and frozen weight and bias
+    records = codegen.run(quick=False, kernels="_layer_norm")
+    names = {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dot_kernel"}
+    _check_matrix(records, names)
+    assert {m.split("/")[0] for r in records for m in r["models"]} == set(codegen.LAYER_NORM_MODELS)
+    assert {r["dtype"] for r in records} == set(codegen.DTYPES)
     print("\n" + codegen.table(records))
 
 

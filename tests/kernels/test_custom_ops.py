@@ -65,6 +65,20 @@ def rms_norm_cases(dtype, path):
                                       weight is not None, path, None, frozen_gate, activation, gated is not None)
 
 
+def layer_norm_cases(dtype, path):
+    x = _t(3, 2, 40, dtype=dtype)
+    # weight and bias, in x's dtype and (half x) in float32; weight only; neither
+    for w_dtype, has_w, has_b in ((dtype, True, True), (torch.float32, True, True), (dtype, True, False),
+                                  (dtype, False, False)):
+        w = (torch.rand(40) + 0.5).to(w_dtype).requires_grad_() if has_w else None
+        b = _t(40, dtype=w_dtype) if has_b else None
+        yield ops.layer_norm, (x, w, b, 1e-5, path)
+        frozen = [t.detach() if t is not None else None for t in (x, w, b)]
+        y, mean, rstd = ops.layer_norm(*frozen, 1e-5, path)
+        for needs in ((True, True, True), (True, False, False), (False, True, True)):
+            yield ops.layer_norm_backward, (torch.randn_like(y), *frozen, mean, rstd, 1e-5, *needs, path)
+
+
 def rope_cases(dtype, path):
     for unsqueeze_dim, rot in ((1, 8), (2, 4)):  # full and partial rotary, both layouts
         shape = (lambda h: (2, h, 3, 8)) if unsqueeze_dim == 1 else (lambda h: (2, 3, h, 8))
@@ -151,11 +165,11 @@ def moe_experts_cases(dtype, path):
 
 
 CASES = {
-    "rms_norm": rms_norm_cases, "rope": rope_cases, "glu": glu_cases, "relu_squared": relu_squared_cases,
+    "rms_norm": rms_norm_cases, "layer_norm": layer_norm_cases, "rope": rope_cases, "glu": glu_cases, "relu_squared": relu_squared_cases,
     "cross_entropy": cross_entropy_cases,
     "fused_linear_cross_entropy": fused_linear_cross_entropy_cases, "moe_experts": moe_experts_cases,
 }
-EVERY_OP = {"rms_norm", "rms_norm_backward", "rope", "rope_backward", "glu", "glu_backward", "relu_squared",
+EVERY_OP = {"rms_norm", "rms_norm_backward", "layer_norm", "layer_norm_backward", "rope", "rope_backward", "glu", "glu_backward", "relu_squared",
             "relu_squared_backward", "cross_entropy",
             "cross_entropy_backward", "fused_linear_cross_entropy", "fused_linear_cross_entropy_backward",
             "moe_experts", "moe_experts_backward"}
@@ -255,6 +269,7 @@ def public_calls():
     return {
         "rms_norm": (lambda x, w: accel_kernels.rms_norm(x, w, offset=1.0, casting="gemma"),
                      [_t(2, 3, 40), _t(40)]),
+        "layer_norm": (lambda x, w, b: accel_kernels.layer_norm(x, w, b, eps=1e-6), [_t(2, 3, 40), _t(40), _t(40)]),
         "rope": (lambda q, k: accel_kernels.rope(q, k, cos, sin), [_t(2, 4, 3, 8), _t(2, 2, 3, 8)]),
         "swiglu": (accel_kernels.swiglu, [_t(3, 70), _t(3, 70)]),
         "geglu": (lambda g, u: accel_kernels.geglu(g, u, approximate="tanh"), [_t(3, 70), _t(3, 70)]),
@@ -338,7 +353,7 @@ def test_compiled_cpu_label_check_still_raises():
 
 
 def _op_names():
-    return [name for family in ("rms_norm", "rope", "glu", "relu_squared", "cross_entropy",
+    return [name for family in ("rms_norm", "layer_norm", "rope", "glu", "relu_squared", "cross_entropy",
                                 "fused_linear_cross_entropy", "moe_experts") for name in (family, f"{family}_backward")]
 
 

@@ -16,6 +16,7 @@ import accel_kernels._dispatch as dispatch
 import accel_kernels._launch as launch
 import accel_kernels._triton as triton_support
 import accel_kernels.ops
+import accel_kernels.ops.layer_norm as layer_norm_module
 import accel_kernels.ops.rms_norm as rms_norm_module
 
 JIT_TYPE = type(triton_support.cast_rounded)
@@ -59,6 +60,11 @@ def run_every_path(device, monkeypatch):
     with monkeypatch.context() as m:  # rows wider than one block: the backward's separate dot pass
         m.setattr(rms_norm_module, "_MAX_BLOCK_N", 16)
         accel_kernels.rms_norm(x, w).sum().backward()
+    b = leaf(40)
+    accel_kernels.layer_norm(x, w, b).sum().backward()
+    with monkeypatch.context() as m:  # the same for layer_norm's dot pass
+        m.setattr(layer_norm_module, "_MAX_BLOCK_N", 16)
+        accel_kernels.layer_norm(x, w, b).sum().backward()
     q, k = leaf(1, 2, 3, 8), leaf(1, 1, 3, 8)
     cos, sin = torch.randn(1, 3, 8, device=device), torch.randn(1, 3, 8, device=device)
     torch.autograd.backward(accel_kernels.rope(q, k, cos, sin), [torch.ones_like(q), torch.ones_like(k)])

@@ -17,7 +17,7 @@ import accel_kernels
 import accel_kernels._dispatch as dispatch
 from _checks import FP32_BOUND
 
-OPS = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "moe_experts", "relu_squared", "rms_norm", "rope", "swiglu"]
+OPS = ["cross_entropy", "fused_linear_cross_entropy", "geglu", "layer_norm", "moe_experts", "relu_squared", "rms_norm", "rope", "swiglu"]
 
 
 def run_python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
@@ -57,6 +57,8 @@ CASES = {  # op: (ours, eager, inputs)
     "rms_norm": (lambda x, w: ak.rms_norm(x, w),
                  lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),
                  [torch.randn(3, 16), torch.rand(16) + 0.5]),
+    "layer_norm": (lambda x, w, b: ak.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (16,), w, b),
+                   [torch.randn(3, 16) + 2.0, torch.rand(16) + 0.5, torch.randn(16)]),
     "rope": (lambda q, k, c, s: ak.rope(q, k, c, s), eager_rope,
              [torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8), torch.randn(1, 5, 8), torch.randn(1, 5, 8)]),
     "swiglu": (ak.swiglu, lambda g, u: F.silu(g) * u, [torch.randn(4, 24), torch.randn(4, 24)]),
@@ -172,6 +174,8 @@ def _valid_arguments(device="cpu") -> dict:
         cases = {
             "rms_norm": (accel_kernels.rms_norm, dict(x=torch.randn(3, 8), weight=torch.rand(8) + 0.5,
                                                       gate=torch.randn(3, 8))),
+            "layer_norm": (accel_kernels.layer_norm, dict(x=torch.randn(3, 8), weight=torch.rand(8) + 0.5,
+                                                          bias=torch.randn(8))),
             "rope": (accel_kernels.rope, dict(q=torch.randn(1, 2, 3, 4), k=torch.randn(1, 1, 3, 4),
                                               cos=torch.randn(1, 3, 4), sin=torch.randn(1, 3, 4))),
             "swiglu": (accel_kernels.swiglu, dict(gate=torch.randn(3, 8), up=torch.randn(3, 8))),
@@ -225,7 +229,7 @@ def test_second_derivatives_are_right_or_refused(device, monkeypatch, op, path):
     if path == "twin":
         monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
     fn, kwargs = _valid_arguments(device)[op]
-    if path == "twin" and op in ("rms_norm", "rope"):
+    if path == "twin" and op in ("rms_norm", "rope", "layer_norm"):
         # these twins are the stock formula differentiated by autograd: second order included
         names = list(kwargs)
         # casting="none": every step in float64 (the others normalize in float32, too coarse for

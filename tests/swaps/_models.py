@@ -30,7 +30,7 @@ FAMILIES = {
     "cohere": ({"glu", "fused_linear_cross_entropy", "tiled_mlp"} | LORA, {"rms_norm", "rope"}, {}),  # LayerNorm, interleaved RoPE
     "mixtral": ({"rms_norm", "rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o", "experts"}, set(),  # 3-D experts, aux loss
                 {"router_aux_loss_coef": 0.1}),
-    "gpt_neox": ({"rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o"}, {"rms_norm"}, {}),  # LayerNorm, partial rotary
+    "gpt_neox": ({"layer_norm", "rope", "fused_linear_cross_entropy", "lora_qkv", "lora_o"}, set(), {}),  # LayerNorm, partial rotary
 }
 
 

@@ -1,6 +1,7 @@
 """Module kernels: sites that replace one decoder module's forward with an accel_kernels op.
 
-    norms.py       RMSNorm (plain and Gemma's (1 + w)), per head (q/k norms) or whole
+    norms.py       RMSNorm (plain and Gemma's (1 + w)), per head (q/k norms) or whole; LayerNorm
+                   (op layer_norm)
     mlp.py         the gated MLP (split gate/up/down or fused gate_up; SiLU or GELU): the GLU op
     rope.py        rotary embeddings: the family's apply_rotary_pos_emb, intercepted per model
     tiled_mlp.py   a long call of a gated MLP run chunk by chunk over the tokens (on top of

@@ -18,8 +18,21 @@ in each casting variant of families.NORM_VARIANTS (NORM_WEIGHTLESS_VARIANTS with
 times each of NORM_GATE_ACTIVATIONS with a gate), in the activation dtype, float32 and bfloat16;
 the variant that matches in all of them is swapped in. Refused, with the form named:
 - groups that do not divide the width;
-- LayerNorm (mean-centred, with a bias); a weightless norm whose output is no RMSNorm's (an L2
-  norm over the sum, not the mean: Dory's).
+- a weightless norm whose output is no RMSNorm's (an L2 norm over the sum, not the mean: Dory's).
+
+LayerNorm sites (op "layer_norm", counted in its own report row): torch.nn.LayerNorm over the last
+dim, with or without its weight and bias (the DSA indexers' `k_norm` of DeepSeek V3.2, GLM-MoE-DSA,
+GLM-5-next and Mistral Large 4; GPT-NeoX's and Phi's norms), and childless classes named LayerNorm
+with a 1-D weight and a 1-D bias and an epsilon attribute. A class named LayerNorm with a weight
+alone is probed as an RMSNorm first (T5's "LayerNorm" is one); a mean-centred one (Cohere's) is
+refused by that probe. The LayerNorm probe runs the module's own forward against
+`accel_kernels.layer_norm` with a random weight and bias substituted, on rows far from zero mean (a
+norm that is not mean-centred, or drops its bias, differs there), in the activation dtype, float32
+and bfloat16, and in float32 on rows whose variance is of the order of the module's eps (an eps
+other than the one its attribute names differs there). Refused: a LayerNorm over more than the last
+dim (`normalized_shape` of several dims). A LayerNorm class other than torch's, under autocast on
+CUDA or XPU (where torch's own layer_norm runs in float32 and such a class's explicit casts may not),
+runs its own forward: the probe saw it without autocast.
 
 Where the kernel cannot run (CPU tensors without Triton's interpreter:
 `accel_kernels._dispatch.use_triton` false), the swapped forward calls the module's own forward:
@@ -36,6 +49,7 @@ import torch
 from .. import families, probe, sites
 
 OP = "rms_norm"
+LAYER_NORM_OP = "layer_norm"
 
 #: A candidate's form: its epsilon attribute, whether it has a weight, for the gated form the
 #: names of its two inputs (None for one input), and the groups a gated norm normalizes over
@@ -139,10 +153,11 @@ def candidate(module) -> NormForm | None:
 
 
 def refusal(module) -> str | None:
-    """Why a module that looks like a norm (by its class name) is not a candidate; None otherwise."""
+    """Why a module that looks like a norm (by its class name) is not a candidate; None otherwise
+    (a LayerNorm included: the layer_norm op's site, not rms_norm's)."""
     params = dict(module.named_parameters(recurse=False))
     if isinstance(module, torch.nn.LayerNorm) or (_named_layer_norm(module) and "bias" in params):
-        return "LayerNorm (mean-centred, with a bias): no kernel"
+        return None
     if "norm" not in type(module).__name__.lower() or not params:
         return None
     weight = params.get("weight")
@@ -247,3 +262,117 @@ def forward_for(variant: NormVariant):
 
         _forwards[variant] = forward
     return _forwards[variant]
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm sites (op "layer_norm")
+# --------------------------------------------------------------------------------------------
+
+#: A LayerNorm's form: its epsilon attribute, whether it has a weight and a bias, and whether its
+#: forward is torch.nn.LayerNorm's own (F.layer_norm, whose autocast policy the kernel's entry follows).
+LayerNormForm = namedtuple("LayerNormForm", "eps_attr weighted biased torch_forward")
+
+
+def layer_norm_candidate(module) -> LayerNormForm | str | None:
+    """The LayerNorm's form when `module` is a torch.nn.LayerNorm (or subclass) or a childless
+    class named LayerNorm with a 1-D weight and bias, an epsilon attribute and one input; a refusal
+    reason for a LayerNorm over several dims; else None."""
+    if next(module.children(), None) is not None:
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    if isinstance(module, torch.nn.LayerNorm):
+        if len(module.normalized_shape) != 1:
+            return (f"LayerNorm over its last {len(module.normalized_shape)} dims (normalized_shape="
+                    f"{tuple(module.normalized_shape)}): the kernel normalizes over the last dim only")
+        if sites.single_input(type(module)) is None:
+            return None
+        return LayerNormForm("eps", module.weight is not None, module.bias is not None,
+                             type(module).forward is torch.nn.LayerNorm.forward)
+    if isinstance(module, _TORCH_CENTRED) or not _named_layer_norm(module) or set(params) != {"weight", "bias"}:
+        return None
+    if any(p.dim() != 1 for p in params.values()) or params["weight"].shape != params["bias"].shape:
+        return None
+    eps_attr = _eps_attr(module)
+    if eps_attr is None or getattr(module, eps_attr) is None or sites.single_input(type(module)) is None:
+        return None
+    return LayerNormForm(eps_attr, True, True, False)
+
+
+def _layer_norm_width(module, form: LayerNormForm) -> int:
+    if form.weighted:
+        return module.weight.shape[0]
+    if form.biased:
+        return module.bias.shape[0]
+    return int(module.normalized_shape[0])
+
+
+def layer_norm_verdict(module, act_dtype: torch.dtype, form: LayerNormForm, device: torch.device | None = None):
+    """`form` when accel_kernels.layer_norm reproduces this module's output (module docstring), else
+    a refusal reason."""
+    from accel_kernels import layer_norm
+
+    device = device or probe.module_device(module) or torch.device("cpu")
+    n = _layer_norm_width(module, form)
+    eps = float(getattr(module, form.eps_attr))
+    own = {name: getattr(module, name) for name, has in (("weight", form.weighted), ("bias", form.biased)) if has}
+    # (dtype, scale, shift): the activation dtype, float32 and bfloat16 on rows far from zero mean;
+    # float32 on rows whose variance is of the order of eps, where another eps shows
+    cases = [(dtype, 2.0, 3.0) for dtype in dict.fromkeys([act_dtype, torch.float32, torch.bfloat16])]
+    cases.append((torch.float32, max(eps, 1e-12) ** 0.5, 0.0))
+    with probe.probing(module):
+        for dtype, scale, shift in cases:
+            # the activation dtype's probe keeps the module's own parameter dtypes; the others cast
+            # both, as a model converted with .to(dtype) would
+            p_dtype = {name: (p.dtype if dtype == act_dtype else dtype) for name, p in own.items()}
+            x = probe.randn((2, 3, n), dtype, device, scale=scale)
+            x = (x.float() + shift * (1 + torch.arange(3, device=device, dtype=torch.float32)).view(1, 3, 1)).to(dtype)
+            values = {}
+            if "weight" in own:
+                values["weight"] = (1.0 + 0.5 * torch.randn(n, device=device)).to(p_dtype["weight"])
+            if "bias" in own:
+                values["bias"] = torch.randn(n, device=device).to(p_dtype["bias"])
+            try:
+                ref = torch.func.functional_call(module, values, (x,))
+            except Exception as exc:  # the module cannot run here: no verdict to trust
+                return f"module's own forward failed on a {dtype} probe: {type(exc).__name__}: {exc}"
+            try:
+                out = layer_norm(x, values.get("weight"), values.get("bias"), eps=eps)
+            except ValueError as exc:
+                return f"LayerNorm with parameters the kernel does not take: {exc}"
+            if not isinstance(ref, torch.Tensor) or out.dtype != ref.dtype:
+                return (f"output dtype {getattr(ref, 'dtype', type(ref).__name__)} on a {dtype} probe, where "
+                        f"torch's layer_norm gives {out.dtype}")
+            err = probe.rel_err(out, ref)
+            if err > probe.bound(dtype):
+                where = "rows of variance near its eps" if shift == 0.0 else "rows far from zero mean"
+                return (f"output differs from LayerNorm (eps={eps:g}{', weight' * form.weighted}"
+                        f"{', bias' * form.biased}) in {dtype} on {where}: relative error {err:.1e}")
+    return form
+
+
+_layer_norm_forwards: dict[LayerNormForm, object] = {}
+
+
+@sites.made_by  # a pickled model makes its forward again
+def layer_norm_forward_for(form: LayerNormForm):
+    """The swapped forward for one form: layer_norm of the input with the module's own weight and
+    bias (those it has) and eps."""
+    if form not in _layer_norm_forwards:
+        from accel_kernels import _dispatch, layer_norm
+        from accel_kernels.ops.layer_norm import AUTOCAST_TO_FLOAT32
+
+        eps_attr, weighted, biased, torch_forward = form
+
+        def forward(self, *args, **kwargs):
+            x = sites.the_input(args, kwargs)
+            # CPU without Triton: the stock module is faster than the twin. A class of its own under
+            # autocast where torch's layer_norm would run in float32: its own casts decide, unprobed
+            if not isinstance(x, torch.Tensor) or not _dispatch.use_triton(x) or (
+                    not torch_forward and x.device.type in AUTOCAST_TO_FLOAT32
+                    and torch.is_autocast_enabled(x.device.type)):
+                return sites.call_inner(self, *args, **kwargs)
+            return layer_norm(x, self.weight if weighted else None, self.bias if biased else None,
+                              eps=float(getattr(self, eps_attr)))
+
+        _layer_norm_forwards[form] = forward
+    return _layer_norm_forwards[form]

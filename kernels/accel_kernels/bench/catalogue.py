@@ -59,6 +59,27 @@ RMS_NORM = Op(
 )
 
 
+# --- layer_norm: torch.nn.LayerNorm with a weight and a bias (the DSA indexers' k_norm, GPT-NeoX) ---
+def _liger_layer_norm(x, w, b):
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    return LigerLayerNormFunction.apply(x, w, b, 1e-6)
+
+
+LAYER_NORM = Op(
+    shapes={"gpu": dict(batch=4, seq=2048, hidden=4096), "cpu": dict(batch=4, seq=512, hidden=1024),
+            "check": dict(batch=2, seq=8, hidden=256)},
+    make=lambda device, dtype, batch, seq, hidden: [
+        _randn(batch, seq, hidden, device=device, dtype=dtype),
+        (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype).requires_grad_(),
+        (0.1 * torch.randn(hidden, device=device)).to(dtype).requires_grad_()],
+    eager=lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-6),
+    ours=lambda x, w, b: accel_kernels.layer_norm(x, w, b, eps=1e-6),
+    liger=_liger_layer_norm,
+    # as rms_norm's: fwd reads x, writes y; bwd reads dy, x, writes dx (weight, bias and their grads are rows)
+    bytes_moved=lambda e, batch, seq, hidden: 5 * batch * seq * hidden * e,
+)
+
+
 # --- swiglu / geglu: LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) ---
 def _liger_swiglu(g, u):
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -273,6 +294,6 @@ MOE_EXPERTS_GPT_OSS = Op(
     bytes_moved=None,  # matmul-bound
 )
 
-OPS = {"rms_norm": RMS_NORM, "swiglu": SWIGLU, "geglu": GEGLU, "rope": ROPE,
+OPS = {"rms_norm": RMS_NORM, "layer_norm": LAYER_NORM, "swiglu": SWIGLU, "geglu": GEGLU, "rope": ROPE,
        "cross_entropy": CROSS_ENTROPY, "fused_linear_cross_entropy": FLCE, "moe_experts": MOE_EXPERTS,
        "moe_experts_gpt_oss": MOE_EXPERTS_GPT_OSS}

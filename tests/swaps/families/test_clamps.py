@@ -75,6 +75,35 @@ def test_a_clamped_gated_mlp_runs_the_clamp_in_the_kernel_and_equals_stock_past_
         assert probe.rel_err(p.grad, q.grad) <= 1e-5, name
 
 
+def test_a_clamped_mlp_whose_weights_reach_the_clamp_on_small_inputs_swaps_with_the_clamp():
+    # weights 25x the census model's: the probe's first, small inputs already pass the limit, where
+    # the unclamped function differs; the clamped plan is tried there too (it used to be refused)
+    from accel_kernels import _launch
+    from accel_patch.swaps.layers import mlp
+
+    module = _module("glm5_next.modeling_glm5_next", "Glm5NextTextMLP", **MLP)
+    with torch.no_grad():
+        for proj in (module.gate_proj, module.up_proj):
+            proj.weight.mul_(200.0)
+    stock = copy.deepcopy(module)
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        pre = torch.cat([stock.gate_proj(x), stock.up_proj(x)], -1)
+    assert float((pre.abs() > 10).float().mean()) > 0.05, "small inputs do not reach the clamp"
+    model = Holder(module)
+    report = swap_kernels(model, ops=["glu"])
+    assert report.swapped.get("glu") == 1 and not report.refused, report.refused
+    assert mlp.probe_verdict(stock, torch.float32, *mlp.candidate(stock)).limit == 10.0
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with _launch.recording() as launched:
+        y = model.child(x1)
+        y.sum().backward()
+    assert "_glu_forward_kernel" in launched
+    want = stock(x2)
+    want.sum().backward()
+    assert probe.rel_err(y, want) <= 1e-5 and probe.rel_err(x1.grad, x2.grad) <= 1e-5
+
+
 @pytest.mark.parametrize("path, cls", CLAMPED[:1])
 def test_a_clamped_mlp_refuses_the_fused_lora_mlp_which_does_not_clamp(path, cls):
     model = Holder(_module(path, cls, **MLP))
