@@ -30,12 +30,13 @@ attention's head counts and head dim (full and partial rotary, where the functio
 with cos/sin in q's dtype and in float32 (what rotary embeddings that compute in float32 hand
 over): values, dtypes and shapes must all match. Some families (Olmo, Olmo2) compute in the
 promoted dtype and cast back to q's and k's dtypes; the probe sees that and the site casts back
-too (`RopePlan.cast_back`). The kernel rotates four layouts (`accel_kernels.ops.rope.FORMS`):
+too (`RopePlan.cast_back`). The kernel rotates six layouts (`accel_kernels.ops.rope.FORMS`):
 rotate-half, DeepSeek's interleave (pairs in, halves out: `apply_rotary_pos_emb_interleave`),
-GPT-J pairs (ERNIE 4.5, GLM) and DeepSeek's interleave as transformers 4 wrote it (on the whole
-table); the probe tries them in that order and keeps the first that matches
-everywhere (`RopePlan.form`); a function that matches none (Cohere's full-width interleaved table,
-DeepSeek V4's rotation of the last dims) is refused with that reason. An MLA forward names both
+GPT-J pairs (ERNIE 4.5, GLM), DeepSeek's interleave as transformers 4 wrote it (on the whole
+table), GPT-J pairs on the last dims of each head (DeepSeek V4) and the complex form (below);
+the probe tries the real ones in that order and keeps the first that matches
+everywhere (`RopePlan.form`); a function that matches none (Cohere's full-width interleaved table)
+is refused with that reason. An MLA forward names both
 functions: `rope_interleave` (False) picks the rotate-half one, else the interleave one is
 intercepted. A function that takes `unsqueeze_dim` is probed on (B, S, H, D) tensors too
 (`RopePlan.bshd`: the indexers of DeepSeek V3.2 and its heirs call it so), and with k=None
@@ -56,9 +57,15 @@ graph of one once, as "compiled: <outcome>" (what that graph runs at every call)
 sites count: "fused" when
 the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) or k=None
 call the probe did not prove, a call it cannot bind, no Triton; "another function" when the
-forward never reached the dispatcher). Attentions that call a complex RoPE function (Llama 4's
-`apply_rotary_emb` with `freqs_cis`, `families.COMPLEX_ROPE_FUNCTIONS`) are refused at the swap
-with that reason: there is no kernel for that form.
+forward never reached the dispatcher).
+
+A complex RoPE function (Llama 4's and DeepSeek V2's `apply_rotary_emb(xq, xk, freqs_cis)`,
+`families.COMPLEX_ROPE_FUNCTIONS`) multiplies q and k, viewed as complex numbers, by the table:
+GPT-J pairs with cos and sin the table's real and imaginary parts. The dispatcher hands the
+kernel's "complex" form `view_as_real(freqs_cis).flatten(-2)`, a view of the table the model
+built once per forward, as both cos and sin: no copy, nothing derived per layer. The probe finds
+where the function broadcasts the table over the heads (`RopePlan.complex_dim`: (B, S, H, D) for
+Llama 4, (B, H, S, D) for DeepSeek V2) by trying both layouts (`_probe_complex`).
 """
 from __future__ import annotations
 
