@@ -98,8 +98,8 @@ ROPE_FUNCTIONS = ("apply_rotary_pos_emb",)
 #: Interleaved-RoPE functions (DeepSeek V3's MLA and its heirs), intercepted like the rotate-half
 #: one; an MLA attention that names both calls this one unless its `rope_interleave` is False.
 INTERLEAVED_ROPE_FUNCTIONS = ("apply_rotary_pos_emb_interleave", "apply_rotary_emb_interleave")
-#: Complex-number RoPE functions (Llama 4's `apply_rotary_emb(xq, xk, freqs_cis)`): no kernel,
-#: refused with the reason.
+#: Complex-number RoPE functions (Llama 4's and DeepSeek V2's `apply_rotary_emb(xq, xk, freqs_cis)`),
+#: intercepted where a forward names no other: the kernel's "complex" form, on the table's real view.
 COMPLEX_ROPE_FUNCTIONS = ("apply_rotary_emb",)
 #: Config attributes that give the rotary share of a head (partial rotary).
 PARTIAL_ROTARY_ATTRIBUTES = ("partial_rotary_factor", "rotary_pct")

@@ -354,20 +354,53 @@ def deepseek_interleave_before_v5(q, k, cos, sin, unsqueeze_dim=1):
     return eager(deinterleave(q), deinterleave(k), cos, sin, unsqueeze_dim)
 
 
+def deepseek_v4_last_dims(q, k, cos, sin, unsqueeze_dim=1):
+    """DeepSeek V4's one-tensor apply_rotary_pos_emb (transformers 5.25) on each of q and k, without its
+    float32 round trip: GPT-J pairs on the last dims, one angle per pair (the table's first half)."""
+    def one(x, c, s):
+        def rotate_pairs(v):
+            return torch.stack((-v[..., 1::2], v[..., 0::2]), dim=-1).flatten(-2)
+
+        c = c.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+        s = s.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+        r = c.shape[-1]
+        nope, rot = x[..., :-r], x[..., -r:]
+        return torch.cat([nope, rot * c + rotate_pairs(rot) * s], dim=-1)
+
+    half = cos.shape[-1] // 2
+    return one(q, cos[..., :half], sin[..., :half]), one(k, cos[..., :half], sin[..., :half])
+
+
+def llama4_complex(q, k, cos, sin, unsqueeze_dim=1):
+    """Llama 4's apply_rotary_emb (q and k as complex numbers times freqs_cis), with freqs_cis the complex
+    table whose real view is cos (real parts, even columns) and sin (imaginary parts, odd columns), in
+    float32 (complex float64 for the float64 reference), rounded once to the promoted dtype."""
+    real = torch.float64 if cos.dtype == torch.float64 else torch.float32  # no complex bfloat16
+    freqs = torch.complex(cos[..., 0::2].to(real), sin[..., 1::2].to(real)).unsqueeze(unsqueeze_dim)
+
+    def one(x):
+        xc = torch.view_as_complex(x.to(freqs.real.dtype).reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(xc * freqs).flatten(-2).to(torch.promote_types(x.dtype, cos.dtype))
+
+    return one(q), one(k)
+
+
 FORM_REFERENCES = {"interleave": deepseek_interleave, "pairs": gptj_pairs,
-                   "interleave_table": deepseek_interleave_before_v5}
+                   "interleave_table": deepseek_interleave_before_v5, "pairs_last": deepseek_v4_last_dims,
+                   "complex": llama4_complex}
 
 
 @pytest.mark.usefixtures("triton_only")
 @pytest.mark.parametrize("form, dtypes, unsqueeze_dim", matrix(
-    ["interleave", "pairs", "interleave_table"],
+    ["interleave", "pairs", "interleave_table", "pairs_last", "complex"],
     [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)], [1, 2],
     quick=lambda form, dtypes, unsqueeze_dim: unsqueeze_dim == 2 or dtypes == (torch.bfloat16, torch.float32)))
 def test_interleaved_forms_match_float64(device, form, dtypes, unsqueeze_dim):
     dtype, cos_dtype = dtypes
     reference = FORM_REFERENCES[form]
+    # DeepSeek V4 rotates 64 of 512 dims per head: "pairs_last" probed with a head wider than its table
     q, k, cos, sin = make_inputs(device, dtype, n_q=3, n_k=1, head_dim=12, unsqueeze_dim=unsqueeze_dim,
-                                 cos_dtype=cos_dtype)
+                                 cos_dtype=cos_dtype, rot_dim=8 if form == "pairs_last" else None)
     stock_q, stock_k = reference(q, k, cos, sin, unsqueeze_dim)
     dq_out = torch.randn(q.shape, device=device).to(stock_q.dtype)
     dk_out = torch.randn(k.shape, device=device).to(stock_k.dtype)
@@ -380,7 +413,7 @@ def test_interleaved_forms_match_float64(device, form, dtypes, unsqueeze_dim):
         assert_close(g, r, g.dtype, stock=s, what=what)
 
 
-@pytest.mark.parametrize("form", ["half", "interleave", "pairs", "interleave_table"])
+@pytest.mark.parametrize("form", ["half", "interleave", "pairs", "interleave_table", "pairs_last", "complex"])
 def test_interleaved_forms_twin_and_partial_rotary(device, monkeypatch, form):
     # the plain-torch twin (no Triton) equals the kernel; dims past the table's width pass through
     q, k, cos, sin = make_inputs(device, torch.float32, n_q=2, n_k=2, head_dim=10, rot_dim=6)
@@ -391,8 +424,10 @@ def test_interleaved_forms_twin_and_partial_rotary(device, monkeypatch, form):
     twin = forward_backward(fn, q, k, cos, sin, dq_out, dk_out)
     for g, t in zip(kernel, twin):
         assert_close(g, t, torch.float32, what=form)
+    kept = slice(0, 4) if form == "pairs_last" else slice(6, None)  # "pairs_last" rotates the last dims
     for out, x in zip(kernel[:2], (q, k)):
-        assert torch.equal(out[..., 6:], x[..., 6:])
+        assert torch.equal(out[..., kept], x[..., kept])
+        assert not torch.equal(out, x)
 
 
 @pytest.mark.usefixtures("triton_only")
@@ -415,4 +450,4 @@ def test_interleaved_forms_give_tables_their_gradient_and_refuse_unknown_forms(d
     sum(o.sum() for o in deepseek_interleave(q, k, c, s)).backward()
     assert torch.allclose(cos.grad, c.grad) and torch.allclose(sin.grad, s.grad)
     with pytest.raises(ValueError, match="form must be one of"):
-        rope(q, k, cos, sin, form="complex")
+        rope(q, k, cos, sin, form="complex128")

@@ -30,12 +30,13 @@ attention's head counts and head dim (full and partial rotary, where the functio
 with cos/sin in q's dtype and in float32 (what rotary embeddings that compute in float32 hand
 over): values, dtypes and shapes must all match. Some families (Olmo, Olmo2) compute in the
 promoted dtype and cast back to q's and k's dtypes; the probe sees that and the site casts back
-too (`RopePlan.cast_back`). The kernel rotates four layouts (`accel_kernels.ops.rope.FORMS`):
+too (`RopePlan.cast_back`). The kernel rotates six layouts (`accel_kernels.ops.rope.FORMS`):
 rotate-half, DeepSeek's interleave (pairs in, halves out: `apply_rotary_pos_emb_interleave`),
-GPT-J pairs (ERNIE 4.5, GLM) and DeepSeek's interleave as transformers 4 wrote it (on the whole
-table); the probe tries them in that order and keeps the first that matches
-everywhere (`RopePlan.form`); a function that matches none (Cohere's full-width interleaved table,
-DeepSeek V4's rotation of the last dims) is refused with that reason. An MLA forward names both
+GPT-J pairs (ERNIE 4.5, GLM), DeepSeek's interleave as transformers 4 wrote it (on the whole
+table), GPT-J pairs on the last dims of each head (DeepSeek V4) and the complex form (below);
+the probe tries the real ones in that order and keeps the first that matches
+everywhere (`RopePlan.form`); a function that matches none (Cohere's full-width interleaved table)
+is refused with that reason. An MLA forward names both
 functions: `rope_interleave` (False) picks the rotate-half one, else the interleave one is
 intercepted. A function that takes `unsqueeze_dim` is probed on (B, S, H, D) tensors too
 (`RopePlan.bshd`: the indexers of DeepSeek V3.2 and its heirs call it so), and with k=None
@@ -56,9 +57,15 @@ graph of one once, as "compiled: <outcome>" (what that graph runs at every call)
 sites count: "fused" when
 the kernel ran, else what ran instead and why (the function itself for a (B, S, H, D) or k=None
 call the probe did not prove, a call it cannot bind, no Triton; "another function" when the
-forward never reached the dispatcher). Attentions that call a complex RoPE function (Llama 4's
-`apply_rotary_emb` with `freqs_cis`, `families.COMPLEX_ROPE_FUNCTIONS`) are refused at the swap
-with that reason: there is no kernel for that form.
+forward never reached the dispatcher).
+
+A complex RoPE function (Llama 4's and DeepSeek V2's `apply_rotary_emb(xq, xk, freqs_cis)`,
+`families.COMPLEX_ROPE_FUNCTIONS`) multiplies q and k, viewed as complex numbers, by the table:
+GPT-J pairs with cos and sin the table's real and imaginary parts. The dispatcher hands the
+kernel's "complex" form `view_as_real(freqs_cis).flatten(-2)`, a view of the table the model
+built once per forward, as both cos and sin: no copy, nothing derived per layer. The probe finds
+where the function broadcasts the table over the heads (`RopePlan.complex_dim`: (B, S, H, D) for
+Llama 4, (B, H, S, D) for DeepSeek V2) by trying both layouts (`_probe_complex`).
 """
 from __future__ import annotations
 
@@ -99,8 +106,8 @@ class Site:
 
 
 
-class RopePlan(namedtuple("RopePlan", "key cast_back half_tables form bshd q_alone one_tensor partial",
-                          defaults=(False, "half", False, False, False, True))):
+class RopePlan(namedtuple("RopePlan", "key cast_back half_tables form bshd q_alone one_tensor partial complex_dim",
+                          defaults=(False, "half", False, False, False, True, 0))):
     """key: (modeling module, function name) of the global; cast_back: the function returns q's and
     k's own dtypes (it casts the promoted result back), so the site casts the kernel's back too;
     half_tables: the function takes cos/sin of half the rotary width, which the kernel gets
@@ -108,7 +115,10 @@ class RopePlan(namedtuple("RopePlan", "key cast_back half_tables form bshd q_alo
     (`accel_kernels.ops.rope.FORMS`); bshd: (B, S, H, D) calls (unsqueeze_dim=2) were proved too;
     q_alone: calls with k=None were proved too; one_tensor: the function rotates one tensor per
     call, `f(x, cos, sin)`; partial: it takes heads wider than the tables (partial rotary), else
-    such a call runs the function (which raises, as stock does) and not the kernel."""
+    such a call runs the function (which raises, as stock does) and not the kernel; complex_dim:
+    for a complex function `f(q, k, freqs_cis)` (form "complex"), the dim of q and k where it
+    broadcasts the table over the heads (1: (B, H, S, D), DeepSeek V2; 2: (B, S, H, D), Llama 4),
+    else 0."""
 
     __slots__ = ()
 
@@ -163,13 +173,18 @@ def _forward_names(module) -> tuple:
 
 def complex_refusal(module) -> str | None:
     """Why an attention whose forward calls a complex-number RoPE function (Llama 4's
-    `apply_rotary_emb(xq, xk, freqs_cis)`) is refused (no kernel for that form), else None."""
+    `apply_rotary_emb(xq, xk, freqs_cis)`) is refused before any probe, else None: the function
+    is not a global of the forward's modeling module, so it cannot be intercepted. (One that is
+    goes to the probe, which proves it against the kernel's "complex" form or refuses it.)"""
     names = _forward_names(module)
     named = [n for n in families.COMPLEX_ROPE_FUNCTIONS if n in names]
     if not named or any(n in names for n in families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS):
         return None
-    return (f"calls {named[0]} (complex RoPE: q and k viewed as complex numbers times freqs_cis): no kernel "
-            f"for the complex form")
+    owner = sys.modules.get(inspect.unwrap(type(module).forward).__module__)
+    if owner is not None and callable(owner.__dict__.get(named[0])):
+        return None
+    return (f"calls {named[0]} (complex RoPE: q and k viewed as complex numbers times freqs_cis), which is not "
+            f"a function of its modeling module: it cannot be intercepted")
 
 
 def _rope_interleave(module, config):
@@ -194,13 +209,15 @@ def rope_function(module, config=None) -> tuple[str, str] | None:
     owner = sys.modules.get(inspect.unwrap(type(module).forward).__module__)
     if owner is None:
         return None
-    found = [n for n in families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS
+    found = [n for n in families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS + families.COMPLEX_ROPE_FUNCTIONS
              if n in names and callable(owner.__dict__.get(n))]
     interleaved = [n for n in found if n in families.INTERLEAVED_ROPE_FUNCTIONS]
     plain = [n for n in found if n in families.ROPE_FUNCTIONS]
     if interleaved and not (plain and _rope_interleave(module, config) is False):
         return owner.__name__, interleaved[0]
-    return (owner.__name__, plain[0]) if plain else None
+    if plain:
+        return owner.__name__, plain[0]
+    return (owner.__name__, found[0]) if found else None  # a complex function, named alone
 
 
 class Interceptions:
@@ -308,7 +325,7 @@ def _dispatcher(plan: RopePlan, original):
     # trace has mutated a dict, and bind costs microseconds per call in eager.
     plain = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
     names = tuple(p.name for p in params)
-    n = 3 if plan.one_tensor else 4
+    n = 3 if plan.one_tensor or plan.complex_dim else 4
     tensors = names[:n]
     others = {p.name: p.default for p in params[n:] if p.name != "unsqueeze_dim"}
 
@@ -334,6 +351,12 @@ def _dispatcher(plan: RopePlan, original):
             return UNSQUEEZE_2
         if plan.one_tensor:
             (q, cos, sin), k = (given[t] for t in tensors), None
+        elif plan.complex_dim:  # (q, k, freqs_cis)
+            (q, k, cos), sin = (given[t] for t in tensors), None
+            if k is None:
+                return K_NONE
+            if not (isinstance(cos, torch.Tensor) and cos.is_complex()):
+                return SHAPE
         else:
             q, k, cos, sin = (given[t] for t in tensors)
             if k is None and not plan.q_alone:
@@ -341,7 +364,7 @@ def _dispatcher(plan: RopePlan, original):
         if not (isinstance(q, torch.Tensor) and _dispatch.use_triton(q)):  # the original is faster there
             return NO_TRITON
         if not plan.partial and isinstance(cos, torch.Tensor) and q.shape[-1] != cos.shape[-1] * (
-                2 if plan.half_tables else 1):
+                2 if plan.half_tables or plan.complex_dim else 1):
             return SHAPE  # partial rotary the function does not take: it raises, as stock does
         try:
             q_out, k_out = _kernel(q, k, cos, sin, plan, unsqueeze_dim)
@@ -382,9 +405,15 @@ def _dispatcher(plan: RopePlan, original):
 
 
 def _kernel(q, k, cos, sin, plan: RopePlan, unsqueeze_dim: int = 1):
-    """The kernel's (q_out, k_out) for a call of `plan`'s function (k may be None: k_out is None)."""
+    """The kernel's (q_out, k_out) for a call of `plan`'s function (k may be None: k_out is None).
+    A complex plan's `cos` is the complex table (`sin` unused)."""
     from accel_kernels import rope
 
+    if plan.complex_dim:
+        # the complex table's real view, (cos, sin) of each angle side by side: a view, no copy
+        # (resolve_conj: a no-op unless the caller conjugated the table lazily)
+        table = torch.view_as_real(cos.resolve_conj()).flatten(-2)
+        return rope(q, k, table, table, unsqueeze_dim=plan.complex_dim, form="complex")
     if plan.half_tables:  # the same rotation on the full-width tables (see the module docstring)
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, form=plan.form)
@@ -453,15 +482,22 @@ def _probe_form(key, original, plan, shapes, combos, device):
     None): a `_Mismatch` reason when only the values differ."""
     heads, kv_heads, dims = shapes
     ran, cast_back, partial = 0, None, False
+    # q and k as the function takes them: (B, H, S, D), or (B, S, H, D) for a complex one that says so
+    shape = (lambda h, dim: (2, 5, h, dim)) if plan.complex_dim == 2 else (lambda h, dim: (2, h, 5, dim))
     for dtype, table_dtype in combos:
         for dim, r in dims:
-            width = r // 2 if plan.half_tables else r
-            q = probe.randn((2, heads, 5, dim), dtype, device)
-            k = probe.randn((2, kv_heads, 5, dim), dtype, device)
+            width = r // 2 if plan.half_tables or plan.complex_dim else r
+            q = probe.randn(shape(heads, dim), dtype, device)
+            k = probe.randn(shape(kv_heads, dim), dtype, device)
             cos = probe.randn((2, 5, width), table_dtype, device)
             sin = probe.randn((2, 5, width), table_dtype, device)
+            if plan.complex_dim:  # freqs_cis: any complex numbers (the function is linear in them)
+                cos, sin = torch.complex(cos.float(), sin.float()), None
             try:
-                ref = original(q, cos, sin) if plan.one_tensor else original(q, k, cos, sin)
+                if plan.complex_dim:
+                    ref = original(q, k, cos)
+                else:
+                    ref = original(q, cos, sin) if plan.one_tensor else original(q, k, cos, sin)
             except Exception:
                 continue  # this function does not take this shape; the dispatcher never sends it
             ran += 1
@@ -486,10 +522,12 @@ def _probe_form(key, original, plan, shapes, combos, device):
             err = max(probe.rel_err(o, s_) for o, s_ in zip(out, ref))
             limit = probe.bound(dtype)
             if err > limit:
-                tables = "half-width tables" if plan.half_tables else "full-width tables"
+                tables = ("a complex table" if plan.complex_dim else "half-width tables" if plan.half_tables
+                          else "full-width tables")
                 return ran, _Mismatch(f"{key[0]}.{key[1]} differs from every RoPE form the kernel rotates "
-                                      f"(rotate-half; interleaved: DeepSeek's, GPT-J pairs) in {dtype} on {tables} "
-                                      f"(rotate-half: relative error {err:.2e} > {limit:.1e})"), None
+                                      f"(rotate-half; interleaved: DeepSeek's; GPT-J pairs, on the first or the "
+                                      f"last dims) in {dtype} on {tables} ({plan.form}: relative error {err:.2e} > "
+                                      f"{limit:.1e})"), None
     return ran, cast_back, partial
 
 
@@ -536,20 +574,30 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
     # dim r (the caller slices the rotary part off first, as Phi and StableLM do)
     dims = sorted({(head_dim, r) for r in rotary_dims} | {(r, r) for r in rotary_dims}, reverse=True)
     shapes = (heads, kv_heads, dims)
+    if one_tensor and key[1] in families.COMPLEX_ROPE_FUNCTIONS:  # f(q, k, freqs_cis)
+        with probe.probing(module):
+            return _probe_complex(key, original, shapes, combos, device)
     ran_any, mismatch = False, None
     with probe.probing(module):
         # rotate-half first (the interleaved forms cannot pass where it does: they read other
-        # elements); full-width tables first, half-width ones only for a function that takes no full-width one
-        for form in FORMS:
+        # elements); full-width tables first, then half-width ones, for a function that takes no
+        # full-width one or whose values differ on them: DeepSeek V4's takes a table of any width
+        # as one angle per pair (its last-dims form matches on half-width tables only); "complex"
+        # only for the complex functions (its tables are a complex one's view)
+        for form in (f for f in FORMS if f != "complex"):
+            differed = False
             for half_tables in (False, True):
                 plan = RopePlan(key, False, half_tables, form, one_tensor=one_tensor)
                 ran, found, partial = _probe_form(key, original, plan, shapes, combos, device)
                 if not ran:
                     continue
                 ran_any = True
-                if isinstance(found, _Mismatch):
+                # after values that differed on full-width tables, any reason on half-width ones
+                # only means this form does not match either
+                if isinstance(found, _Mismatch) or (differed and isinstance(found, str)):
                     mismatch = mismatch or found
-                    break
+                    differed = True
+                    continue
                 if isinstance(found, str):
                     return found
                 plan = plan._replace(cast_back=bool(found), partial=partial)
@@ -567,6 +615,23 @@ def probe_verdict(key, module, config, act_dtype: torch.dtype):
         names = ", ".join(list(inspect.signature(sites.python_function(original)).parameters)[:3])
         return f"{mismatch}; it rotates one tensor per call ({names}): the one-tensor form"
     return str(mismatch)
+
+
+def _probe_complex(key, original, shapes, combos, device):
+    """A complex RoPE function `f(q, k, freqs_cis)` (Llama 4's, DeepSeek V2's) against the kernel's
+    "complex" form, with q and k in each layout the function may broadcast the table at ((B, S, H, D)
+    first: Llama 4's): a `RopePlan` for the first layout where every case matches, else the reason.
+    The table is complex64 whatever q's dtype: each dtype of q is probed against a float32 view."""
+    combos = list(dict.fromkeys((dtype, torch.float32) for dtype, _ in combos))
+    why = []
+    for complex_dim, layout in ((2, "(B, S, H, D)"), (1, "(B, H, S, D)")):
+        plan = RopePlan(key, False, False, "complex", complex_dim=complex_dim)
+        ran, found, partial = _probe_form(key, original, plan, shapes, combos, device)
+        if ran and not isinstance(found, str):
+            return plan._replace(cast_back=bool(found), partial=partial)
+        why.append(f"q, k {layout}: {found if ran else 'the function does not take them'}")
+    return (f"{key[1]} (complex RoPE: q and k viewed as complex numbers times freqs_cis) differs from the "
+            f"kernel's complex form (GPT-J pairs, angles from the table's real and imaginary parts): " + "; ".join(why))
 
 
 _forwards: dict[tuple, object] = {}
@@ -603,8 +668,9 @@ def forward_for(key: tuple[str, str]):
             site = self.__dict__.get(SITE_ATTR)
             eager = counter is the_gate.local
             ran, fell = (counter.ran, counter.fell) if eager else (0, 0)
-            if not eager:
-                _traced_take(key)  # a trace of this forward starts with no outcome noted
+            # a trace of this forward starts with no outcome noted; an enclosing swapped forward's
+            # note so far is kept (nested sites: DeepSeek V4's compressor and indexer in its attention)
+            outer = "" if eager else _traced_take(key)
             counter.depth += 1
             try:
                 out = sites.call_inner(self, *args, **kwargs)
@@ -620,7 +686,12 @@ def forward_for(key: tuple[str, str]):
                 else:
                     site.count(another)
             else:  # what the graph's RoPE runs, once per compiled graph ("compiled: fused", ...)
-                sites.count(site, _traced_take(key) or another)
+                inner = _traced_take(key)
+                sites.count(site, inner or another)
+                if counter.depth > 0:  # the enclosing forward counts this one's calls too, as in eager
+                    merged = inner if inner and inner != FUSED else outer or inner
+                    if merged:
+                        _traced_note(key, merged)
             return out
 
         _forwards[key] = forward

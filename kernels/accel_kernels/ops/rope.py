@@ -17,6 +17,16 @@ half of the output, the second half into the second), what DeepSeek V3's interle
 before transformers 5 (a view/transpose of q and k, then rotate-half): equal to "interleave"
 on tables that are `cat(freqs, freqs)`, different on any other.
 
+Two more pair forms differ from "pairs" only in where they read:
+
+- "pairs_last", DeepSeek V4's one-tensor `apply_rotary_pos_emb`: GPT-J pairs on the LAST r dims
+  of each head (V4 lays a head out as [nope | rope]); the first D - r dims pass through;
+- "complex", Llama 4's and DeepSeek V2's `apply_rotary_emb` (q and k viewed as complex numbers
+  times `freqs_cis`): a complex product is a rotation of the pair (real, imaginary), so this is
+  GPT-J pairs whose angle i has cos = cos[..., 2i] and sin = sin[..., 2i + 1]: the layout of
+  `view_as_real(freqs_cis).flatten(-2)`, which the caller passes as both cos and sin (a view of
+  the complex table, no copy); r = the table's width, as in every form.
+
 A program takes a block of (batch, position) tokens and applies each
 token's cos/sin row to all its query and key heads, so cos/sin are read once per token. The
 outputs are new tensors: q and k are never written. The backward applies the transposed rotation
@@ -41,7 +51,7 @@ from .._triton import cast_rounded, jit, tl
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 4096
 #: The layouts the kernel rotates (the FORM constexpr is the index).
-FORMS = ("half", "interleave", "pairs", "interleave_table")
+FORMS = ("half", "interleave", "pairs", "interleave_table", "pairs_last", "complex")
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,9 +66,10 @@ def _rotate_heads(
     BLOCK_PASS: tl.constexpr,
 ):
     """Rotate every head of a block of tokens. Tiles are (token, head, dim); x_tok/o_tok are the
-    (token, 1, 1) offsets of head 0, c1/c2/s1/s2 the (token, 1, dim) cos/sin halves (FORM 0) or
-    c1 = c2, s1 = s2 the pair angles (FORM 1, 2). FORMs 1 and 3 read pairs and write halves
-    (their backward reads halves and writes pairs); FORM 2 keeps pairs both ways."""
+    (token, 1, 1) offsets of head 0, c1/c2/s1/s2 the (token, 1, dim) cos/sin halves (FORMs 0, 3) or
+    c1 = c2, s1 = s2 the pair angles (the others). FORMs 1 and 3 read pairs and write halves
+    (their backward reads halves and writes pairs); FORMs 2, 4, 5 keep pairs both ways; FORM 4
+    rotates the last 2 * half dims, the first n_pass passing through."""
     # int64: h * stride_h overflows int32 past 2**31 elements (a (B, H, S, D) layout with 32 heads
     # of 128 reaches it at about 541k tokens a sequence)
     h = tl.arange(0, BLOCK_H).to(tl.int64)[None, :, None]
@@ -66,13 +77,21 @@ def _rotate_heads(
     x = X + x_tok + h * x_stride_h
     o = O + o_tok + h * o_stride_h
     mask = tok_ok & (h < n_heads) & (d < half)
-    # where the two elements rotated together sit: halves (d, half + d) or pairs (2d, 2d + 1)
-    if FORM == 2 or (FORM % 2 == 1 and not BACKWARD):
-        x1 = tl.load(x + 2 * d, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x + 2 * d + 1, mask=mask, other=0.0).to(tl.float32)
+    if FORM == 4:  # the rotary dims are the last ones: the pass-through ones come first
+        x_rot = x + n_pass
+        o_rot = o + n_pass
+        first_pass = 0
     else:
-        x1 = tl.load(x + d, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x + half + d, mask=mask, other=0.0).to(tl.float32)
+        x_rot = x
+        o_rot = o
+        first_pass = 2 * half
+    # where the two elements rotated together sit: halves (d, half + d) or pairs (2d, 2d + 1)
+    if FORM == 2 or FORM >= 4 or ((FORM == 1 or FORM == 3) and not BACKWARD):
+        x1 = tl.load(x_rot + 2 * d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_rot + 2 * d + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(x_rot + d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_rot + half + d, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
         # transpose of [[c1, -s1], [s2, c2]]
         o1 = x1 * c1 + x2 * s2
@@ -80,16 +99,17 @@ def _rotate_heads(
     else:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-    if FORM == 2 or (FORM % 2 == 1 and BACKWARD):
-        tl.store(o + 2 * d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
-        tl.store(o + 2 * d + 1, cast_rounded(o2, O.dtype.element_ty), mask=mask)
+    if FORM == 2 or FORM >= 4 or ((FORM == 1 or FORM == 3) and BACKWARD):
+        tl.store(o_rot + 2 * d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
+        tl.store(o_rot + 2 * d + 1, cast_rounded(o2, O.dtype.element_ty), mask=mask)
     else:
-        tl.store(o + d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
-        tl.store(o + half + d, cast_rounded(o2, O.dtype.element_ty), mask=mask)
+        tl.store(o_rot + d, cast_rounded(o1, O.dtype.element_ty), mask=mask)
+        tl.store(o_rot + half + d, cast_rounded(o2, O.dtype.element_ty), mask=mask)
     if BLOCK_PASS > 0:
-        # partial rotary: the dims past the rotary ones pass through (their gradient too)
-        p = 2 * half + tl.arange(0, BLOCK_PASS)[None, None, :]
-        pass_mask = tok_ok & (h < n_heads) & (p < 2 * half + n_pass)
+        # partial rotary: the dims past the rotary ones (before them, FORM 4) pass through, their
+        # gradient too
+        p = first_pass + tl.arange(0, BLOCK_PASS)[None, None, :]
+        pass_mask = tok_ok & (h < n_heads) & (p < first_pass + n_pass)
         xp = tl.load(x + p, mask=pass_mask, other=0.0).to(tl.float32)
         tl.store(o + p, cast_rounded(xp, O.dtype.element_ty), mask=pass_mask)
 
@@ -113,8 +133,12 @@ def _rope_kernel(
     # cos/sin batch stride is 0 when they are shared by the whole batch
     cos = COS + b * cos_sb + s * cos_ss
     sin = SIN + b * sin_sb + s * sin_ss
-    c1 = tl.load(cos + d, mask=cs_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin + d, mask=cs_mask, other=0.0).to(tl.float32)
+    if FORM == 5:  # a complex table's real view: (cos, sin) of angle i at columns 2i, 2i + 1
+        c1 = tl.load(cos + 2 * d, mask=cs_mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin + 2 * d + 1, mask=cs_mask, other=0.0).to(tl.float32)
+    else:
+        c1 = tl.load(cos + d, mask=cs_mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin + d, mask=cs_mask, other=0.0).to(tl.float32)
     if FORM == 0 or FORM == 3:  # the whole table: each half of the output has its own angles
         c2 = tl.load(cos + half + d, mask=cs_mask, other=0.0).to(tl.float32)
         s2 = tl.load(sin + half + d, mask=cs_mask, other=0.0).to(tl.float32)
@@ -276,6 +300,12 @@ def _rotated(x, cos, sin, form):
     """One tensor's rotation in `FORMS[form]` (cos, sin unsqueezed to x), the dims past cos's width
     passing through."""
     r = cos.shape[-1]
+    if form == 4:  # DeepSeek V4's: the last r dims rotate, in pairs
+        x_pass, x_rot = x[..., : x.shape[-1] - r], x[..., x.shape[-1] - r:]
+        c, s = cos[..., : r // 2], sin[..., : r // 2]
+        x0, x1 = x_rot[..., 0::2], x_rot[..., 1::2]
+        out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
+        return torch.cat([x_pass, out], dim=-1)
     x_rot, x_pass = x[..., :r], x[..., r:]
     if form == 0:
         out = x_rot * cos + _rotate_half(x_rot) * sin
@@ -283,7 +313,8 @@ def _rotated(x, cos, sin, form):
         x_h = torch.cat([x_rot[..., 0::2], x_rot[..., 1::2]], dim=-1)
         out = x_h * cos + _rotate_half(x_h) * sin
     else:  # DeepSeek's interleave function, term for term; "pairs" puts each pair back in place
-        c, s = cos[..., : r // 2], sin[..., : r // 2]
+        # ("complex": the angles' cos and sin at the even and odd columns of the complex table's view)
+        c, s = (cos[..., 0::2], sin[..., 1::2]) if form == 5 else (cos[..., : r // 2], sin[..., : r // 2])
         x0, x1 = x_rot[..., 0::2], x_rot[..., 1::2]
         a, b = x0 * c - x1 * s, x1 * c + x0 * s
         out = torch.cat([a, b], dim=-1) if form == 1 else torch.stack((a, b), dim=-1).flatten(-2)
@@ -313,6 +344,11 @@ def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dt
     r = cos.shape[-1]
 
     def through(g, dtype):
+        if form == 4:  # the last r dims rotated, in pairs; the first ones passed through
+            c, s, lead = cos_u[..., : r // 2], sin_u[..., : r // 2], g.shape[-1] - r
+            g0, g1 = g[..., lead::2], g[..., lead + 1::2]
+            d_rot = torch.stack((g0 * c + g1 * s, g1 * c - g0 * s), dim=-1).flatten(-2)
+            return torch.cat((g[..., :lead].to(dtype), d_rot.to(dtype)), dim=-1)
         g_rot = g[..., :r]
         if form in (0, 3):
             gs = g_rot * sin_u
@@ -320,7 +356,7 @@ def _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dt
             if form == 3:  # back to pairs
                 d_rot = torch.stack((d_rot[..., : r // 2], d_rot[..., r // 2:]), dim=-1).flatten(-2)
         else:  # the pair rotation transposed, the gradient put back in pairs
-            c, s = cos_u[..., : r // 2], sin_u[..., : r // 2]
+            c, s = (cos_u[..., 0::2], sin_u[..., 1::2]) if form == 5 else (cos_u[..., : r // 2], sin_u[..., : r // 2])
             g0, g1 = (g_rot[..., : r // 2], g_rot[..., r // 2:]) if form == 1 else (g_rot[..., 0::2], g_rot[..., 1::2])
             d_rot = torch.stack((g0 * c + g1 * s, g1 * c - g0 * s), dim=-1).flatten(-2)
         return torch.cat((d_rot.to(dtype), g[..., r:].to(dtype)), dim=-1)
@@ -392,14 +428,17 @@ def rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: tor
          form: str = "half"):
     """Rotary embedding of q and k, equal to transformers' apply_rotary_pos_emb (form "half") or
     to its interleaved kin (form "interleave": DeepSeek V3's `apply_rotary_pos_emb_interleave`;
-    "pairs": GPT-J style, ERNIE 4.5's; "interleave_table": DeepSeek's before transformers 5; see
-    the module docstring); returns (q_out, k_out).
+    "pairs": GPT-J style, ERNIE 4.5's; "interleave_table": DeepSeek's before transformers 5;
+    "pairs_last": GPT-J pairs on the last R dims, DeepSeek V4's; "complex": GPT-J pairs times a
+    complex table, Llama 4's, with cos = sin = `view_as_real(freqs_cis).flatten(-2)`; see the
+    module docstring); returns (q_out, k_out).
 
     unsqueeze_dim=1: q (B, Hq, S, D), k (B, Hk, S, D); unsqueeze_dim=2: q (B, S, Hq, D),
     k (B, S, Hk, D). Hq and Hk may differ (GQA). k may be None (one tensor rotated: k_out is
     None). cos, sin: (B or 1, S, R) with R even, R <= D: the first R dims of each head rotate, the
-    last D - R pass through (partial rotary); "interleave" and "pairs" read the first R/2 columns
-    (one angle per pair). Any strides. Outputs are new tensors of q's/k's shape in the dtype torch
+    last D - R pass through (partial rotary; "pairs_last": the last R rotate, the first D - R pass
+    through); "interleave", "pairs" and "pairs_last" read the first R/2 columns (one angle per
+    pair), "complex" cos's even columns and sin's odd ones. Any strides. Outputs are new tensors of q's/k's shape in the dtype torch
     promotion gives q (k) with cos and sin. Differentiable in q and k. The kernel gives cos and
     sin no gradient: when either requires grad, the plain-torch twin runs instead so that they get
     one. Raises ValueError naming a bad argument. float32/bfloat16/float16 run the Triton kernel

@@ -1,9 +1,11 @@
 """The RoPE forms of the 2026 families run the kernel where the probe proves it computes the
 family's own function: DeepSeek V3's interleave function (and its heirs), the V3.2 indexer's
-(B, S, H, D) calls, GPT-J pairs (ERNIE 4.5), the one-tensor form (Gemma 4). Each tiny model
-(its own config class; skipped where transformers lacks it) trains one step swapped
-(ops=["rope"]) and stock: every RoPE call is counted fused, loss and gradients agree. Forms the
-kernel does not rotate (Llama 4's complex RoPE, DeepSeek V4's) are refused with the form named."""
+(B, S, H, D) calls, GPT-J pairs (ERNIE 4.5), the one-tensor form (Gemma 4), DeepSeek V4's
+one-tensor pairs on the last dims of each head, and the complex RoPE (Llama 4's and DeepSeek
+V2's `apply_rotary_emb`: q and k as complex numbers times freqs_cis). Each tiny model (its own
+config class; skipped where transformers lacks it) trains one step swapped (ops=["rope"]) and
+stock: every RoPE call is counted fused, loss and gradients agree. A function the kernel does
+not compute (each form broken on purpose here) is refused with the form named."""
 from __future__ import annotations
 
 import copy
@@ -23,6 +25,8 @@ MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim
            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
            topk_group=1, index_n_heads=2, index_head_dim=16, index_topk=4)
 
+LLAMA4 = dict(num_local_experts=4, intermediate_size_mlp=48, head_dim=16)
+
 # family: (config class, overrides, the attention classes that must run the kernel)
 FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", {**MLA, "rope_interleave": True}, {"DeepseekV3Attention"}),
@@ -32,12 +36,18 @@ FAMILIES = {
     "longcat_flash": ("LongcatFlashConfig", {**MLA, "num_layers": 1, "ffn_hidden_size": 48,
                                              "expert_ffn_hidden_size": 16}, {"LongcatFlashMLA"}),
     "ernie4_5": ("Ernie4_5Config", {"head_dim": 16}, {"Ernie4_5Attention"}),
+    # the sliding layer and the CSA one: its compressor and indexer call the same function
+    "deepseek_v4": ("DeepseekV4Config", {**MLA, "head_dim": 16,
+                                         "layer_types": ["sliding_attention", "compressed_sparse_attention"]},
+                    {"DeepseekV4Attention", "DeepseekV4CSACompressor", "DeepseekV4Indexer"}),
+    "llama4": ("Llama4TextConfig", LLAMA4, {"Llama4TextAttention"}),
+    "deepseek_v2": ("DeepseekV2Config", MLA, {"DeepseekV2Attention"}),
     "gemma4": ("Gemma4TextConfig", {"head_dim": 16, "global_head_dim": 16, "sliding_window": 8,
                                     "layer_types": ["sliding_attention", "full_attention"],
                                     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 64},
                {"Gemma4TextAttention"}),
 }
-QUICK = {"deepseek_v32"}  # the interleave function and the indexer's (B, S, H, D) calls
+QUICK = {"deepseek_v32", "llama4"}  # the interleave function and the indexer's (B, S, H, D) calls; complex
 
 
 def _model(family: str, **extra):
@@ -103,21 +113,62 @@ def test_the_family_rope_runs_the_kernel_and_trains_like_stock(family):
         torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_llama4_complex_rope_is_refused_with_its_form_named():
-    model = _model("Llama4TextConfig", num_local_experts=4, intermediate_size_mlp=48, head_dim=16)
+def _attention_plan(model, name):
+    attention = next(m for m in model.modules() if type(m).__name__ == name)
+    return rope.probe_verdict(rope.rope_function(attention, model.config), attention, model.config, torch.bfloat16)
+
+
+@pytest.mark.parametrize("family, layout", [("llama4", 2), pytest.param("deepseek_v2", 1, marks=pytest.mark.slow)])
+def test_the_probe_finds_where_a_complex_rope_broadcasts_its_table(family, layout):
+    # Llama 4 takes q, k as (B, S, H, D), DeepSeek V2 as (B, H, S, D); both cast back to q's dtype
+    model = _model(family)
+    plan = _attention_plan(model, next(iter(FAMILIES[family][2])))
+    assert isinstance(plan, rope.RopePlan), plan
+    assert (plan.form, plan.complex_dim, plan.cast_back, plan.partial, plan.q_alone) == (
+        "complex", layout, True, False, False), plan
+
+
+def test_a_complex_rope_broken_on_purpose_is_refused_with_its_form_named(monkeypatch):
+    # the conjugate table (a rotation the other way): no form of the kernel computes it
+    model = _model("llama4")
+    module = __import__(type(model).__module__, fromlist=["_"])
+    stock = module.apply_rotary_emb
+    monkeypatch.setattr(module, "apply_rotary_emb", lambda xq, xk, freqs_cis: stock(xq, xk, freqs_cis.conj()))
     report = accel_patch.swap_kernels(model, ops=["rope"])
     reasons = {r.reason for r in report.refused if r.op == "rope"}
-    assert reasons and all("apply_rotary_emb" in r and "complex" in r for r in reasons), reasons
+    assert reasons and all("apply_rotary_emb (complex RoPE" in r and "(B, S, H, D): " in r and "relative error" in r
+                           for r in reasons), reasons
     assert "rope" not in report.swapped
 
 
 @pytest.mark.slow
-def test_deepseek_v4_one_tensor_rope_is_refused_with_its_form_named():
-    # it rotates the last dims of each head, in pairs, on half-width tables: no form the kernel takes
-    model = _model("DeepseekV4Config", **{**MLA, "head_dim": 16})  # 8 rotary dims of 16: the last ones
+def test_deepseek_v4_rope_broken_on_purpose_is_refused_with_its_form_named(monkeypatch):
+    # rotate-half on the last dims (V4's layout, the halves instead of the pairs): no form the kernel takes
+    model = _model("deepseek_v4")
+    module = __import__(type(model).__module__, fromlist=["_"])
+
+    def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(unsqueeze_dim)
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(unsqueeze_dim)
+        r = cos.shape[-1]
+        nope, rot = x[..., :-r], x[..., -r:]
+        halves = torch.cat((-rot[..., r // 2:], rot[..., : r // 2]), dim=-1)
+        return torch.cat([nope, rot * cos + halves * sin], dim=-1)
+
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
     report = accel_patch.swap_kernels(model, ops=["rope"])
     reasons = {r.reason for r in report.refused if r.op == "rope"}
     assert reasons and all("one-tensor form" in r and "(x, cos, sin)" in r for r in reasons), reasons
+    assert "rope" not in report.swapped
+
+
+@pytest.mark.slow
+def test_deepseek_v4_gets_the_last_dims_form_on_its_half_width_tables():
+    plan = _attention_plan(_model("deepseek_v4"), "DeepseekV4Attention")
+    assert isinstance(plan, rope.RopePlan), plan
+    # one angle per pair (widened for the kernel), 8 rotary dims of 16, cast back to x's dtype, (B, S, H, D) proved
+    assert (plan.form, plan.half_tables, plan.one_tensor, plan.partial, plan.cast_back, plan.bshd) == (
+        "pairs_last", True, True, True, True, True), plan
 
 
 def _call_swapped(key, *args, **kwargs):
@@ -190,3 +241,71 @@ def test_deepseek_interleave_function_of_transformers_4_gets_its_own_form(monkey
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     for name in grads:
         torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_complex_dispatcher_hands_the_kernel_a_view_of_freqs_cis_and_only_proved_calls():
+    from accel_kernels import _launch
+
+    model = _model("llama4")
+    attention = next(m for m in model.modules() if type(m).__name__ == "Llama4TextAttention")
+    key = rope.rope_function(attention, model.config)
+    plan = rope.probe_verdict(key, attention, model.config, torch.float32)
+    hold = rope.Hold(plan)
+    try:
+        original = rope.interceptions.original(key)
+        q, k = torch.randn(2, 5, 3, 8, dtype=torch.bfloat16), torch.randn(2, 5, 1, 8, dtype=torch.bfloat16)
+        freqs = torch.polar(torch.rand(2, 5, 4) + 0.5, torch.rand(2, 5, 4) * 6.3)
+        for table in (freqs, freqs.conj()):  # a lazily conjugated table too
+            with _launch.recording() as launched:
+                got = _call_swapped(key, q, k, table)
+            assert launched == ["_rope_kernel"]
+            for g, w in zip(got, original(q, k, table)):
+                assert g.dtype == w.dtype == torch.bfloat16
+                torch.testing.assert_close(g, w)
+        # a table of one angle broadcast over every pair: the function takes it, the kernel was not
+        # proved on it: the function runs
+        with _launch.recording() as launched:
+            got = _call_swapped(key, q, k, freqs[..., :1])
+        assert launched == []
+        for g, w in zip(got, original(q, k, freqs[..., :1])):
+            torch.testing.assert_close(g, w)
+    finally:
+        hold.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama4", "deepseek_v2", "deepseek_v4"])
+def test_the_new_forms_compile_fullgraph_with_the_rope_kernel_in_the_graph(family):
+    import torch._dynamo
+
+    model = _model(family)
+    ids = torch.randint(3, 64, (2, 6))
+    torch._dynamo.reset()
+    try:
+        stock = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+        stock_model = copy.deepcopy(model)
+        accel_patch.swap_kernels(model, ops=["rope"])
+        per_class = _fused_classes(model)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+        assert stock.graph_break_count == explained.graph_break_count == 0, explained.break_reasons
+        ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+        assert "accel_kernels.rope" in ops, sorted(o for o in ops if "accel" in o)
+        # every swapped site's graph runs the kernel (nested ones too: V4's compressor and indexer)
+        assert set(per_class) == FAMILIES[family][2], per_class
+        assert all(set(outcomes) == {"compiled: " + rope.FUSED} for outcomes in per_class.values()), per_class
+        # a fullgraph-compiled training step: stock's (compiled alike) loss and gradients
+        try:
+            want = torch.compile(stock_model, fullgraph=True, backend="aot_eager")(input_ids=ids, labels=ids).loss
+            want.backward()
+        except torch._dynamo.exc.BackendCompilerFailed as exc:  # torch 2.11: transformers' MoE fallback backward
+            pytest.skip(f"stock {family} does not compile its training step on torch {torch.__version__}: "
+                        f"{str(exc).splitlines()[1][:160]}")
+        loss = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p), (_, p_stock) in zip(model.named_parameters(), stock_model.named_parameters()):
+            if p_stock.grad is not None:
+                torch.testing.assert_close(p.grad, p_stock.grad, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        torch._dynamo.reset()
