@@ -14,9 +14,6 @@ import torch
 
 from . import _triton
 
-_GPU_TYPES = ("cuda", "xpu")
-
-
 def interpreting() -> bool:
     """True when the kernels run under Triton's CPU interpreter.
 
@@ -29,11 +26,11 @@ def interpreting() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the op on tensor `t` takes the Triton path (else its plain-torch twin)."""
-    if not _triton.AVAILABLE:
-        return False
-    if t.device.type in _GPU_TYPES:
-        return True
-    return t.device.type == "cpu" and _triton.INTERPRETING
+    # the tensor's device flags, not `t.device.type`: building a device object costs more than
+    # the rest of this function (it runs once a call of every op)
+    if t.is_cuda or t.is_xpu:
+        return _triton.AVAILABLE
+    return t.is_cpu and _triton.AVAILABLE and _triton.INTERPRETING
 
 
 def _type_name(value) -> str:
