@@ -26,11 +26,14 @@ def interpreting() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the op on tensor `t` takes the Triton path (else its plain-torch twin)."""
-    # the tensor's device flags, not `t.device.type`: building a device object costs more than
-    # the rest of this function (it runs once a call of every op)
-    if t.is_cuda or t.is_xpu:
+    # a CUDA tensor by its flag first: building `t.device` costs more than the rest of this
+    # function, which runs once a call of every op (dynamo traces `is_cuda` too)
+    if t.is_cuda:
         return _triton.AVAILABLE
-    return t.is_cpu and _triton.AVAILABLE and _triton.INTERPRETING
+    kind = t.device.type
+    if kind == "xpu":
+        return _triton.AVAILABLE
+    return kind == "cpu" and _triton.AVAILABLE and _triton.INTERPRETING
 
 
 def _type_name(value) -> str:

@@ -469,6 +469,8 @@ _CHECKED: set = set()
 def _checked(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size) -> None:
     """_check_inputs, decided once per shape and options (its steps cost more host time than the
     rest of the call's Python); ValueError naming a bad argument as _check_inputs gives it."""
+    if torch.compiler.is_compiling():  # traced once a compile, free in the graph: no set to keep
+        return _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size)
     if (type(hidden) in _PLAIN and type(weight) in _PLAIN and type(labels) in _PLAIN
             and (bias is None or type(bias) in _PLAIN) and type(ignore_index) is int
             and (softcap is None or type(softcap) in (int, float)) and type(reduction) is str

@@ -66,6 +66,12 @@ _MAX_BLOCK_N = 8192
 _MAX_GATED_BWD_BLOCK_N = 4096
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
+# Elements of the ungated backward's tile where a row is one block of up to 4096 columns: two such
+# rows an iteration. Its grid is one 16-warp program a SM, walking its rows one iteration at a
+# time, and one 4096-wide row (16 KB of x and dy in bf16) is half of what a SM must keep in flight
+# to draw its share of the memory bandwidth; two rows compile to 90 registers, no spill, on sm_90
+# (`python -m accel_kernels.codegen`). Unmeasured on a GPU.
+_BWD_TWO_ROWS = 8192
 # Registers a thread of the backward kernel may take when its grid is sized (measured at 16 warps:
 # up to 109, the gated form up to 127; the codegen check fails a build over 128 there, the budget
 # of 16 warps)
@@ -326,7 +332,7 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 def _limits() -> tuple:
     """The module's block limits, part of every cached launch configuration's key: a test (or a
     maintainer) that changes one gets configurations made with it."""
-    return _MAX_BLOCK_N, _MAX_GATED_BWD_BLOCK_N, _TILE
+    return _MAX_BLOCK_N, _MAX_GATED_BWD_BLOCK_N, _TILE, _BWD_TWO_ROWS
 
 
 def _row_major(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
@@ -350,6 +356,8 @@ def _backward_config(n_rows: int, n_cols: int, gated: bool, limits: tuple) -> tu
     """(BLOCK_M, BLOCK_N, num_warps, row tiles) of the backward kernels, once per shape and
     `_limits()` (the programs sharing the rows depend on the device: `_max_programs`)."""
     block_m, block_n = _blocks(n_rows, n_cols, gated_backward=gated)
+    if not gated and block_m == 1 and n_rows > 1 and 2 * block_n <= _BWD_TWO_ROWS:
+        block_m = 2  # two rows' loads in flight an iteration (_BWD_TWO_ROWS)
     return block_m, block_n, _num_warps(block_m * block_n, per_thread=8), _launch.cdiv(n_rows, block_m)
 
 

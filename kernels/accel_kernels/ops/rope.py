@@ -402,6 +402,8 @@ _CHECKED: set = set()
 def _checked(q, k, cos, sin, unsqueeze_dim) -> None:
     """_check_inputs, decided once per shape (its dozens of steps cost more host time than the
     launch); ValueError naming a bad argument as _check_inputs gives it."""
+    if torch.compiler.is_compiling():  # traced once a compile, free in the graph: no set to keep
+        return _check_inputs(q, k, cos, sin, unsqueeze_dim)
     if type(q) in _PLAIN and type(k) in _PLAIN and type(cos) in _PLAIN and type(sin) in _PLAIN:
         key = (q.shape, k.shape, cos.shape, sin.shape, q.dtype, k.dtype, cos.dtype, sin.dtype, unsqueeze_dim)
         if key in _CHECKED and q.device == k.device == cos.device == sin.device:
