@@ -219,7 +219,7 @@ def _backward_triton(x, labels, ignore_index, softcap, lse, scale, grad):
 
 
 def _flat_labels(labels: torch.Tensor) -> torch.Tensor:
-    y = labels.reshape(-1)
+    y = labels if labels.dim() == 1 else labels.reshape(-1)  # (a view costs more than the test)
     if y.dtype not in (torch.int32, torch.int64):
         y = y.long()
     return y
@@ -230,6 +230,8 @@ def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
     vocab = logits.shape[-1]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if logits.dim() == 2:  # rows already (a view costs more than the test)
+        return logits
     try:
         return logits.view(-1, vocab)
     except RuntimeError:

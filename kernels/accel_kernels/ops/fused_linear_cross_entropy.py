@@ -148,19 +148,25 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
     # (as TRL's chunked head does off CUDA). The logits matmul keeps the inputs' dtype.
     wide = want_grad and h.device.type == "cpu" and h.dtype != torch.float32
     w_mm = w.float() if wide and need_h else w
+    w_t = w.t()
+
+    def part(t):  # a chunk's rows; one chunk (a small batch) takes the tensors whole: no views
+        return t if whole or t is None else t[s:e]
+
+    whole = n <= rows
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        h_c, logits = h[s:e], buf[: e - s]
+        h_c, logits = part(h), buf if whole else buf[: e - s]
         if b is None:
-            torch.matmul(h_c, w.t(), out=logits)
+            torch.matmul(h_c, w_t, out=logits)
         else:
-            torch.addmm(b, h_c, w.t(), out=logits)
-        sc = scale if scale is None or scale.numel() == 1 else scale[s:e]
+            torch.addmm(b, h_c, w_t, out=logits)
+        sc = scale if scale is None or scale.numel() == 1 else part(scale)
         if saved_lse is None:
-            forward_rows(logits, y[s:e], ignore_index, softcap, loss[s:e], lse[s:e],
+            forward_rows(logits, part(y), ignore_index, softcap, part(loss), part(lse),
                          grad=logits if want_grad else None, scale=sc)
         else:
-            backward_rows(logits, y[s:e], ignore_index, softcap, saved_lse[s:e], sc, logits)
+            backward_rows(logits, part(y), ignore_index, softcap, part(saved_lse), sc, logits)
         if not want_grad:
             continue
         g = logits.float() if wide else logits  # now d loss / d logits of this chunk, scaled
@@ -168,7 +174,7 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
             if wide:
                 grad_h[s:e] = g @ w_mm
             else:
-                torch.matmul(g, w, out=grad_h[s:e])
+                torch.matmul(g, w, out=part(grad_h))
         if need_w:
             _add_matmul_(grad_w, g.t(), h_c.float() if wide else h_c, first=s == 0)
         if need_b:
@@ -270,7 +276,7 @@ def _fused_linear_cross_entropy_op(
     gradients asked for by need_* are computed here, unscaled by grad_output, except the weight's
     and bias's when weight_grad_by_blocks (the backward's pass computes those); every gradient not
     computed is (0,). rows: tokens per chunk."""
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     y = _flat_labels(labels)
     n = y.shape[0]
     grads_now = reduction != "none"
@@ -385,7 +391,9 @@ def _backward(ctx, grad_output, *_unused):
     h_dtype, w_dtype, b_dtype = ctx.dtypes
     if not ctx.recompute:
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        grad_h = _scaled(grad_h, grad_output, h_dtype).view(hidden_shape) if need_h else None
+        grad_h = _scaled(grad_h, grad_output, h_dtype) if need_h else None
+        if need_h and grad_h.shape != hidden_shape:
+            grad_h = grad_h.view(hidden_shape)
         grad_w = _scaled(grad_w, grad_output, w_dtype) if need_w else None
         grad_b = _scaled(grad_b, grad_output, b_dtype) if need_b else None
     elif reduction == "none":
