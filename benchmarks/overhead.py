@@ -195,7 +195,19 @@ def host_rows(repeats: int, inner: int) -> list[dict]:
                 out = call()
                 (out[0] if isinstance(out, tuple) else out).float().sum().backward()
 
-            rows.append(dict(site=name, forward_us=fwd, both_us=timed(both, repeats, inner)))
+            # as a model's next layer hands it back: a dense gradient for every output, no sum node
+            # (the sum's gradient is an expanded, stride-0 tensor the kernels first copy to dense)
+            outs = call()
+            outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o is not None]
+            grads = [torch.ones_like(o) for o in outs]
+
+            def dense(call=call, grads=grads):
+                out = call()
+                out = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+                torch.autograd.backward(out, grads)
+
+            rows.append(dict(site=name, forward_us=fwd, both_us=timed(both, repeats, inner),
+                             dense_us=timed(dense, repeats, inner)))
     return rows
 
 
@@ -254,10 +266,12 @@ def main(argv=None) -> int:
                    interpreter=_dispatch.interpreting())
 
     if args.host:
-        print("\nGPU path's host work per call, launches stubbed, 14 tokens, microseconds")
+        print("\nGPU path's host work per call, launches stubbed, 14 tokens, microseconds"
+              " (fwd+bwd: backward of .float().sum(); dense: backward of a dense gradient per output)")
         # many short samples: on a loaded machine a long one is rarely left alone
         for r in host_rows(40 * repeats, max(1, inner // 10)):
-            print(f"{r['site']:<40}{'fwd':>5}{r['forward_us']:>8.1f}{'fwd+bwd':>9}{r['both_us']:>8.1f}")
+            print(f"{r['site']:<40}{'fwd':>5}{r['forward_us']:>8.1f}{'fwd+bwd':>9}{r['both_us']:>8.1f}"
+                  f"{'dense':>7}{r['dense_us']:>8.1f}")
         return 0
     print("\n1. per call, tiny shapes (14 tokens, hidden 32), microseconds")
     sites = site_rows(repeats, inner)

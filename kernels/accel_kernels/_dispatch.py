@@ -14,9 +14,6 @@ import torch
 
 from . import _triton
 
-_GPU_TYPES = ("cuda", "xpu")
-
-
 def interpreting() -> bool:
     """True when the kernels run under Triton's CPU interpreter.
 
@@ -29,11 +26,14 @@ def interpreting() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the op on tensor `t` takes the Triton path (else its plain-torch twin)."""
-    if not _triton.AVAILABLE:
-        return False
-    if t.device.type in _GPU_TYPES:
-        return True
-    return t.device.type == "cpu" and _triton.INTERPRETING
+    # a CUDA tensor by its flag first: building `t.device` costs more than the rest of this
+    # function, which runs once a call of every op (dynamo traces `is_cuda` too)
+    if t.is_cuda:
+        return _triton.AVAILABLE
+    kind = t.device.type
+    if kind == "xpu":
+        return _triton.AVAILABLE
+    return kind == "cpu" and _triton.AVAILABLE and _triton.INTERPRETING
 
 
 def _type_name(value) -> str:

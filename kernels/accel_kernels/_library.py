@@ -103,31 +103,29 @@ class Op:
         function = type(f"{self.name}_direct", (torch.autograd.Function,), {
             "forward": staticmethod(forward), "backward": staticmethod(backward)})
         # Function.apply's C half: its Python half binds defaults and unwraps functorch's dead
-        # wrappers (3 us), neither of which a call from `__call__` has (`_eager` sends functorch
+        # wrappers (3 us), neither of which a call from `__call__` has (`__call__` sends functorch
         # to the op)
         self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
 
-    def _full(self, args: tuple) -> tuple:
-        missing = self._n_params - len(args)
-        return args + self._defaults[len(self._defaults) - missing:] if missing else args
-
     def _eager(self, args: tuple) -> bool:
-        """Whether this call may go around the op: not compiling, no TorchDispatchMode active,
-        plain tensors only."""
-        if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                or torch._C._are_functorch_transforms_active()):
+        """Whether this call may go around the op: not compiling, no TorchDispatchMode or functorch
+        transform active, plain tensors only."""
+        if torch.compiler.is_compiling() or _dispatch_modes() or _functorch_active():
             return False
+        n = len(args)
         for i in self._tensor_positions:
-            t = args[i] if i < len(args) else None
-            if t is not None and (type(t) not in _PLAIN or _functorch_wrapped(t)):
-                return False
+            if i < n:
+                t = args[i]
+                if t is not None and (type(t) not in _PLAIN or _functorch_wrapped(t)):
+                    return False
         return True
 
     def __call__(self, *args):
         if not self._eager(args):
             return getattr(torch.ops.accel_kernels, self.name)(*args)
-        if self._apply is not None and torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return self._apply(*self._full(args))
+        if self._apply is not None and torch.is_grad_enabled() and _any_requires_grad(*args):
+            n = len(args)  # the defaults left out, added back: the Function takes every argument
+            return self._apply(*(args + self._defaults[n - self._n_params:] if n < self._n_params else args))
         with below_op():  # nothing to differentiate: the implementation alone
             return self.impl(*args)
 
@@ -143,6 +141,9 @@ class Op:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_any_requires_grad = torch._C._any_requires_grad
 
 
 def nothing(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -177,6 +177,16 @@ def test_out_of_range_label_raises_on_cpu(bad):
         cross_entropy(logits, labels)
 
 
+def test_non_finite_logits_with_good_labels_do_not_raise():
+    # the CPU range check runs when a row's lse is not finite; NaN logits make one so, and the
+    # labels, all in range, must pass it: a NaN loss, as eager gives, not a label error
+    logits = torch.randn(4, 40)
+    logits[2, 5] = float("nan")
+    labels = torch.tensor([1, 39, 0, -100])
+    loss = cross_entropy(logits, labels, reduction="none")
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+
+
 @pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch"])
 def test_out_of_range_label_gives_nan_without_host_check(device, triton_path):
     # What a GPU does, where no host check runs: NaN for that row, never a silent wrong loss.

@@ -119,6 +119,19 @@ def test_rows_wider_than_one_block(device, monkeypatch, dtype, casting, offset):
 
 
 @pytest.mark.usefixtures("triton_only")
+def test_backward_takes_two_wide_rows_an_iteration(device):
+    # rows of 2049-4096 columns (a 4096-wide block): two rows an iteration in the backward, both
+    # rows' loads in flight (rms_norm._BWD_TWO_ROWS); 5 rows leave the last pair one masked row
+    x = torch.randn(5, 3000, device=device)
+    saved = (x, torch.ones(3000, device=device), torch.ones(5, device=device))
+    with _launch.capturing() as launches:
+        rms_norm_module._backward_triton(x, saved, x.shape, 1e-6, 0.0, "llama", True, True, None)
+    assert [(l.meta["BLOCK_M"], l.meta["num_warps"]) for l in launches] == [(2, 16)]
+    check_against_float64(x, weight_for(3000, device, torch.float32, 0.0))
+    check_against_float64(x.to(torch.bfloat16), weight_for(3000, device, torch.bfloat16, 0.0))
+
+
+@pytest.mark.usefixtures("triton_only")
 @pytest.mark.parametrize("x_dtype,w_dtype", [
     (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize("casting", CASTINGS)

@@ -259,10 +259,18 @@ def _check_inputs(gate, up) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def gated_unit(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float | None = None) -> torch.Tensor:
     """Validate, pick the backend from the tensors, and run act(gate) * up with autograd (gate and
     up clamped at `limit` first, when given)."""
-    _check_inputs(gate, up)
+    # the checks in one expression where the inputs are what the kernels take; anything else
+    # goes through _check_inputs, which raises the error naming the argument
+    if not (type(gate) in _PLAIN and type(up) in _PLAIN and gate.dtype in _FLOATS and up.dtype == gate.dtype
+            and up.shape == gate.shape and up.device == gate.device):
+        _check_inputs(gate, up)
     if limit is not None and not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
         raise ValueError(f"limit must be a positive number or None, got {limit!r}")
     triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64

@@ -219,7 +219,7 @@ def _backward_triton(x, labels, ignore_index, softcap, lse, scale, grad):
 
 
 def _flat_labels(labels: torch.Tensor) -> torch.Tensor:
-    y = labels.reshape(-1)
+    y = labels if labels.dim() == 1 else labels.reshape(-1)  # (a view costs more than the test)
     if y.dtype not in (torch.int32, torch.int64):
         y = y.long()
     return y
@@ -230,6 +230,8 @@ def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
     vocab = logits.shape[-1]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if logits.dim() == 2:  # rows already (a view costs more than the test)
+        return logits
     try:
         return logits.view(-1, vocab)
     except RuntimeError:
@@ -248,8 +250,6 @@ def _cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: 
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse (N,) float32, n_valid int64 scalar). check_label_range: raise ValueError on CPU
     labels outside [0, V) (checked here, at run time, where the values are: also when compiled)."""
-    if check_label_range:
-        _check_label_range(labels, logits.shape[-1], ignore_index)
     forward_rows, _ = _row_functions(triton_path)
     x = _rows_view(logits, triton_path)
     y = _flat_labels(labels)
@@ -257,6 +257,8 @@ def _cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: 
     loss = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
     lse = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
     forward_rows(x, y, ignore_index, softcap, loss, lse)
+    if check_label_range:
+        _check_label_range_by_lse(labels, lse, logits.shape[-1], ignore_index)
     n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
     if reduction == "none":
         return loss.view(labels.shape), lse, n_valid
@@ -431,6 +433,14 @@ def _check_label_range(labels, vocab: int, ignore_index: int) -> None:
                 f"labels contains {value}, outside [0, V) for vocabulary size V={vocab} "
                 f"(and not ignore_index={ignore_index})"
             )
+
+
+def _check_label_range_by_lse(labels, lse, vocab: int, ignore_index: int) -> None:
+    """`_check_label_range`, run only when the rows' lse is not all finite: a label out of range
+    makes its row's lse NaN (kernels and twin alike), so one sum tells a good batch from one that
+    needs the check (six CPU ops a call otherwise, more than the rest of the loss's host work)."""
+    if labels.device.type == "cpu" and lse.numel() > 0 and not math.isfinite(lse.sum().item()):
+        _check_label_range(labels, vocab, ignore_index)
 
 
 def _check_inputs(logits, labels, ignore_index, softcap, reduction) -> None:

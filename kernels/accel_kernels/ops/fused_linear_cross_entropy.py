@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 from .. import _dispatch, _library
-from .cross_entropy import (_check_label_range, _check_labels, _check_options, _flat_labels, _row_functions,
+from .cross_entropy import (_check_label_range_by_lse, _check_labels, _check_options, _flat_labels, _row_functions,
                             _torch_capped)
 
 # Budget for one chunk of logits. The Triton path holds one chunk in the logits dtype (at vocab
@@ -148,19 +148,25 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
     # (as TRL's chunked head does off CUDA). The logits matmul keeps the inputs' dtype.
     wide = want_grad and h.device.type == "cpu" and h.dtype != torch.float32
     w_mm = w.float() if wide and need_h else w
+    w_t = w.t()
+
+    def part(t):  # a chunk's rows; one chunk (a small batch) takes the tensors whole: no views
+        return t if whole or t is None else t[s:e]
+
+    whole = n <= rows
     for s in range(0, n, rows):
         e = min(n, s + rows)
-        h_c, logits = h[s:e], buf[: e - s]
+        h_c, logits = part(h), buf if whole else buf[: e - s]
         if b is None:
-            torch.matmul(h_c, w.t(), out=logits)
+            torch.matmul(h_c, w_t, out=logits)
         else:
-            torch.addmm(b, h_c, w.t(), out=logits)
-        sc = scale if scale is None or scale.numel() == 1 else scale[s:e]
+            torch.addmm(b, h_c, w_t, out=logits)
+        sc = scale if scale is None or scale.numel() == 1 else part(scale)
         if saved_lse is None:
-            forward_rows(logits, y[s:e], ignore_index, softcap, loss[s:e], lse[s:e],
+            forward_rows(logits, part(y), ignore_index, softcap, part(loss), part(lse),
                          grad=logits if want_grad else None, scale=sc)
         else:
-            backward_rows(logits, y[s:e], ignore_index, softcap, saved_lse[s:e], sc, logits)
+            backward_rows(logits, part(y), ignore_index, softcap, part(saved_lse), sc, logits)
         if not want_grad:
             continue
         g = logits.float() if wide else logits  # now d loss / d logits of this chunk, scaled
@@ -168,7 +174,7 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
             if wide:
                 grad_h[s:e] = g @ w_mm
             else:
-                torch.matmul(g, w, out=grad_h[s:e])
+                torch.matmul(g, w, out=part(grad_h))
         if need_w:
             _add_matmul_(grad_w, g.t(), h_c.float() if wide else h_c, first=s == 0)
         if need_b:
@@ -270,15 +276,14 @@ def _fused_linear_cross_entropy_op(
     gradients asked for by need_* are computed here, unscaled by grad_output, except the weight's
     and bias's when weight_grad_by_blocks (the backward's pass computes those); every gradient not
     computed is (0,). rows: tokens per chunk."""
-    if check_label_range:
-        _check_label_range(labels, weight.shape[0], ignore_index)
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     y = _flat_labels(labels)
     n = y.shape[0]
     grads_now = reduction != "none"
     n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
     if reduction == "mean":
-        scale = (1.0 / n_valid.clamp(min=1).float()).reshape(1)
+        kept = n_valid.clamp(min=1)
+        scale = kept.float().reciprocal_().view(1)  # the bits of 1.0 / kept, in one op
     else:
         scale = torch.ones(1, dtype=torch.float32, device=h.device)
     loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
@@ -288,12 +293,14 @@ def _fused_linear_cross_entropy_op(
     grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows, scale=scale,
                           need_h=need_h and grads_now, need_w=need_w and in_pass,
                           need_b=need_b and bias is not None and in_pass, loss=loss, lse=lse)
+    if check_label_range:  # after the pass: a bad label's row has a NaN lse
+        _check_label_range_by_lse(labels, lse, weight.shape[0], ignore_index)
     grads = _grads_or_nothing(grads, h, weight, bias)
     if reduction == "none":
         return (loss.view(labels.shape), lse, *grads)
     total = loss.sum()
     # All tokens ignored: 0 / 1 = 0 (and zero gradients), not 0 / 0 = NaN.
-    return (total / n_valid.clamp(min=1) if reduction == "mean" else total), lse, *grads
+    return (total / kept if reduction == "mean" else total), lse, *grads
 
 
 @_fused_linear_cross_entropy_op.register_fake
@@ -384,7 +391,9 @@ def _backward(ctx, grad_output, *_unused):
     h_dtype, w_dtype, b_dtype = ctx.dtypes
     if not ctx.recompute:
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        grad_h = _scaled(grad_h, grad_output, h_dtype).view(hidden_shape) if need_h else None
+        grad_h = _scaled(grad_h, grad_output, h_dtype) if need_h else None
+        if need_h and grad_h.shape != hidden_shape:
+            grad_h = grad_h.view(hidden_shape)
         grad_w = _scaled(grad_w, grad_output, w_dtype) if need_w else None
         grad_b = _scaled(grad_b, grad_output, b_dtype) if need_b else None
     elif reduction == "none":
@@ -459,6 +468,34 @@ def _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction
     _dispatch.check_same_device(hidden=hidden, weight=weight, bias=bias, labels=labels)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# (shapes, dtypes, options) that passed _check_inputs: the checks depend on nothing else but the
+# devices, which are compared on every call
+_CHECKED: set = set()
+
+
+def _checked(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size) -> None:
+    """_check_inputs, decided once per shape and options (its steps cost more host time than the
+    rest of the call's Python); ValueError naming a bad argument as _check_inputs gives it."""
+    if torch.compiler.is_compiling():  # traced once a compile, free in the graph: no set to keep
+        return _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size)
+    if (type(hidden) in _PLAIN and type(weight) in _PLAIN and type(labels) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN) and type(ignore_index) is int
+            and (softcap is None or type(softcap) in (int, float)) and type(reduction) is str
+            and (chunk_size is None or type(chunk_size) is int)):
+        key = (hidden.shape, weight.shape, labels.shape, None if bias is None else (bias.shape, bias.dtype),
+               hidden.dtype, weight.dtype, labels.dtype, ignore_index, softcap, reduction, chunk_size)
+        if key in _CHECKED and hidden.device == weight.device == labels.device and (
+                bias is None or bias.device == hidden.device):
+            return
+        _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size)
+        if len(_CHECKED) > 4096:  # many sequence lengths: keep the set bounded
+            _CHECKED.clear()
+        _CHECKED.add(key)
+        return
+    _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size)
+
+
 # --------------------------------------------------------------------------------------------
 # Entry
 # --------------------------------------------------------------------------------------------
@@ -492,7 +529,7 @@ def fused_linear_cross_entropy(
     chunk_size: tokens per chunk (default: as many as fit CHUNK_BYTES of logits on the Triton
     path, TORCH_CHUNK_BYTES on the plain-torch path).
     """
-    _check_inputs(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size)
+    _checked(hidden, weight, labels, bias, ignore_index, softcap, reduction, chunk_size)
     triton_path = _dispatch.use_triton(hidden)
     if chunk_size is None:
         budget = CHUNK_BYTES if triton_path else TORCH_CHUNK_BYTES

@@ -33,6 +33,7 @@ use is checked by `python -m accel_kernels.codegen`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -54,6 +55,7 @@ SIGMOID = constexpr(2)
 PRE_SILU = constexpr(3)
 _GATE_IDS = {"": 0, "silu": 1, "sigmoid": 2, "pre_silu": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Widest column block: a row up to this many elements is read from memory once per pass; wider
 # rows loop over blocks. 8192 fp32 values per tensor keep the backward tile in registers.
@@ -64,6 +66,12 @@ _MAX_BLOCK_N = 8192
 _MAX_GATED_BWD_BLOCK_N = 4096
 # Elements per program tile: narrow rows (e.g. per-head QK norms) pack several rows per program.
 _TILE = 4096
+# Elements of the ungated backward's tile where a row is one block of up to 4096 columns: two such
+# rows an iteration. Its grid is one 16-warp program a SM, walking its rows one iteration at a
+# time, and one 4096-wide row (16 KB of x and dy in bf16) is half of what a SM must keep in flight
+# to draw its share of the memory bandwidth; two rows compile to 90 registers, no spill, on sm_90
+# (`python -m accel_kernels.codegen`). Unmeasured on a GPU.
+_BWD_TWO_ROWS = 8192
 # Registers a thread of the backward kernel may take when its grid is sized (measured at 16 warps:
 # up to 109, the gated form up to 127; the codegen check fails a build over 128 there, the budget
 # of 16 warps)
@@ -296,14 +304,61 @@ def _max_programs(device: torch.device, num_warps: int) -> int:
     """
     if device.type == "cuda":
         per_sm = max(1, 65536 // (32 * num_warps * _BWD_REGISTERS))
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * _sm_count(device)
     return 4 if device.type == "cpu" else 64
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count, asked of torch once per device (a few microseconds a call); a device
+    without an index (the current one, whichever that is) is asked every time. A tensor's device
+    always has its index."""
+    if device.index is None:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    count = _SM_COUNTS.get(device.index)
+    if count is None:
+        count = _SM_COUNTS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
 
 
 def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """t as (rows, n_cols) with unit column stride; copies only when a view cannot be had."""
     t = t.reshape(-1, n_cols)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _limits() -> tuple:
+    """The module's block limits, part of every cached launch configuration's key: a test (or a
+    maintainer) that changes one gets configurations made with it."""
+    return _MAX_BLOCK_N, _MAX_GATED_BWD_BLOCK_N, _TILE, _BWD_TWO_ROWS
+
+
+def _row_major(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
+    """(t as the kernels read it, its row stride): a contiguous t itself, rows n_cols apart (no
+    view made: a view costs more host time than the rest of a launch's arithmetic), else `_rows`."""
+    if t.is_contiguous():
+        return t, n_cols
+    t = _rows(t, n_cols)
+    return t, t.stride(0)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_config(n_rows: int, n_cols: int, limits: tuple) -> tuple[tuple, int, int, int]:
+    """(grid, BLOCK_M, BLOCK_N, num_warps) of the forward kernel, once per shape and `_limits()`."""
+    block_m, block_n = _blocks(n_rows, n_cols)
+    return (_launch.cdiv(n_rows, block_m),), block_m, block_n, _num_warps(block_m * block_n, per_thread=16)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_config(n_rows: int, n_cols: int, gated: bool, limits: tuple) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, row tiles) of the backward kernels, once per shape and
+    `_limits()` (the programs sharing the rows depend on the device: `_max_programs`)."""
+    block_m, block_n = _blocks(n_rows, n_cols, gated_backward=gated)
+    if not gated and block_m == 1 and n_rows > 1 and 2 * block_n <= _BWD_TWO_ROWS:
+        block_m = 2  # two rows' loads in flight an iteration (_BWD_TWO_ROWS)
+    return block_m, block_n, _num_warps(block_m * block_n, per_thread=8), _launch.cdiv(n_rows, block_m)
 
 
 def _out_dtype(x: torch.Tensor, weight: Optional[torch.Tensor], casting: str, gated: bool = False) -> torch.dtype:
@@ -324,25 +379,28 @@ def _round_product(x, weight, casting) -> bool:
 
 
 def _forward_triton(x, weight, eps, offset, casting, gate=None, activation=""):
-    """(y of x's shape, tensors for the backward: x as (rows, n), weight (or None), rstd (rows,)
-    float32, gate as (rows, n) (or None))."""
-    x2 = _rows(x, x.shape[-1])
-    weight = weight.contiguous() if weight is not None else None
-    g2 = _rows(gate, x.shape[-1]) if gate is not None else None
-    n_rows, n_cols = x2.shape
-    gated_after = g2 is not None and activation != "pre_silu"
-    y = _dispatch.empty((n_rows, n_cols), dtype=_out_dtype(x2, weight, casting, gated_after), device=x2.device)
-    rstd = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
-    block_m, block_n = _blocks(n_rows, n_cols)
+    """(y of x's shape, tensors for the backward: x, weight (or None), rstd (rows,) float32, gate
+    (or None)), x and gate as the kernels read them (`_row_major`)."""
+    n_cols = x.shape[-1]
+    x2, stride_x = _row_major(x, n_cols)
+    n_rows = x.numel() // n_cols
+    if weight is not None and not weight.is_contiguous():
+        weight = weight.contiguous()
+    g2, stride_g = _row_major(gate, n_cols) if gate is not None else (x2, 0)
+    gated_after = gate is not None and activation != "pre_silu"
+    # y in x's shape, contiguous: rows n_cols apart
+    y = _dispatch.empty_like(x, dtype=_out_dtype(x, weight, casting, gated_after))
+    rstd = _dispatch.empty((n_rows,), dtype=torch.float32, device=x.device)
+    grid, block_m, block_n, num_warps = _forward_config(n_rows, n_cols, _limits())
     _launch.launch(
-        _rms_norm_fwd_kernel, (_launch.cdiv(n_rows, block_m),),
-        x2, weight if weight is not None else x2, g2 if g2 is not None else x2, y, rstd, n_rows, n_cols,
-        x2.stride(0), g2.stride(0) if g2 is not None else 0, y.stride(0), eps, offset,
-        CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=_GATE_IDS[activation if g2 is not None else ""],
-        ROUND_PRODUCT=gated_after and _round_product(x2, weight, casting), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=_num_warps(block_m * block_n, per_thread=16),
+        _rms_norm_fwd_kernel, grid,
+        x2, weight if weight is not None else x2, g2, y, rstd, n_rows, n_cols, stride_x, stride_g, n_cols, eps, offset,
+        CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None,
+        GATE=_GATE_IDS[activation] if gate is not None else 0,
+        ROUND_PRODUCT=gated_after and _round_product(x, weight, casting), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps,
     )
-    return y.view(x.shape), (x2, weight, rstd, g2)
+    return y, (x2, weight, rstd, gate if gate is None else g2)
 
 
 def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, forward_autocast, activation="",
@@ -350,45 +408,52 @@ def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, f
     """(dx of x_shape in x's dtype, dw in weight's dtype or None, dgate of x_shape in gate's dtype or
     None) from the forward's saved tensors. (forward_autocast is for the twin, which recomputes the
     forward; the kernels do not.)"""
-    x2, weight, rstd, *rest = saved
-    g2 = rest[0] if rest else None
-    gate_id = _GATE_IDS[activation if g2 is not None else ""]
+    x, weight, rstd, *rest = saved
+    g = rest[0] if rest else None
+    n_cols = x_shape[-1]
+    n_rows = rstd.shape[0]
+    x2, stride_x = _row_major(x, n_cols)
+    dy2, stride_dy = _row_major(dy, n_cols)
+    g2, stride_g = _row_major(g, n_cols) if g is not None else (x2, 0)
+    gate_id = _GATE_IDS[activation] if g is not None else 0
     need_w = need_w and weight is not None
-    w_arg, g_arg = (weight if weight is not None else x2), (g2 if g2 is not None else x2)
-    n_rows, n_cols = x2.shape
-    dy2 = _rows(dy, n_cols)
-    block_m, block_n = _blocks(n_rows, n_cols, gated_backward=g2 is not None)
-    num_warps = _num_warps(block_m * block_n, per_thread=8)
+    w_arg = weight if weight is not None else x2
+    block_m, block_n, num_warps, row_tiles = _backward_config(n_rows, n_cols, g is not None, _limits())
     one_block = block_n >= n_cols
-    row_tiles = _launch.cdiv(n_rows, block_m)
-    rows_per_program = _launch.cdiv(row_tiles, min(row_tiles, _max_programs(x2.device, num_warps))) * block_m
+    rows_per_program = _launch.cdiv(row_tiles, min(row_tiles, _max_programs(x.device, num_warps))) * block_m
     n_programs = _launch.cdiv(n_rows, rows_per_program)
-    dx = _dispatch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
-    dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x2.device) if need_w else rstd
+    # dx (and dgate) in x's shape, contiguous: rows n_cols apart
+    dx = _dispatch.empty(x_shape, dtype=x.dtype, device=x.device)
+    dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if need_w else rstd
     # the gate's gradient comes with every gated backward (it costs one store): x's
-    dg = _dispatch.empty((n_rows, n_cols), dtype=g2.dtype, device=x2.device) if g2 is not None else dx
+    dg = _dispatch.empty(x_shape, dtype=g.dtype, device=x.device) if g is not None else dx
     dot = rstd
     if not one_block:
-        dot = _dispatch.empty((n_rows,), dtype=torch.float32, device=x2.device)
+        dot = _dispatch.empty((n_rows,), dtype=torch.float32, device=x.device)
         _launch.launch(
             _rms_norm_bwd_dot_kernel, (row_tiles,),
-            dy2, x2, w_arg, g_arg, rstd, dot, n_rows, n_cols, dy2.stride(0), x2.stride(0), g_arg.stride(0), offset,
+            dy2, x2, w_arg, g2, rstd, dot, n_rows, n_cols, stride_dy, stride_x, stride_g, offset,
             CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=gate_id,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )
     _launch.launch(
         _rms_norm_bwd_kernel, (n_programs,),
-        dy2, x2, w_arg, g_arg, rstd, dot, dx, dw_partial, dg, n_rows, n_cols,
-        dy2.stride(0), x2.stride(0), g_arg.stride(0), dx.stride(0), dg.stride(0), offset, rows_per_program,
+        dy2, x2, w_arg, g2, rstd, dot, dx, dw_partial, dg, n_rows, n_cols,
+        stride_dy, stride_x, stride_g, n_cols, n_cols, offset, rows_per_program,
         CASTING=_CASTING_IDS[casting], HAS_WEIGHT=weight is not None, GATE=gate_id,
-        ROUND_PRODUCT=gate_id in (1, 2) and _round_product(x2, weight, casting), ONE_BLOCK=one_block,
+        ROUND_PRODUCT=gate_id in (1, 2) and _round_product(x, weight, casting), ONE_BLOCK=one_block,
         COMPUTE_DW=need_w,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    dw = dw_partial.sum(0).to(weight.dtype) if need_w else None
-    if g2 is None:
-        return dx.view(x_shape), dw
-    return dx.view(x_shape), dw, (dg.view(x_shape) if need_g else None)
+    if need_w:
+        dw = dw_partial.sum(0)
+        if dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
+    else:
+        dw = None
+    if g is None:
+        return dx, dw
+    return dx, dw, (dg if need_g else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,8 +501,7 @@ def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[to
     need_w = need_w and weight is not None
     need_g = need_g and gate is not None
     if triton_path:
-        saved = (_rows(x, x.shape[-1]), weight.contiguous() if weight is not None else None, rstd,
-                 _rows(gate, x.shape[-1]) if gate is not None else None)
+        saved = (x, weight.contiguous() if weight is not None else None, rstd, gate)
         dx, dw, *dg = _backward_triton(dy, saved, x.shape, eps, offset, casting, need_x, need_w, None,
                                        activation, need_g)
     else:
@@ -469,10 +533,13 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (eps, offset, casting, triton_path, activation)
     # the twin recomputes the forward in backward: under the forward's autocast
     ctx.autocast = None if triton_path else autocast
+    ctx.set_materialize_grads(False)  # rstd gets no gradient: allocate no zeros for it
 
 
 def _backward(ctx, dy, _drstd):
     _dispatch.check_first_order("rms_norm")  # the op's backward is opaque to autograd
+    if dy is None:  # y was not used (only rstd, which is internal, could have been)
+        return (None,) * len(ctx.needs_input_grad)
     x, weight, rstd, gate = ctx.saved_tensors
     eps, offset, casting, triton_path, activation = ctx.options
     need_x, need_w = ctx.needs_input_grad[:2]
@@ -594,14 +661,20 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-6,
     Triton's interpreter); float64 and everything else run the plain-torch twin, whose gradients
     are autograd's of the module's formula.
     """
-    _check_inputs(x, weight, casting, offset, gate, activation)
-    dtypes = {t.dtype for t in (x, weight, gate) if t is not None}
-    # float64 (and empty) inputs take the twin: the kernels accumulate in float32
-    if torch.float64 in dtypes:
-        # the formula in differentiable torch, outside the op: second derivatives stay exact
-        return _reference(x, weight, float(eps), float(offset), casting, gate, activation)
-    # empty inputs take the twin; the kernels accumulate in float32
-    triton_path = _dispatch.use_triton(x) and x.numel() > 0 and dtypes <= set(_DTYPES)
+    if (gate is None and type(x) in _PLAIN and type(weight) in _PLAIN and x.dtype in _DTYPES
+            and weight.dtype in _DTYPES and casting in _CASTING_IDS and x.dim() > 0
+            and weight.shape == x.shape[-1:] and weight.device == x.device):
+        # the common call (a weighted norm in a kernel dtype) passes the checks in one expression
+        triton_path = x.numel() > 0 and _dispatch.use_triton(x)
+    else:
+        _check_inputs(x, weight, casting, offset, gate, activation)
+        dtypes = {t.dtype for t in (x, weight, gate) if t is not None}
+        # float64 inputs take the twin: the kernels accumulate in float32
+        if torch.float64 in dtypes:
+            # the formula in differentiable torch, outside the op: second derivatives stay exact
+            return _reference(x, weight, float(eps), float(offset), casting, gate, activation)
+        # empty inputs take the twin
+        triton_path = _dispatch.use_triton(x) and x.numel() > 0 and dtypes <= set(_DTYPES)
     autocast = None if triton_path else _library.autocast_dtype(x.device.type)
     if gate is None:  # the ungated op's schema as before: compiled graphs keep their nodes
         return _rms_norm_op(x, weight, float(eps), float(offset), casting, triton_path,

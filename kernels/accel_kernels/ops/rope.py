@@ -41,6 +41,7 @@ formula itself, so that second derivatives through them are exact.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -158,58 +159,67 @@ def _rope_kernel(
 
 def _bsh_strides(t: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a (B, H, S, D) tensor (unsqueeze_dim=1) or (B, S, H, D) one (2)."""
-    if unsqueeze_dim == 1:
-        return t.stride(0), t.stride(2), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    # strides of the other dims are passed to the kernel; only the head dim must be dense
-    return t if t.stride(-1) == 1 else t.contiguous()
+    b, s1, s2, _ = t.stride()
+    return (b, s2, s1) if unsqueeze_dim == 1 else (b, s1, s2)
 
 
 def _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward, form=0):
     """Rotate q, k into q_out, k_out (backward=True: apply the transposed rotation, for gradients);
     form: an index into FORMS."""
-    q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
-    batch, seq_len, head_dim, rot_dim = q.shape[0], cos.shape[1], q.shape[-1], cos.shape[-1]
+    # strides of the other dims are passed to the kernel; only the head dim must be dense
+    q, k, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin))
     n_q_heads, n_k_heads = q.shape[unsqueeze_dim], k.shape[unsqueeze_dim]
+    grid, n_tokens, seq_len, sizes, meta = _launch_config(q.shape[0], cos.shape[1], q.shape[-1], cos.shape[-1],
+                                                          n_q_heads, n_k_heads, _TILE)
+    # cos/sin of batch 1 serve every batch element: batch stride 0
+    cos_sb, cos_ss, _ = cos.stride()
+    sin_sb, sin_ss, _ = sin.stride()
+    if cos.shape[0] == 1:
+        cos_sb = sin_sb = 0
+    _launch.launch(
+        _rope_kernel, grid,
+        q, k, q_out, k_out, cos, sin, n_tokens, seq_len,
+        *_bsh_strides(q, unsqueeze_dim), *_bsh_strides(k, unsqueeze_dim),
+        *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
+        cos_sb, cos_ss, sin_sb, sin_ss, *sizes,
+        BACKWARD=backward, FORM=form, **meta,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_config(batch, seq_len, head_dim, rot_dim, n_q_heads, n_k_heads, tile):
+    """(grid, tokens, seq_len, (q heads, k heads, half, pass-through dims), block constexprs and
+    num_warps) of the kernel for these sizes and a program tile of about `tile` elements
+    (`_TILE`, in the key so that a changed value is seen), computed once per shape."""
     n_pass = head_dim - rot_dim
     block_qh, block_kh = _launch.next_power_of_2(n_q_heads), _launch.next_power_of_2(n_k_heads)
     block_half = _launch.next_power_of_2(rot_dim // 2)
     block_pass = _launch.next_power_of_2(n_pass) if n_pass else 0
-    # tokens per program: a tile of about _TILE elements (one token when its heads fill that)
+    # tokens per program: a tile of about `tile` elements (one token when its heads fill that)
     per_token = (block_qh + block_kh) * (2 * block_half + block_pass)
     n_tokens = batch * seq_len
     block_s = 1
-    while 2 * block_s * per_token <= _TILE and block_s < n_tokens:
+    while 2 * block_s * per_token <= tile and block_s < n_tokens:
         block_s *= 2
-    tile = block_s * per_token
-    num_warps = 4 if tile <= 4096 else 8 if tile <= 16384 else 16
-    # cos/sin of batch 1 serve every batch element: batch stride 0
-    cos_sb = cos.stride(0) if cos.shape[0] > 1 else 0
-    sin_sb = sin.stride(0) if sin.shape[0] > 1 else 0
-    _launch.launch(
-        _rope_kernel, (_launch.cdiv(n_tokens, block_s),),
-        q, k, q_out, k_out, cos, sin, n_tokens, seq_len,
-        *_bsh_strides(q, unsqueeze_dim), *_bsh_strides(k, unsqueeze_dim),
-        *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
-        cos_sb, cos.stride(1), sin_sb, sin.stride(1),
-        n_q_heads, n_k_heads, rot_dim // 2, n_pass,
-        BACKWARD=backward, FORM=form, BLOCK_S=block_s, BLOCK_QH=block_qh, BLOCK_KH=block_kh,
-        BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=num_warps,
-    )
+    elements = block_s * per_token
+    num_warps = 4 if elements <= 4096 else 8 if elements <= 16384 else 16
+    meta = dict(BLOCK_S=block_s, BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half,
+                BLOCK_PASS=block_pass, num_warps=num_warps)
+    return ((_launch.cdiv(n_tokens, block_s),), n_tokens, seq_len, (n_q_heads, n_k_heads, rot_dim // 2, n_pass),
+            meta)
 
 
 def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
     # x * cos + rotate_half(x) * sin promotes like torch does
+    if x.dtype == cos.dtype == sin.dtype:
+        return x.dtype
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
 def _forward_triton(q, k, cos, sin, unsqueeze_dim, form=0):
     """(q_out, k_out), new tensors in the dtypes torch promotion gives."""
-    q_out = _dispatch.empty(q.shape, dtype=_out_dtype(q, cos, sin), device=q.device)
-    k_out = _dispatch.empty(k.shape, dtype=_out_dtype(k, cos, sin), device=k.device)
+    q_out = _dispatch.empty_like(q, dtype=_out_dtype(q, cos, sin))
+    k_out = _dispatch.empty_like(k, dtype=_out_dtype(k, cos, sin))
     _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward=False, form=form)
     return q_out, k_out
 
@@ -219,8 +229,8 @@ def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_d
     """(dq, dk, None, None): the transposed rotation of the output gradients. Only taken when cos
     and sin want no gradient; q and k (None here) do not enter the gradients of q and k.
     (forward_autocast is for the twin, which recomputes the forward; the kernel does not.)"""
-    dq = _dispatch.empty(dq_out.shape, dtype=q_dtype, device=dq_out.device)
-    dk = _dispatch.empty(dk_out.shape, dtype=k_dtype, device=dk_out.device)
+    dq = _dispatch.empty_like(dq_out, dtype=q_dtype)
+    dk = _dispatch.empty_like(dk_out, dtype=k_dtype)
     _rope_launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, backward=True, form=form)
     return dq, dk, None, None
 
@@ -419,6 +429,29 @@ def _check_inputs(q, k, cos, sin, unsqueeze_dim):
     _dispatch.check_same_device(q=q, k=k, cos=cos, sin=sin)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# (shapes, dtypes, unsqueeze_dim) that passed _check_inputs: the checks depend on nothing else but
+# the devices, which are compared on every call
+_CHECKED: set = set()
+
+
+def _checked(q, k, cos, sin, unsqueeze_dim) -> None:
+    """_check_inputs, decided once per shape (its dozens of steps cost more host time than the
+    launch); ValueError naming a bad argument as _check_inputs gives it."""
+    if torch.compiler.is_compiling():  # traced once a compile, free in the graph: no set to keep
+        return _check_inputs(q, k, cos, sin, unsqueeze_dim)
+    if type(q) in _PLAIN and type(k) in _PLAIN and type(cos) in _PLAIN and type(sin) in _PLAIN:
+        key = (q.shape, k.shape, cos.shape, sin.shape, q.dtype, k.dtype, cos.dtype, sin.dtype, unsqueeze_dim)
+        if key in _CHECKED and q.device == k.device == cos.device == sin.device:
+            return
+        _check_inputs(q, k, cos, sin, unsqueeze_dim)
+        if len(_CHECKED) > 4096:  # shapes of many sequence lengths: keep the set bounded
+            _CHECKED.clear()
+        _CHECKED.add(key)
+        return
+    _check_inputs(q, k, cos, sin, unsqueeze_dim)
+
+
 # --------------------------------------------------------------------------------------------
 # Entry
 # --------------------------------------------------------------------------------------------
@@ -450,7 +483,7 @@ def rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: tor
     alone = k is None
     if alone:  # no key heads: the kernel's key loop is masked off entirely
         k = q.narrow(unsqueeze_dim if unsqueeze_dim in (1, 2) else 1, 0, 0) if isinstance(q, torch.Tensor) else q
-    _check_inputs(q, k, cos, sin, unsqueeze_dim)
+    _checked(q, k, cos, sin, unsqueeze_dim)
     index = FORMS.index(form)
     # float64 (and empty) inputs take the twin: the kernel computes in float32; so do cos/sin that
     # require grad (transformers builds them under no_grad), which the kernel would not give one
