@@ -229,6 +229,42 @@ def test_each_fall_back_runs_pefts_forward_for_that_call_and_is_counted(name):
     assert calls(twin)["lora_mlp"] == {outcome: 2}, calls(twin)
 
 
+HOOKED = {
+    # name: (module under each decoder layer, hook kind, the op whose calls run PEFT's forward)
+    "gate_proj backward": ("mlp.gate_proj", "backward", "lora_mlp"),
+    "k_proj backward": ("self_attn.k_proj", "backward", "lora_qkv"),
+    "o_proj forward": ("self_attn.o_proj", "forward", "lora_o"),
+    "up_proj's lora_A forward": ("mlp.up_proj.lora_A.default", "forward", "lora_mlp"),
+    "v_proj's base pre-forward": ("self_attn.v_proj.base_layer", "pre", "lora_qkv"),
+}
+QUICK_HOOKED = {"gate_proj backward", "k_proj backward"}
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK_HOOKED else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(HOOKED)])
+def test_a_hook_on_a_projection_runs_as_in_stock_peft_with_pefts_forward_counted(name):
+    """The fused functions never call the projections' modules: a hook registered on one (or on
+    its base layer or adapter) sends that group's call to PEFT's forward, so the hook runs as often
+    as in stock PEFT, with the same step."""
+    where, kind, op = HOOKED[name]
+    base = build("llama")
+    stock, twin = peft_model(base, "stock"), peft_model(base, "swap-then-peft")
+    ran = {}
+    for label, model in (("stock", stock), ("twin", twin)):
+        ran[label] = 0
+
+        def hook(*_, label=label):
+            ran[label] += 1
+
+        for layer in model.base_model.model.model.layers:
+            module = layer.get_submodule(where)
+            {"backward": module.register_full_backward_hook, "forward": module.register_forward_hook,
+             "pre": module.register_forward_pre_hook}[kind](hook)
+    assert_step_equals_stock(stock, twin)
+    assert ran["stock"] == base.config.num_hidden_layers and ran["twin"] == ran["stock"]
+    assert calls(twin)[op] == {"PEFT's forward: hooks on a projection": base.config.num_hidden_layers}, calls(twin)
+
+
 @pytest.mark.slow  # over 2 s
 def test_an_adapter_disabled_merged_switched_or_removed_after_the_swap_is_seen_at_the_next_call():
     base = build("llama")
