@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 import accel_patch
 from accel_patch import restore_kernels, swap_kernels
@@ -263,6 +264,31 @@ def test_a_hook_on_a_projection_runs_as_in_stock_peft_with_pefts_forward_counted
     assert_step_equals_stock(stock, twin)
     assert ran["stock"] == base.config.num_hidden_layers and ran["twin"] == ran["stock"]
     assert calls(twin)[op] == {"PEFT's forward: hooks on a projection": base.config.num_hidden_layers}, calls(twin)
+
+
+class ReadsItsProjections(LlamaAttention):
+    """An attention forward that reads its projections' attributes besides calling them (as
+    gpt_neo's reads `self.q_proj.weight.dtype`)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hidden_states = hidden_states.to(self.q_proj.weight.dtype)
+        assert self.k_proj.in_features == self.o_proj.out_features == hidden_states.shape[-1]
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def reading_projections(model):
+    for layer in model.base_model.model.model.layers:
+        layer.self_attn.__class__ = ReadsItsProjections
+    return model
+
+
+@pytest.mark.slow  # about 2 s
+def test_an_attention_reading_its_projections_attributes_sees_the_projections_and_fuses():
+    base = build("llama")
+    stock = reading_projections(peft_model(base, "stock"))
+    twin = reading_projections(peft_model(base, "peft-then-swap"))
+    assert_step_equals_stock(stock, twin)
+    assert calls(twin)["lora_qkv"] == calls(twin)["lora_o"] == {"fused": base.config.num_hidden_layers}
 
 
 @pytest.mark.slow  # over 2 s
