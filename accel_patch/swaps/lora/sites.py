@@ -154,13 +154,14 @@ class _Served:
     (`self.q_proj.weight`, `modules()`), so code reading the projection sees the real one."""
 
     def __init__(self, bound, name, group, op, child) -> None:
-        self.bound, self.name, self.group, self.op, self.child = bound, name, group, op, child
+        # underscored, so that none shadows a public attribute of the projection
+        self._bound, self._name, self._group, self._op, self._child = bound, name, group, op, child
 
     def __call__(self, *args, **kwargs):
-        return self.bound.run(self.name, self.group, self.op, self.child, *args, **kwargs)
+        return self._bound.run(self._name, self._group, self._op, self._child, *args, **kwargs)
 
     def __getattr__(self, attr):
-        return getattr(self.child, attr)
+        return getattr(self._child, attr)
 
 
 class _Bound:
