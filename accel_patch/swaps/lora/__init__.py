@@ -15,8 +15,9 @@ Sites (found by structure, proved by a probe, per instance and reversible like e
   again in backward; nothing dequantized is kept between them.
 - `lora_qkv`: the input projections of an attention block (q/k/v with any subset adapted and
   GQA widths, or one fused qkv). The attention's own forward still runs; for that call the
-  projections' forwards are bound so that the first one called computes all of them from x in
-  one `linears` op (x read and saved once) and the others return their share.
+  projections are served from its `_modules` (sites._Served) so that the first one called
+  computes all of them from x in one `linears` op (x read and saved once) and the others return
+  their share; the projections themselves are never written.
 - `lora_o`: the attention's output projection, the same function with one projection.
 
 Decided at every call, so the swap may come before or after `get_peft_model`, and an adapter
@@ -25,7 +26,7 @@ path cannot reproduce runs PEFT's own forward for that call and is counted (`Swa
 `SwapReport.calls`): a LoRA variant (DoRA), more than one active adapter, `lora_bias`,
 `fan_in_fan_out`, 8-bit or other quantized bases, dtype combinations PEFT does not make (float64
 under autocast, adapters of another dtype outside autocast), a trainable base weight, hooks on a
-projection, extra arguments. Autocast (bf16/fp16, PEFT's float32 adapters) and LoRA dropout are
+projection (its base layer or adapter included: the fused functions do not call those modules), extra arguments. Autocast (bf16/fp16, PEFT's float32 adapters) and LoRA dropout are
 computed: the functions are custom ops (`accel_patch_lora::linears`, `::mlp`) that take the
 autocast dtype captured at the call and the dropout masks drawn as PEFT draws them (functions.py). A call with no active adapter
 runs what was there before (the `glu` kernel forward when that op was swapped too, else stock).

@@ -81,7 +81,10 @@ def layer_kind(m) -> str | None:
 
 
 def _hooked(m) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or "_hf_hook" in m.__dict__)
+    """Whether a hook is registered on `m` (forward, pre-forward, backward, accelerate's): the fused
+    functions do not call the module, so its hooks would not run."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or "_hf_hook" in m.__dict__)
 
 
 _AUTOCASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts (not float64)
@@ -138,6 +141,8 @@ def projection(m, x: torch.Tensor):
             p = _dropout_p(m.lora_dropout[adapter])
             if isinstance(p, str):
                 return p
+            if _hooked(m.lora_A[adapter]) or _hooked(m.lora_B[adapter]) or _hooked(m.lora_dropout[adapter]):
+                return "hooks on a projection"
         if _hooked(m):
             return "hooks on a projection"
     else:

@@ -3,16 +3,15 @@ and the call reproducible, else the forward beneath (PEFT's), counted either way
 
 Under torch.compile the same code is traced (no stand-aside): dynamo guards on what the plan reads
 (the adapters, their flags, dtypes, hooks), so the graph holds the fused functions where eager would
-run them, and a change that eager would see at the next call fails a guard and recompiles. The
-attention's projections are rebound for the call with `functools.partial` (dynamo cannot build a
-`types.MethodType`), and put back before it returns; dynamo replays the final state, which is the
-state before the call. A compiled call is counted when dynamo traces it, not when the graph runs
+run them, and a change that eager would see at the next call fails a guard and recompiles. For one
+call of the attention, its projections' entries in its `_modules` are `_Served` objects (stores
+into a plain dict, put back before the call returns; dynamo replays the final state, which is the
+state before the call); the projections themselves are not touched: no instance attribute is set
+or removed in the trace, which torch 2.11's dynamo cannot replay. A compiled call is counted when dynamo traces it, not when the graph runs
 (per-call counting inside a graph is a guard that fails at every call): `calls` then holds
 "compiled: <outcome>" once per site per compiled graph, what the graph computes at every call
 of it (a change that would give another outcome fails a guard and is traced, and counted, anew)."""
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -149,30 +148,46 @@ def mlp_forward(self, *args, **kwargs):
     return fused_mlp(x, projs, adapters, act, order == "gate_up", path)
 
 
+class _Served:
+    """Stands in the attention's `_modules` for one projection during one call: `self.q_proj(x)` in
+    the attention's forward calls it (`_Bound.run`). Any other attribute is the projection's own
+    (`self.q_proj.weight`, `modules()`), so code reading the projection sees the real one."""
+
+    def __init__(self, bound, name, group, op, child) -> None:
+        # underscored, so that none shadows a public attribute of the projection
+        self._bound, self._name, self._group, self._op, self._child = bound, name, group, op, child
+
+    def __call__(self, *args, **kwargs):
+        return self._bound.run(self._name, self._group, self._op, self._child, *args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._child, attr)
+
+
 class _Bound:
-    """For one attention call: the projections' forwards bound to the fused functions."""
+    """For one attention call: its projections served by the fused functions. Each projection's
+    entry in the attention's `_modules` is replaced by a `_Served` for the call and put back when it
+    returns or raises: dict stores only, which dynamo traces and replays in torch 2.11 as in 2.13
+    (removing an instance attribute inside a trace, as binding a projection's own `forward` for the
+    call needed, is not traceable in 2.11). The projections themselves are never touched."""
 
     def __init__(self, site, module) -> None:
         self.site, self.module = site, module
+        self.children: dict[str, torch.nn.Module] = {}
         self.stash: dict[str, torch.Tensor] = {}
         self.stash_x = None
         self.decided: dict[str, object] = {}
-        self.slots: list = []
 
-    def bind(self, name: str, group: tuple[str, ...], op: str) -> None:
-        child = getattr(self.module, name)
-        slot = sites.forward_slot(child)
-        had = slot in child.__dict__
-        previous = child.__dict__.get(slot)
-        original = previous if had else functools.partial(type(child).forward, child)
-        self.slots.append((child, slot, had, previous))
-        # a functools.partial, not a bound method: dynamo cannot build a types.MethodType
-        child.__dict__[slot] = functools.partial(self.run, name, group, op, original)
+    def serve(self, name: str, group: tuple[str, ...], op: str) -> None:
+        modules = self.module._modules
+        child = modules[name]
+        self.children[name] = child
+        modules[name] = _Served(self, name, group, op, child)
 
-    def run(self, name, group, op, original, *args, **kwargs):
+    def run(self, name, group, op, child, *args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
             _count(self.site, op, _outcome("extra arguments to a projection"))
-            return original(*args, **kwargs)
+            return child(*args, **kwargs)
         x = args[0]
         if name in self.stash and self.stash_x is x:
             return self.stash.pop(name)
@@ -180,13 +195,13 @@ class _Bound:
             if self.decided.get(group) != DECODE:  # count a group once per call
                 self.decided[group] = DECODE
                 _count(self.site, op, DECODE)
-            return original(x)
-        found = _plan([getattr(self.module, n) for n in group], x)
+            return child(x)
+        found = _plan([self.children[n] for n in group], x)
         if isinstance(found, str):
             if self.decided.get(group) != found:  # count a group once per call
                 self.decided[group] = found
                 _count(self.site, op, _outcome(found))
-            return original(x)
+            return child(x)
         _count(self.site, op, FUSED)
         outs = fused_linears(x, *found)
         self.stash = {n: o for n, o in zip(group, outs) if n != name}
@@ -197,18 +212,15 @@ class _Bound:
         inputs, out = self.site.names
         if QKV_OP in self.site.ops:
             for name in inputs:
-                self.bind(name, inputs, QKV_OP)
+                self.serve(name, inputs, QKV_OP)
         if O_OP in self.site.ops and out is not None:
-            self.bind(out, (out,), O_OP)
+            self.serve(out, (out,), O_OP)
         return self
 
     def __exit__(self, *exc):
-        while self.slots:
-            child, slot, had, previous = self.slots.pop()
-            if had:
-                child.__dict__[slot] = previous
-            else:
-                child.__dict__.pop(slot, None)
+        modules = self.module._modules
+        for name, child in self.children.items():
+            modules[name] = child
         self.stash.clear()
         return False
 

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 import accel_patch
 from accel_patch import restore_kernels, swap_kernels
@@ -227,6 +228,67 @@ def test_each_fall_back_runs_pefts_forward_for_that_call_and_is_counted(name):
     assert grads1.keys() == grads0.keys()
     assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[k], g) for k, g in grads0.items()) <= 1e-4
     assert calls(twin)["lora_mlp"] == {outcome: 2}, calls(twin)
+
+
+HOOKED = {
+    # name: (module under each decoder layer, hook kind, the op whose calls run PEFT's forward)
+    "gate_proj backward": ("mlp.gate_proj", "backward", "lora_mlp"),
+    "k_proj backward": ("self_attn.k_proj", "backward", "lora_qkv"),
+    "o_proj forward": ("self_attn.o_proj", "forward", "lora_o"),
+    "up_proj's lora_A forward": ("mlp.up_proj.lora_A.default", "forward", "lora_mlp"),
+    "v_proj's base pre-forward": ("self_attn.v_proj.base_layer", "pre", "lora_qkv"),
+}
+QUICK_HOOKED = {"gate_proj backward", "k_proj backward"}
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK_HOOKED else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(HOOKED)])
+def test_a_hook_on_a_projection_runs_as_in_stock_peft_with_pefts_forward_counted(name):
+    """The fused functions never call the projections' modules: a hook registered on one (or on
+    its base layer or adapter) sends that group's call to PEFT's forward, so the hook runs as often
+    as in stock PEFT, with the same step."""
+    where, kind, op = HOOKED[name]
+    base = build("llama")
+    stock, twin = peft_model(base, "stock"), peft_model(base, "swap-then-peft")
+    ran = {}
+    for label, model in (("stock", stock), ("twin", twin)):
+        ran[label] = 0
+
+        def hook(*_, label=label):
+            ran[label] += 1
+
+        for layer in model.base_model.model.model.layers:
+            module = layer.get_submodule(where)
+            {"backward": module.register_full_backward_hook, "forward": module.register_forward_hook,
+             "pre": module.register_forward_pre_hook}[kind](hook)
+    assert_step_equals_stock(stock, twin)
+    assert ran["stock"] == base.config.num_hidden_layers and ran["twin"] == ran["stock"]
+    assert calls(twin)[op] == {"PEFT's forward: hooks on a projection": base.config.num_hidden_layers}, calls(twin)
+
+
+class ReadsItsProjections(LlamaAttention):
+    """An attention forward that reads its projections' attributes besides calling them (as
+    gpt_neo's reads `self.q_proj.weight.dtype`)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hidden_states = hidden_states.to(self.q_proj.weight.dtype)
+        assert self.k_proj.in_features == self.o_proj.out_features == hidden_states.shape[-1]
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+def reading_projections(model):
+    for layer in model.base_model.model.model.layers:
+        layer.self_attn.__class__ = ReadsItsProjections
+    return model
+
+
+@pytest.mark.slow  # about 2 s
+def test_an_attention_reading_its_projections_attributes_sees_the_projections_and_fuses():
+    base = build("llama")
+    stock = reading_projections(peft_model(base, "stock"))
+    twin = reading_projections(peft_model(base, "peft-then-swap"))
+    assert_step_equals_stock(stock, twin)
+    assert calls(twin)["lora_qkv"] == calls(twin)["lora_o"] == {"fused": base.config.num_hidden_layers}
 
 
 @pytest.mark.slow  # over 2 s

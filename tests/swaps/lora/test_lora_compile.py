@@ -19,7 +19,8 @@ from accel_patch import restore_kernels
 from accel_patch.swaps import lora
 
 from _models import build, padded_batch, rel, training_step
-from test_lora import ALL_LINEAR, all_calls, calls, checkpoint, peft_model, qlora  # noqa: F401 (checkpoint: a fixture)
+from test_lora import (ALL_LINEAR, all_calls, calls, checkpoint, peft_model, qlora,  # noqa: F401 (checkpoint: a fixture)
+                       reading_projections)
 
 pytestmark = pytest.mark.slow
 COMPILED_FUSED = lora.COMPILED + lora.FUSED
@@ -116,6 +117,18 @@ def test_peft_then_swap_compiles_fullgraph_fused_as_stock_and_saves_less_than_wi
     # the fused backward's saving is kept in the compiled graph (0.67x here, 2026-12-01; 1.00x
     # when the sites stood aside while compiling)
     assert fused <= 0.85 * saved, (fused, saved, fused / saved)
+
+
+def test_an_attention_reading_its_projections_attributes_compiles_fullgraph_fused_as_stock():
+    """The projections served for the call answer attribute reads with the projection's own, traced."""
+    base = build("llama")
+    stock = reading_projections(peft_model(base, "stock"))
+    twin = reading_projections(peft_model(base, "peft-then-swap"))
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    loss1, grads1, _ = compiled_step(twin, batch)
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+    assert calls(twin) == {op: {COMPILED_FUSED: base.config.num_hidden_layers} for op in lora.OPS}
 
 
 def test_qlora_compiles_fullgraph_fused_as_stock(monkeypatch, checkpoint):
