@@ -405,11 +405,31 @@ def head_shape(module, config) -> tuple[int, int, int, tuple[int, ...]]:
         value = getattr(module, attr, None)
         if isinstance(value, int):
             rotary.append(value)
-    for attr in families.PARTIAL_ROTARY_ATTRIBUTES:
-        value = getattr(config, attr, None)
+    for value in _partial_factors(config, module):
         if isinstance(value, (int, float)) and 0 < value < 1:
             rotary.append(int(head_dim * value))
     return heads, kv_heads, head_dim, tuple(sorted({r - r % 2 for r in rotary if r and r >= 2}, reverse=True))
+
+
+def _partial_factors(config, module) -> list:
+    """The rotary shares of a head the configuration names: its own attribute (transformers 4), else
+    `rope_parameters["partial_rotary_factor"]` (transformers 5 moved it there: Qwen3.5, Qwen3-Next,
+    GLM, StableLM, GPT-NeoX), per layer type where the parameters are (Gemma 4): the module's type
+    when it says, else every type's."""
+    found = [getattr(config, attr, None) for attr in families.PARTIAL_ROTARY_ATTRIBUTES]
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return found
+    if not any(isinstance(v, dict) for v in params.values()):
+        return found + [params.get(attr) for attr in families.PARTIAL_ROTARY_ATTRIBUTES]
+    layer_type = getattr(module, "layer_type", None)
+    types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if layer_type is None and isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types):
+        layer_type = types[index]
+    chosen = [params[layer_type]] if isinstance(params.get(layer_type), dict) else [
+        v for v in params.values() if isinstance(v, dict)]
+    return found + [p.get(attr) for p in chosen for attr in families.PARTIAL_ROTARY_ATTRIBUTES]
 
 
 def _dtypes_returned(out, ref, n: int = 2) -> str | None:
