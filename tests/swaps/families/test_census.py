@@ -28,6 +28,7 @@ NO_ROPE = {"GraniteMoeHybridAttention"}
 
 
 @pytest.mark.slow  # 36 tiny models built, swapped and trained a step against stock in a child: ~5-10 min
+@pytest.mark.timeout(1800)
 def test_the_census_swaps_and_trains_every_family_like_stock_and_leaves_few_classes_stock(tmp_path):
     out = tmp_path / "census.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], env=child_env(OMP_NUM_THREADS="1"),
