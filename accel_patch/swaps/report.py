@@ -192,7 +192,12 @@ class SwapReport:
         head = f"; LM head: {said}" if said else ""
         # installed, but no call so far ran the kernel and some ran another function: the line
         # does not claim the op (`swapped` leaves it out) and says so
-        not_run = [_SHORT_NAMES.get(op, op) for op, _ in sorted(self.not_run.items(), key=_op_order)]
+        not_run = [_SHORT_NAMES.get(op, op) for op, _ in sorted(self.not_run.items(), key=_op_order)
+                   if not op.startswith("lora_")]
+        loras_not_run = [op[len("lora_"):] for op in sorted(self.not_run, key=lambda op: _op_order((op, 0)))
+                         if op.startswith("lora_")]
+        if loras_not_run:  # "lora mlp/qkv/o", as the swapped LoRA sites are written
+            not_run.append("lora " + "/".join(loras_not_run))
         if not_run:
             head += f"; {', '.join(not_run)}: not run (see fall-backs)"
         tail = (f"; {len(self.refused)} refused" if self.refused else "") + head

@@ -21,7 +21,8 @@ from accel_patch.swaps.report import outcome_kind
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "census.py"
 #: kind -> the most (family, class) pairs left stock
 AT_MOST = {"norm": 4, "mlp": 2, "experts": 1, "rope": 2}
-#: the family tests' bounds: the loss relative, the gradients assert_close(rtol=1e-4, atol=1e-6)
+#: the loss relative; each gradient relative to its largest element or the step's gradient RMS
+#: (benchmarks/census.py: training_step_against says why not elementwise)
 LOSS_BOUND, GRAD_BOUND = 1e-5, 1e-4
 #: attention classes whose every instance never rotates in the census's configurations
 NO_ROPE = {"GraniteMoeHybridAttention"}
