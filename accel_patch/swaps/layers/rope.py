@@ -270,6 +270,10 @@ def never_rotates(module, no_positions: bool = False) -> str | None:
     it cannot evaluate (an argument, a call) leaves the module a candidate: its calls are counted."""
     import ast
 
+    names = _forward_names(module)
+    if not any(n in names for n in families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS
+               + families.COMPLEX_ROPE_FUNCTIONS):
+        return None  # no RoPE function named: no source to read (every other module of the walk)
     calls = _guards_of(type(module))
     if not calls:
         return None
