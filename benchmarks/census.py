@@ -12,8 +12,11 @@ most 8). Only sizes are shrunk: structural defaults (rope_interleave, gating, sw
 n_groups, ...) stay as the family ships them. A family whose configuration cannot be built tiny is
 listed as "not built: <error>"; one absent from this transformers as "absent".
 
-`accel_patch.swap_kernels(model)` (all ops) then runs on CPU (its probes run small tensors; no
-training step), and every module inside the decoder layers is classified by kind:
+`accel_patch.swap_kernels(model)` (all ops) then runs on CPU, and the swapped model trains one step
+against a stock copy (float32, the same batch; kernels under Triton's interpreter where there is no
+GPU): the loss's and every gradient's relative difference to stock are recorded (`step`), and the
+report after the step (`after`: what ran, ops whose every call fell back under `not_run`).
+`--no-step` skips it (the swap alone). Every module inside the decoder layers is classified by kind:
 - norm: class name contains "Norm";
 - experts: class name ends with "Experts";
 - mlp: class name ends with "MLP" or contains "FeedForward" / "FFN" (not experts);
@@ -21,9 +24,12 @@ training step), and every module inside the decoder layers is classified by kind
   "rotary" or "rope" in it among the forward's code names, sizes such as qk_rope_head_dim aside).
 Each (family, kind, class) is "swapped" (a swapped forward on some instance, whose op is named),
 "refused: <reason>" (the report's refusal for that module path and the kind's op), or "silent"
-(neither: no site was found there). The totals count, per kind, the distinct (family, class)
+(neither: no site was found there). After the step, a RoPE class whose swapped instances counted
+calls and none of them ran the kernel is "not run" (stock in effect); an attention refused because
+it never rotates (its RoPE call sits under a condition false for it) is "no rope": no RoPE site,
+nothing left stock. The totals count, per kind, the distinct (family, class)
 pairs left stock (refused or silent). The report's `mixers` (linear-attention and SSM mixers, which
-no op covers) are printed per family. A family whose swap raises is "swap raised: <error>".
+no op covers) are printed per family. A family whose swap raises is "swap raised: <error>"; one whose step raises, "step raised: <error>".
 Runs in about a minute or two on one CPU core.
 """
 from __future__ import annotations
@@ -256,12 +262,16 @@ def build(transformers, cls_name: str, cfg):
     return transformers.AutoModel.from_config(cfg)
 
 
-def census(key: str, label: str, cls_name: str, extra: dict) -> dict:
+def census(key: str, label: str, cls_name: str, extra: dict, step: bool = True) -> dict:
+    import copy
+
     import torch
     import transformers
 
     import accel_patch
     from accel_patch.swaps import probe, sites
+    from accel_patch.swaps.layers import rope
+    from accel_patch.swaps.report import outcome_kind
 
     out = dict(key=key, family=label, config=cls_name, status="ok", rows=[], mixers={}, swapped={}, other=[])
     cls = getattr(transformers, cls_name, None)
@@ -280,6 +290,8 @@ def census(key: str, label: str, cls_name: str, extra: dict) -> dict:
     out["layers"] = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "num_layers", None)
     accel_patch.restore_kernels(model)  # the load hook may have swapped at from_config
     probe.cache.clear()
+    model = model.float()
+    stock = copy.deepcopy(model) if step else None
     model.eval()
     try:
         report = accel_patch.swap_kernels(model)
@@ -288,6 +300,17 @@ def census(key: str, label: str, cls_name: str, extra: dict) -> dict:
         out["traceback"] = traceback.format_exc()
         return out
     out["swapped"] = dict(report.swapped)
+    rope_calls = rope_calls_per_class(model)
+    if step:
+        try:
+            out["step"] = training_step_against(stock, model)
+        except Exception as exc:
+            out["status"] = f"step raised: {type(exc).__name__}: {exc}".replace("\n", " ")
+            out["traceback"] = traceback.format_exc()
+            return out
+        after = accel_patch.report(model)
+        out["after"] = dict(swapped=dict(after.swapped), not_run=dict(after.not_run),
+                            calls={op: dict(c) for op, c in after.calls.items()})
     out["mixers"] = {c: dict(modules=n, runs=what) for c, (n, what) in report.mixers.items()}
     refusals: dict[tuple[str, str], str] = {}
     for r in report.refused:
@@ -316,6 +339,10 @@ def census(key: str, label: str, cls_name: str, extra: dict) -> dict:
             row["swapped"] += 1
             continue
         reason = next((refusals[(where, op)] for op in own if (where, op) in refusals), None)
+        if kind == "rope" and reason is not None and reason.startswith(rope.NEVER_ROTATES):
+            row["no_rope"] = row.get("no_rope", 0) + 1
+            row.setdefault("why_no_rope", reason)
+            continue
         if reason is None:  # another op of the kind (the tiled MLP) refused there
             reason = next((f"{op}: {refusals[(where, op)]}" for op in ops if op not in own and (where, op) in refusals
                            and op not in marks), None)
@@ -323,17 +350,25 @@ def census(key: str, label: str, cls_name: str, extra: dict) -> dict:
             row["refused"][reason] = row["refused"].get(reason, 0) + 1
     for (kind, cls_), row in sorted(per_class.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1])):
         ops = "+".join(sorted(row["ops"]))
-        if row["swapped"]:
+        ran = rope_calls.get(cls_) if kind == "rope" else None
+        if row["swapped"] and step and kind == "rope" and ran is not None and ran and not any(
+                outcome_kind(o) == "success" for o in ran):
+            state, note = "not run", "every call ran another function: " + max(ran, key=ran.get)
+        elif row["swapped"]:
             state, note = "swapped", ops
-            if row["swapped"] < row["instances"]:
+            if row["swapped"] + row.get("no_rope", 0) < row["instances"]:
                 note += f", {row['swapped']}/{row['instances']} instances"
+            elif row.get("no_rope"):
+                note += f", {row['no_rope']}/{row['instances']} instances never rotate"
+        elif row.get("no_rope") and not row["refused"]:
+            state, note = "no rope", row["why_no_rope"]
         elif row["refused"]:
             state = "refused"
             note = max(row["refused"], key=row["refused"].get)
         else:
             state, note = "silent", ""
         out["rows"].append(dict(kind=kind, cls=cls_, state=state, note=note, instances=row["instances"],
-                                installed=ops, refusals=row["refused"]))
+                                installed=ops, refusals=row["refused"], rope_calls=ran))
     # refusals inside the layers on modules of no kind above (what else the swap looked at)
     for (where, op), reason in refusals.items():
         if where.startswith(prefix + ".") and where not in seen_paths:
@@ -342,12 +377,89 @@ def census(key: str, label: str, cls_name: str, extra: dict) -> dict:
     return out
 
 
+def rope_calls_per_class(model) -> dict[str, dict[str, int]]:
+    """attention class -> RoPE outcome -> calls, filled as the model runs: each swapped attention's
+    count is seen on its way to the model's report."""
+    from accel_patch.swaps.layers import rope
+
+    per_class: dict[str, dict[str, int]] = {}
+    for module in model.modules():
+        site = module.__dict__.get(rope.SITE_ATTR)
+        if site is None:
+            continue
+        outcomes = per_class.setdefault(type(module).__name__, {})
+
+        def count(outcome, outcomes=outcomes, real=site.count):
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            real(outcome)
+
+        site.count = count
+    return per_class
+
+
+def _loss(model, ids):
+    takes_labels = "labels" in inspect.signature(model.forward).parameters
+    out = model(input_ids=ids, labels=ids) if takes_labels else model(input_ids=ids)
+    loss = getattr(out, "loss", None)
+    if loss is None:  # a text model without a head: a loss over its hidden states
+        loss = out.last_hidden_state.float().pow(2).mean()
+    return loss
+
+
+
+
+def training_step_against(stock, swapped) -> dict:
+    """One training step (forward, backward) of both models on the same batch: the loss's relative
+    difference, and per parameter the largest difference of its gradient relative to that
+    gradient's largest element, or to the step's gradient RMS where that is larger (`grad_err`, the
+    worst parameter named). Relative to the gradient alone, gradients of about 1e-6 that are sums
+    of cancelling terms (the gated delta rule's A_log in Qwen3-Next, DeepSeek V4's hash-routed
+    gate) fail: they move by 1e-10 when any op rounds a last bit differently. Elementwise, Gemma 4's
+    tied, scaled embedding gradients fail where large terms cancel. Both are recorded for
+    information (`grad_err_of_largest`, `grad_err_elementwise`: relative to |stock| + the RMS), with
+    the difference in norm (`grad_err_in_norm`)."""
+    import torch
+
+    results = []
+    for model in (stock, swapped):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        ids = torch.randint(3, VOCAB - 4, (2, 12))
+        loss = _loss(model, ids)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads))
+    (want, want_grads), (got, grads) = results
+    loss_err = (got - want).abs().item() / max(want.abs().item(), 1e-6)
+    worst, grad_err, largest, in_norm, elementwise = "", 0.0, 0.0, 0.0, 0.0
+    # the step's gradient scale: the root mean square of every stock gradient element
+    scale = (sum(g.double().pow(2).sum().item() for g in want_grads.values())
+             / max(1, sum(g.numel() for g in want_grads.values()))) ** 0.5
+    for name in sorted(set(want_grads) | set(grads)):
+        if name not in grads or name not in want_grads:
+            return dict(loss=want.item(), loss_err=loss_err, grad_err=float("inf"), worst=f"{name}: grad on one side only")
+        diff = (grads[name] - want_grads[name]).abs()
+        # relative to the gradient's largest element, or to the step's RMS where that is larger
+        err = diff.max().item() / max(want_grads[name].abs().max().item(), scale, 1e-30)
+        in_norm = max(in_norm, (diff.norm() / want_grads[name].norm().clamp_min(1e-30)).item())
+        largest = max(largest, diff.max().item() / max(want_grads[name].abs().max().item(), 1e-30))
+        elementwise = max(elementwise, (diff / (want_grads[name].abs() + scale)).max().item())
+        if err > grad_err or err != err:
+            worst, grad_err = name, err
+    return dict(loss=want.item(), loss_err=loss_err, grad_err=grad_err, worst=worst, grads=len(grads),
+                grad_scale=scale, grad_err_in_norm=in_norm, grad_err_of_largest=largest,
+                grad_err_elementwise=elementwise)
+
+
 def state_text(row: dict) -> str:
     if row["state"] == "swapped":
         return f"swapped ({row['note']})"
     beneath = f" [installed: {row['installed']}]" if row["installed"] else ""
     if row["state"] == "refused":
         return "refused: " + row["note"][:90] + beneath
+    if row["state"] in ("not run", "no rope"):
+        return f"{row['state']}: " + row["note"][:90]
     return "silent" + beneath
 
 
@@ -356,6 +468,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the data as JSON to this path")
     p.add_argument("--families", help="comma-separated family keys (default: all)")
     p.add_argument("--list", action="store_true", help="print the family keys and exit")
+    p.add_argument("--no-step", action="store_true", help="swap only: no training step against stock")
     args = p.parse_args(argv)
     if args.list:
         for key, label, cls_name, _ in FAMILIES:
@@ -368,6 +481,9 @@ def main(argv=None) -> int:
     import warnings
 
     import torch
+
+    if not torch.cuda.is_available():  # the kernels run under Triton's interpreter (set before triton loads)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import transformers
 
     import accel_patch
@@ -383,7 +499,7 @@ def main(argv=None) -> int:
         if wanted and key not in wanted:
             continue
         t0 = time.perf_counter()
-        res = census(key, label, cls_name, extra)
+        res = census(key, label, cls_name, extra, step=not args.no_step)
         res["seconds"] = round(time.perf_counter() - t0, 2)
         results.append(res)
 
@@ -391,7 +507,7 @@ def main(argv=None) -> int:
     print("-" * 130)
     for res in results:
         if res["status"] != "ok":
-            flag = "!! " if res["status"].startswith("swap raised") else ""
+            flag = "!! " if res["status"].startswith(("swap raised", "step raised")) else ""
             print(f"{res['family']:34} {'-':8} {'-':40} {flag}{res['status'][:160]}")
             continue
         if not res["rows"]:
@@ -400,8 +516,14 @@ def main(argv=None) -> int:
             print(f"{res['family']:34} {row['kind']:8} {row['cls']:40} {state_text(row)}")
         for o in res["other"]:
             print(f"{res['family']:34} {'(other)':8} {o['cls']:40} refused {o['op']}: {o['reason'][:90]}")
+        if "step" in res:
+            st, after = res["step"], res["after"]
+            not_run = ", ".join(f"{op} x{n}" for op, n in after["not_run"].items()) or "none"
+            print(f"{res['family']:34} {'(step)':8} {'against stock':40} loss {st['loss_err']:.1e}, "
+                  f"grads {st['grad_err']:.1e} ({st['worst']}; of the largest {st['grad_err_of_largest']:.1e}); "
+                  f"not run: {not_run}")
 
-    raised = [r for r in results if r["status"].startswith("swap raised")]
+    raised = [r for r in results if r["status"].startswith(("swap raised", "step raised"))]
     if raised:
         print("\nSWAP RAISED (accel_patch.swap_kernels threw):")
         for r in raised:
@@ -421,10 +543,12 @@ def main(argv=None) -> int:
     print("\nstock (refused or silent), distinct (family, class) pairs per kind:")
     for kind in KINDS:
         pairs = [(r["family"], row["cls"], row["state"]) for r in results if r["status"] == "ok"
-                 for row in r["rows"] if row["kind"] == kind and row["state"] != "swapped"]
+                 for row in r["rows"] if row["kind"] == kind and row["state"] not in ("swapped", "no rope")]
         every = sum(1 for r in results if r["status"] == "ok" for row in r["rows"] if row["kind"] == kind)
         totals[kind] = dict(stock=len(pairs), of=every, pairs=[dict(family=f, cls=c, state=s) for f, c, s in pairs])
-        print(f"  {kind}: {len(pairs)} of {every}")
+        print(f"  {kind}: {len(pairs)} of {every}" + (f" ({len(none)} never rotate: no RoPE site)" if (none := [
+            1 for r in results if r["status"] == "ok" for row in r["rows"]
+            if row["kind"] == kind and row["state"] == "no rope"]) else ""))
         for f, c, s in pairs:
             print(f"      {f} / {c} ({s})")
     built = sum(r["status"] == "ok" for r in results)
@@ -435,7 +559,7 @@ def main(argv=None) -> int:
 
     if args.json:
         for r in results:
-            r.pop("traceback", None) if not r["status"].startswith("swap raised") else None
+            r.pop("traceback", None) if not r["status"].startswith(("swap raised", "step raised")) else None
         data = dict(when=datetime.datetime.now().isoformat(timespec="seconds"), transformers=transformers.__version__,
                     torch=torch.__version__, families=results, totals=totals)
         Path(args.json).write_text(json.dumps(data, indent=1, default=str))

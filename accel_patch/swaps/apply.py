@@ -330,6 +330,10 @@ class _Walk:
                             lambda: mlp.probe_verdict(module, self.dtype, names, act), mlp.forward_for)
 
     def rope(self, where, module, ops=(rope.OP,)) -> None:
+        never = rope.never_rotates(module, self.builds_no_positions(where))
+        if never:
+            self.refuse(where, rope.OP, never)
+            return
         reason = rope.complex_refusal(module)
         if reason:
             self.refuse(where, rope.OP, reason)
@@ -343,6 +347,16 @@ class _Walk:
                             lambda: rope.probe_verdict(fn, module, self.config, self.dtype), self.rope_forward)
         if self.new > swaps:
             self.rope_site(module, fn)
+
+    def builds_no_positions(self, where: str) -> bool:
+        """Whether the model around `where` builds no cos/sin tables: an enclosing module's
+        `rotary_emb` is None (Granite 4 hybrid without `position_embedding_type="rope"`)."""
+        parts = where.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            owner = self.model.get_submodule(".".join(parts[:i])) if i else self.model
+            if "rotary_emb" in owner.__dict__ or "rotary_emb" in owner._modules:
+                return getattr(owner, "rotary_emb") is None
+        return False
 
     def rope_forward(self, plan: rope.RopePlan):
         """Hold the module global of `plan` for this model (once), then the attention forward for it."""

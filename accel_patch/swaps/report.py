@@ -103,6 +103,9 @@ class SwapReport:
     `mixers`: linear-attention and SSM mixers, which no accel-patch op covers: class name ->
     (modules, what transformers runs there: its torch reference or the package's kernels;
     swaps/mixers.py).
+    `not_run`: ops decided per call whose calls so far all ran another function (none ran the
+    kernel, some fell back: `outcome_kind`), op -> sites; live like `calls`. Such an op is not in
+    `swapped`: its forward is installed, but what ran there is stock.
     """
 
     def __init__(self, model: str, swapped: dict[str, int] | None = None,
@@ -117,12 +120,28 @@ class SwapReport:
         for _, op, _ in self.replaced:
             gone[op] = gone.get(op, 0) + 1
         self.waiting = {op: n for op, n in (waiting or {}).items() if n}
-        self.swapped = {op: n - self.waiting.get(op, 0) - gone.get(op, 0) for op, n in (swapped or {}).items()
-                        if n - self.waiting.get(op, 0) - gone.get(op, 0) > 0}
+        self._installed = {op: n - self.waiting.get(op, 0) - gone.get(op, 0) for op, n in (swapped or {}).items()
+                           if n - self.waiting.get(op, 0) - gone.get(op, 0) > 0}
         self.refused = list(refused or [])
         self.new = new
         self.head = head
         self.calls = calls if calls is not None else {}
+
+    @property
+    def swapped(self) -> dict[str, int]:
+        """op -> sites running its kernel: installed, less the ops whose every call so far fell back."""
+        not_run = self.not_run
+        return {op: n for op, n in self._installed.items() if op not in not_run}
+
+    @property
+    def not_run(self) -> dict[str, int]:
+        """op -> sites installed for an op whose counted calls all ran another function (see the class)."""
+        return {op: n for op, n in self._installed.items() if _never_ran(self.calls.get(op))}
+
+    def _not_run_why(self, op: str) -> str:
+        """The most common fall-back of a not-run op (what ran instead, and why)."""
+        outcomes = [(n, o) for o, n in self.calls.get(op, {}).items() if is_fallback(o)]
+        return max(outcomes)[1] if outcomes else ""
 
     def __bool__(self) -> bool:
         return bool(self.swapped)
@@ -137,6 +156,8 @@ class SwapReport:
         if self.refused:
             groups = self._grouped()
             line += "; refused " + "; ".join(f"{op} x{len(sites)} ({reason})" for (op, reason), sites in groups)
+        for op, n in sorted(self.not_run.items(), key=_op_order):
+            line += f"; not run {op} x{n} (every call fell back: {self._not_run_why(op)})"
         if self.waiting:
             line += "; waiting for LoRA adapters: " + ", ".join(
                 f"{op} {n}" for op, n in sorted(self.waiting.items(), key=_op_order))
@@ -169,12 +190,16 @@ class SwapReport:
         ordered = sorted(self.swapped.items(), key=_op_order)
         said = self.head_ran()
         head = f"; LM head: {said}" if said else ""
-        loss_calls = self.calls.get(LOSS_OP, {})
-        kinds = {outcome_kind(o) for o in loss_calls}
-        if "fall-back" in kinds and "success" not in kinds:
-            # swapped, but no call so far ran it and some ran another head: the line does not claim the loss
-            ordered = [(op, n) for op, n in ordered if op != LOSS_OP]
-            head += "; loss: not run (see fall-backs)"
+        # installed, but no call so far ran the kernel and some ran another function: the line
+        # does not claim the op (`swapped` leaves it out) and says so
+        not_run = [_SHORT_NAMES.get(op, op) for op, _ in sorted(self.not_run.items(), key=_op_order)
+                   if not op.startswith("lora_")]
+        loras_not_run = [op[len("lora_"):] for op in sorted(self.not_run, key=lambda op: _op_order((op, 0)))
+                         if op.startswith("lora_")]
+        if loras_not_run:  # "lora mlp/qkv/o", as the swapped LoRA sites are written
+            not_run.append("lora " + "/".join(loras_not_run))
+        if not_run:
+            head += f"; {', '.join(not_run)}: not run (see fall-backs)"
         tail = (f"; {len(self.refused)} refused" if self.refused else "") + head
         if self.replaced:
             tail += f"; {len(self.replaced)} replaced after the swap"
@@ -222,6 +247,9 @@ class SwapReport:
         for (op, reason), sites in self._grouped():
             where = ", ".join(sites[:2]) + (f", ... (+{len(sites) - 2})" if len(sites) > 2 else "")
             rows.append((op, str(len(sites)), "refused", f"{where}: {reason}"))
+        for op, n in sorted(self.not_run.items(), key=_op_order):
+            rows.append((op, str(n), "not run", f"installed, but every call so far ran another function: "
+                                                f"{self._not_run_why(op)}"))
         for op, n in sorted(self.waiting.items(), key=_op_order):
             rows.append((op, str(n), "waiting", "no LoRA adapter on these modules yet: fused once PEFT adds one"))
         for (op, by), wheres in self._replaced_groups():
@@ -239,7 +267,7 @@ class SwapReport:
         return "\n".join([head] + [f"  {a:<{w0}}  {b:>{w1}}  {c:<{w2}}  {d}".rstrip() for a, b, c, d in rows])
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "swapped": dict(self.swapped),
+        return {"model": self.model, "swapped": dict(self.swapped), "not_run": dict(self.not_run),
                 "refused": [r._asdict() for r in self.refused], "head": self.head,
                 "waiting": dict(self.waiting), "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()},
                 "mixers": {cls: {"modules": n, "runs": what} for cls, (n, what) in self.mixers.items()},
@@ -248,6 +276,13 @@ class SwapReport:
 
 #: Shorter names for a logged line that would otherwise pass 100 characters.
 _SHORT_NAMES = {"fused_linear_cross_entropy": "loss", "rms_norm": "norm", "layer_norm": "ln"}
+
+
+def _never_ran(outcomes: dict[str, int] | None) -> bool:
+    """Calls were counted, none ran the kernel, and some fell back (by-design outcomes alone, such
+    as no Triton on CPU, leave the op swapped: stock is the right choice there)."""
+    kinds = {outcome_kind(o) for o, n in (outcomes or {}).items() if n}
+    return "fall-back" in kinds and "success" not in kinds
 
 
 def _op_order(item) -> int:

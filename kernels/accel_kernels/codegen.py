@@ -83,7 +83,7 @@ MODELS = {
     # the weightless and gated norms (their configs' defaults in transformers)
     "Llama-4-Scout": Model(5120, 40, 8, 128, 202048, 16384, "silu", ("llama", 0.0),
                            norm_forms=((40, 128, False, "", "gemma"),)),
-    "Qwen3-Next-80B-A3B": Model(2048, 16, 2, 256, 151936, 5632, "silu", ("gemma", 1.0), qk_norm=True,
+    "Qwen3-Next-80B-A3B": Model(2048, 16, 2, 256, 151936, 5632, "silu", ("gemma", 1.0), qk_norm=True, rotary_dim=64,
                                 norm_forms=((32, 128, True, "silu", "llama"),)),
     "Kimi-Linear-48B-A3B": Model(2304, 32, 32, 64, 163840, 9216, "silu", ("llama", 0.0),
                                  norm_forms=((32, 128, True, "sigmoid", "gemma"),)),

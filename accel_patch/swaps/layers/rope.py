@@ -187,6 +187,123 @@ def complex_refusal(module) -> str | None:
             f"a function of its modeling module: it cannot be intercepted")
 
 
+#: Refusal of an attention whose forward never rotates (`never_rotates`): not a RoPE site.
+NEVER_ROTATES = "never rotates: not a RoPE site"
+_UNKNOWN = object()
+#: The forward's argument that carries the (cos, sin) tables (None when the model builds none).
+_POSITIONS_ARGUMENT = "position_embeddings"
+_call_guards: dict[type, list] = {}
+
+
+def _guards_of(cls) -> list:
+    """Per call of a RoPE function in `cls.forward`: the `if` tests around it, each (test, branch
+    taken: True for the body, False for the else), from the forward's source; [] without source."""
+    if cls in _call_guards:
+        return _call_guards[cls]
+    import ast
+    import textwrap
+
+    names = set(families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS + families.COMPLEX_ROPE_FUNCTIONS)
+    found: list = []
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        tree = None
+
+    def visit(node, guards):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+            found.append(list(guards))
+        if isinstance(node, ast.If):
+            visit(node.test, guards)
+            for child in node.body:
+                visit(child, guards + [(node.test, True)])
+            for child in node.orelse:
+                visit(child, guards + [(node.test, False)])
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, guards)
+
+    if tree is not None:
+        visit(tree, [])
+    _call_guards[cls] = found
+    return found
+
+
+def _value(node, module, no_positions: bool):
+    """The value of a guard's expression for this module: attributes of `self`, constants,
+    comparisons, and/or/not; `_UNKNOWN` for anything else (an argument, a call, a subscript)."""
+    import ast
+
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id == "self":
+            return module
+        return None if node.id == _POSITIONS_ARGUMENT and no_positions else _UNKNOWN
+    if isinstance(node, ast.Attribute):
+        owner = _value(node.value, module, no_positions)
+        if owner is _UNKNOWN or node.attr == "training":  # train/eval changes after the swap
+            return _UNKNOWN
+        try:
+            value = getattr(owner, node.attr)
+        except Exception:
+            return _UNKNOWN
+        return value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        value = _truth(_value(node.operand, module, no_positions))
+        return _UNKNOWN if value is _UNKNOWN else not value
+    if isinstance(node, ast.BoolOp):
+        values = [_truth(_value(v, module, no_positions)) for v in node.values]
+        stop = isinstance(node.op, ast.Or)  # or: any True decides; and: any False decides
+        if stop in values:
+            return stop
+        return _UNKNOWN if _UNKNOWN in values else not stop
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        a, b = _value(node.left, module, no_positions), _value(node.comparators[0], module, no_positions)
+        if a is _UNKNOWN or b is _UNKNOWN:
+            return _UNKNOWN
+        if isinstance(node.ops[0], (ast.Is, ast.IsNot)):  # `self.rotary_emb is not None`: any object
+            return (a is b) == isinstance(node.ops[0], ast.Is)
+        if not all(isinstance(v, (bool, int, float, str, type(None))) for v in (a, b)):
+            return _UNKNOWN
+        compare = {ast.Is: lambda: a is b, ast.IsNot: lambda: a is not b, ast.Eq: lambda: a == b,
+                   ast.NotEq: lambda: a != b}.get(type(node.ops[0]))
+        return compare() if compare else _UNKNOWN
+    return _UNKNOWN
+
+
+def _truth(value):
+    return bool(value) if isinstance(value, (bool, int, float, str, type(None))) else _UNKNOWN
+
+
+def never_rotates(module, no_positions: bool = False) -> str | None:
+    """Why an attention never rotates, else None: every call of a RoPE function in its forward sits
+    under an `if` that is False for this module, read from its attributes (EXAONE 4's global layers,
+    `self.sliding_window is None or self.is_sliding`; a `use_rope` False: Mistral Large 4's and
+    Llama 4's no-RoPE layers), or under `if position_embeddings is not None` in a model that builds
+    no tables (`no_positions`: Granite 4 hybrid with `position_embedding_type` unset). A condition
+    it cannot evaluate (an argument, a call) leaves the module a candidate: its calls are counted."""
+    import ast
+
+    names = _forward_names(module)
+    if not any(n in names for n in families.ROPE_FUNCTIONS + families.INTERLEAVED_ROPE_FUNCTIONS
+               + families.COMPLEX_ROPE_FUNCTIONS):
+        return None  # no RoPE function named: no source to read (every other module of the walk)
+    calls = _guards_of(type(module))
+    if not calls:
+        return None
+    why = []
+    for guards in calls:
+        false = next((test for test, branch in guards
+                      if _truth(_value(test, module, no_positions)) is (not branch)), None)
+        if false is None:
+            return None
+        why.append(ast.unparse(false))
+    said = "; ".join(dict.fromkeys(why))
+    return f"{NEVER_ROTATES}: its forward rotates only when `{said}`, which is false for this layer" + (
+        " (the model builds no cos/sin tables)" if no_positions and _POSITIONS_ARGUMENT in said else "")
+
+
 def _rope_interleave(module, config):
     """The attention's `rope_interleave` (MLA attentions pick their RoPE function by it), else None."""
     for owner in (probe.layer_config(config, module) if config is not None else None, getattr(module, "config", None)):
@@ -434,11 +551,31 @@ def head_shape(module, config) -> tuple[int, int, int, tuple[int, ...]]:
         value = getattr(module, attr, None)
         if isinstance(value, int):
             rotary.append(value)
-    for attr in families.PARTIAL_ROTARY_ATTRIBUTES:
-        value = getattr(config, attr, None)
+    for value in _partial_factors(config, module):
         if isinstance(value, (int, float)) and 0 < value < 1:
             rotary.append(int(head_dim * value))
     return heads, kv_heads, head_dim, tuple(sorted({r - r % 2 for r in rotary if r and r >= 2}, reverse=True))
+
+
+def _partial_factors(config, module) -> list:
+    """The rotary shares of a head the configuration names: its own attribute (transformers 4), else
+    `rope_parameters["partial_rotary_factor"]` (transformers 5 moved it there: Qwen3.5, Qwen3-Next,
+    GLM, StableLM, GPT-NeoX), per layer type where the parameters are (Gemma 4): the module's type
+    when it says, else every type's."""
+    found = [getattr(config, attr, None) for attr in families.PARTIAL_ROTARY_ATTRIBUTES]
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return found
+    if not any(isinstance(v, dict) for v in params.values()):
+        return found + [params.get(attr) for attr in families.PARTIAL_ROTARY_ATTRIBUTES]
+    layer_type = getattr(module, "layer_type", None)
+    types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if layer_type is None and isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types):
+        layer_type = types[index]
+    chosen = [params[layer_type]] if isinstance(params.get(layer_type), dict) else [
+        v for v in params.values() if isinstance(v, dict)]
+    return found + [p.get(attr) for p in chosen for attr in families.PARTIAL_ROTARY_ATTRIBUTES]
 
 
 def _dtypes_returned(out, ref, n: int = 2) -> str | None:
