@@ -482,7 +482,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available():  # the kernels run under Triton's interpreter (set before triton loads)
+    if not args.no_step and not torch.cuda.is_available():
+        # the step's kernels run under Triton's interpreter (set before triton loads); the swap
+        # alone leaves it as the caller set it (interpreted probes take ~5x as long)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import transformers
 
