@@ -45,7 +45,13 @@ def fake_accelerators(monkeypatch):
     return fake
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
+    # An audit test is slow by nature: the quick loop's `-m "not slow"` replaces addopts'
+    # `-m 'not audit'`, so an audit test not also slow would run there (minutes).
+    for item in items:
+        if item.get_closest_marker("audit"):
+            item.add_marker(pytest.mark.slow)
     needs_gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not needs_gpu:
         return
