@@ -7,7 +7,17 @@ all; `0`/`none`: off; `rms_norm,rope`: those). A model built by calling its clas
 by `swap_kernels` (or the Trainer callback), and so are its parts: a model that `from_config`
 builds inside another model's constructor (a VLM's language and vision models) is a part of that
 model, swapped with it as one, so the load hook leaves it alone. A swap that fails is recorded in `status()` and
-logged once; the load itself always returns. Undo: the registry puts back both classmethods.
+logged once; the load itself always returns.
+
+Also `PreTrainedModel.set_use_kernels` and `.reset_kernels` (where this transformers has them,
+5.25): a model loaded with transformers' hub kernels on (its default when the `kernels` package
+is installed) is kernelized again at every train()/eval() switch, which puts the hub kernel or
+the class's own forward back on every `use_kernel_forward_from_hub` layer (the RMSNorms): without
+this, the first `model.train()` of a Trainer silently dropped the norm kernels the load swapped
+in (the report said "replaced after the swap"). After each such call the swap is put back on top
+of what kernelize bound, which becomes its fall-back (swaps/apply.py: rebind_after_kernelize).
+A model swapped by hand under ACCEL_PATCH_KERNELS=0 (this patch off) is not bound again.
+Undo: the registry puts back every method wrapped.
 """
 from __future__ import annotations
 
@@ -21,8 +31,9 @@ from ..swaps.ops import OFF, SWITCH, ops_from_env
 class KernelSwapPatch(registry.Patch):
     name = "kernels"
     module = "transformers.modeling_utils"
-    target = "transformers.PreTrainedModel.from_pretrained and ._from_config: swap kernels into the model returned"
-    verified = "transformers 5.17, 5.24"
+    target = ("transformers.PreTrainedModel.from_pretrained and ._from_config: swap kernels into the model returned; "
+              ".set_use_kernels and .reset_kernels: the swap bound again after transformers kernelizes")
+    verified = "transformers 5.17, 5.24 (set_use_kernels, reset_kernels: 5.25)"
     switch = SWITCH
     boolean_switch = False  # a list of ops, read by ops_from_env
 
@@ -45,8 +56,16 @@ class KernelSwapPatch(registry.Patch):
             _swap_loaded(model)
             return result
 
+        def kernelize_wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            _rebind(instance)
+            return result
+
         self.wrap(module.PreTrainedModel, "from_pretrained", load_wrapper)
         self.wrap(module.PreTrainedModel, "_from_config", load_wrapper)
+        for attr in ("set_use_kernels", "reset_kernels"):  # transformers' re-kernelization (5.25)
+            if callable(getattr(module.PreTrainedModel, attr, None)):
+                self.wrap(module.PreTrainedModel, attr, kernelize_wrapper)
 
     def detail(self) -> str | None:
         apply = sys.modules.get("accel_patch.swaps.apply")
@@ -68,6 +87,18 @@ def _inside_a_model_constructor(model) -> bool:
 def _is_pretrained_model(obj) -> bool:
     modeling = sys.modules.get("transformers.modeling_utils")
     return modeling is not None and isinstance(obj, modeling.PreTrainedModel)
+
+
+def _rebind(model) -> None:
+    """After transformers kernelized `model` again: its swap back on top; never raises."""
+    apply = sys.modules.get("accel_patch.swaps.apply")
+    if apply is None:
+        return  # nothing was ever swapped in this process
+    try:
+        apply.rebind_after_kernelize(model)
+    except Exception as exc:  # the user's train()/eval() must succeed whatever happens here
+        registry.set_state(patch.name, registry.FAILED, f"binding the kernels of {type(model).__name__} again "
+                           f"after transformers' kernelize failed: {type(exc).__name__}: {exc}")
 
 
 def _swap_loaded(model) -> None:

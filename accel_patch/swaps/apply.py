@@ -522,6 +522,28 @@ def restore(model) -> bool:
     return swapped
 
 
+def rebind_after_kernelize(model) -> int:
+    """Put the swap back on top of the hub-kernel layers of `model` (a transformers model) after
+    transformers kernelized it again: a model loaded with its hub kernels on (transformers' default
+    when the `kernels` package is installed) is kernelized at every train()/eval() switch, which
+    binds the hub kernel or the class's forward on each `use_kernel_forward_from_hub` layer (the
+    RMSNorms) and would drop the swapped forward there for the rest of the run. What kernelize
+    bound becomes the forward beneath the swap (its fall-back, and what restore puts back): the
+    stock computation of that mode. Returns how many forwards were bound again."""
+    state = model.__dict__.get(sites.STATE_ATTR)
+    if state is None:
+        return 0
+
+    def hub_layer(module) -> bool:
+        return getattr(type(module), "kernel_layer_name", None) is not None
+
+    def inner_attr(op: str) -> str:
+        kind = KIND_OF.get(op)
+        return kind.inner_attr if kind is not None else sites.INNER_ATTR
+
+    return state.rebind(hub_layer, inner_attr)
+
+
 class _History:
     """The swaps of this process, for `accel_patch.status()`."""
 

@@ -102,6 +102,45 @@ class SwapState:
                     value.calls = self.calls
         self.head = self.head or part.head
 
+    def rebind(self, owned, inner_attr_of) -> int:
+        """Bind again the forwards of this swap that a module no longer runs where `owned(module)`
+        says the module's forward belongs to a rebinder that runs again and again (transformers'
+        kernelize, at every train()/eval() switch): what it bound there (None: the class's forward)
+        becomes the forward beneath ours (the bottom site's `inner_attr_of(op)`), in the module
+        and in the undo log, so fall-backs call it and restore puts it back. Returns how many."""
+        stacks: dict[tuple[int, str], list] = {}  # (module, slot) -> [module, top forward, bottom op]
+        for obj, attr, _, _, value in self._undo:
+            op = getattr(getattr(value, "__func__", None), MARK, None)
+            if attr in ("forward", "_old_forward") and op is not None:
+                stacks.setdefault((id(obj), attr), [obj, value, op])[1] = value
+        rebound = 0
+        for (_, slot), (obj, top, op) in stacks.items():
+            current = obj.__dict__.get(slot)
+            if _runs_through(current, top) or not owned(obj):
+                continue
+            first = self._entry(obj, slot)  # looked up each time: the log changes below
+            self._undo[first] = (obj, slot, current is not None, current, self._undo[first][4])
+            inner = inner_attr_of(op)
+            kept = self._entry(obj, inner)
+            if current is None:
+                obj.__dict__.pop(inner, None)
+                if kept is not None:
+                    del self._undo[kept]
+            else:
+                obj.__dict__[inner] = current
+                if kept is None:
+                    self._undo.insert(first, (obj, inner, False, None, current))
+                else:
+                    _, _, had, previous, _ = self._undo[kept]
+                    self._undo[kept] = (obj, inner, had, previous, current)
+            obj.__dict__[slot] = top
+            rebound += 1
+        return rebound
+
+    def _entry(self, obj, attr: str) -> int | None:
+        """The index of the first undo entry setting `obj.attr`, None when there is none."""
+        return next((i for i, e in enumerate(self._undo) if e[0] is obj and e[1] == attr), None)
+
     def replaced(self) -> list[tuple[object, str, str]]:
         """(module, op, by whom) of every forward this swap bound that the module no longer runs:
         rebound after the swap (another tool's per-instance kernels) by something that does not

@@ -6,11 +6,13 @@ from __future__ import annotations
 import functools
 import types
 
+import pytest
 import torch
 
 import accel_patch
+from accel_patch.swaps import sites
 
-from _models import build
+from _models import build, rel
 
 
 def _their_forward(self, x):
@@ -39,3 +41,69 @@ def test_a_forward_rebound_after_the_swap_drops_its_claim_and_names_who():
     assert all(by.endswith("_their_forward") for _, _, by in report.replaced)
     assert "replaced after the swap" in report.short() and "_their_forward" in str(report)
     accel_patch.restore_kernels(model)
+
+
+def test_a_loaded_model_keeps_its_swapped_norms_when_transformers_kernelizes_again_at_train(tmp_path):
+    """transformers (5.25, with the `kernels` package installed) loads with hub kernels on by default
+    and kernelizes again at every train()/eval() switch: hub layers (the RMSNorms) get the hub
+    kernel or their class's forward back. The swap goes on top of what that binds."""
+    pytest.importorskip("kernels")
+    build("llama").save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)  # swapped by the load hook
+    if not getattr(model, "use_kernels", False):
+        pytest.skip("this transformers does not kernelize at load")
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path)
+    accel_patch.restore_kernels(stock)
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    assert len(norms) == 5 and all(sites.is_swapped(m) for m in norms)
+    ids = torch.arange(3, 13).view(1, 10)
+    for mode in (True, False, True):  # each switch kernelizes again
+        model.train(mode)
+        stock.train(mode)
+        assert all(sites.is_swapped(m) for m in norms), mode
+        assert accel_patch.report(model).replaced == []
+        with torch.no_grad():
+            assert rel(model(ids).logits, stock(ids).logits) <= 1e-5
+    accel_patch.restore_kernels(model)  # as kernelize left it: the class's forward (no hub kernel on CPU)
+    assert not any(sites.is_swapped(m) or "forward" in m.__dict__ for m in norms)
+    assert not any(k.startswith("_accel_patch") for m in model.modules() for k in m.__dict__)
+
+
+def _hub_forward(self, x):
+    return type(self).forward(self, x)
+
+
+def test_a_hub_kernel_bound_at_a_mode_switch_runs_beneath_the_swap_and_is_what_restore_puts_back(tmp_path,
+                                                                                                 monkeypatch):
+    """Where the hub has a kernel for the device (a GPU), kernelize binds that layer's forward on the
+    RMSNorms, not the class's: the swap goes on top of it, and restore leaves it there."""
+    pytest.importorskip("kernels")
+    import transformers.modeling_utils as modeling
+    from transformers import AutoModelForCausalLM
+
+    build("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    if not getattr(model, "use_kernels", False):
+        pytest.skip("this transformers does not kernelize at load")
+
+    def kernelize(m, **kwargs):  # as transformers' kernelize with a hub RMSNorm kernel for the device
+        for module in m.modules():
+            if getattr(type(module), "kernel_layer_name", None) == "RMSNorm":
+                module.forward = types.MethodType(_hub_forward, module)
+
+    monkeypatch.setattr(modeling, "kernelize", kernelize)
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path)
+    accel_patch.restore_kernels(stock)
+    ids = torch.arange(3, 13).view(1, 10)
+    for mode in (True, False):
+        model.train(mode)
+        stock.train(mode)
+        assert all(sites.is_swapped(m) for m in norms) and accel_patch.report(model).replaced == []
+        with torch.no_grad():
+            assert rel(model(ids).logits, stock(ids).logits) <= 1e-5
+    accel_patch.restore_kernels(model)
+    assert all(m.forward.__func__ is _hub_forward for m in norms)
+    assert not any(k.startswith("_accel_patch") for m in model.modules() for k in m.__dict__)
