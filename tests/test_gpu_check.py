@@ -65,6 +65,7 @@ def test_the_default_steps_run_in_order_of_value_inside_one_call(tmp_path):
     assert all(limit <= budget for limit in every.values()), every
 
 
+@pytest.mark.slow  # 3.4 s
 def test_a_step_that_would_pass_the_budget_is_cut_to_what_is_left_or_not_started(tmp_path):
     slow = tmp_path / "slow_python"
     slow.write_text("#!/bin/sh\nsleep 30\n")
@@ -77,6 +78,7 @@ def test_a_step_that_would_pass_the_budget_is_cut_to_what_is_left_or_not_started
     assert "not started" in proc.stdout and proc.returncode != 0
 
 
+@pytest.mark.slow  # 2.2 s
 def test_the_output_ends_with_the_summary_table(tmp_path):
     proc = run(tmp_path, "--dry-run", STEPS="versions", timeout=120)
     assert reported(proc.stdout) == {"versions": 0}, proc.stdout + proc.stderr

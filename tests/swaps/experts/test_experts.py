@@ -561,6 +561,7 @@ def test_the_backward_switch_reads_its_three_values_and_names_a_bad_one(monkeypa
                in r.reason for r in refused), refused
 
 
+@pytest.mark.slow  # 3-4 s each
 @pytest.mark.parametrize("backward", ["triton", "grouped_mm"])
 def test_the_backward_switch_selects_what_the_count_says(monkeypatch, backward):
     """The Triton path (interpreted here) runs the backward the switch names, and each call with
