@@ -107,3 +107,27 @@ def test_a_hub_kernel_bound_at_a_mode_switch_runs_beneath_the_swap_and_is_what_r
     accel_patch.restore_kernels(model)
     assert all(m.forward.__func__ is _hub_forward for m in norms)
     assert not any(k.startswith("_accel_patch") for m in model.modules() for k in m.__dict__)
+
+
+def test_binding_again_that_fails_never_raises_out_of_train_and_is_recorded(tmp_path, monkeypatch):
+    pytest.importorskip("kernels")
+    from transformers import AutoModelForCausalLM
+
+    from accel_patch.core import registry
+    from accel_patch.swaps import apply
+
+    build("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    if not getattr(model, "use_kernels", False):
+        pytest.skip("this transformers does not kernelize at load")
+    monkeypatch.setitem(registry._states, "kernels", registry._states["kernels"])  # put back after the test
+    monkeypatch.setattr(registry, "_logged", set())
+
+    def broken(m):
+        raise RuntimeError("rebind broke")
+
+    monkeypatch.setattr(apply, "rebind_after_kernelize", broken)
+    model.train()  # loaded in eval mode: the switch kernelizes again; the failure is recorded, never raised
+    (kernels,) = [s for s in registry.status() if s.name == "kernels"]
+    assert kernels.state == registry.FAILED and "rebind broke" in kernels.reason, kernels
+    accel_patch.restore_kernels(model)
