@@ -120,7 +120,7 @@ def base_weight(m: Meta, t: dict) -> torch.Tensor:
     """The base weight in the base matmul's dtype: a 4-bit one dequantized by bitsandbytes' op
     (as its gemm does; a temporary, dropped by the caller after its matmul)."""
     if m.quant is None:
-        return t["weight"].to(m.dt.base)
+        return _to(t["weight"], m.dt.base)
     shape, blocksize, quant_type, nested = m.quant
     absmax = t["absmax"]
     if nested:
@@ -230,24 +230,45 @@ def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
     return torch.promote_types(narrow, wide) == wide
 
 
-def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None) -> torch.Tensor:
-    """PEFT's forward of one projection on 2-D x: base(x) + s * B(A(drop(x))), in m.dt's dtypes."""
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: t itself where it is already (no call into torch: the fused functions make dozens
+    of such checks a call, and a no-op `.to` costs about a microsecond of host time each)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+#: What `proj_forward` may keep for `proj_backward` (its `kept` dict) so that backward needs neither
+#: the adapters' casts nor the r-wide `drop(x) A^T` again: "A", "B" (the adapters in their matmuls'
+#: dtype, kept only where that was a cast) and the r-wide product, "xa_s" where it already carries
+#: the scale (folded), else "xa". r values a token a projection (16 of 2048 at Llama-3.2-1B's q: under
+#: 1% of the saved x) against one matmul and two casts fewer a projection in backward.
+KEPT = ("A", "B", "xa", "xa_s")
+
+
+def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None, keep: dict | None = None) -> torch.Tensor:
+    """PEFT's forward of one projection on 2-D x: base(x) + s * B(A(drop(x))), in m.dt's dtypes.
+    keep: a dict to fill with what backward can reuse (KEPT), or None (backward recomputes it)."""
     dt = m.dt
     w = base_weight(m, t)
-    bias = t["bias"].to(dt.base) if m.bias else None
-    y = F.linear(_as(x, dt.base, casts), w, bias).to(dt.result)
+    bias = _to(t["bias"], dt.base) if m.bias else None
+    y = _to(F.linear(_as(x, dt.base, casts), w, bias), dt.result)
     del w
     if not m.adapted:
         return y
-    A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
+    A, B = _to(t["A"], dt.lora), _to(t["B"], dt.lora)
     mask = t.get("mask")
     xa = _adapter_input(x, m, mask, casts) @ A.t()  # (n, r)
+    if keep is not None:
+        keep.update({k: v for k, v in (("A", A), ("B", B)) if v is not t[k]})
     if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
+        if keep is not None:
+            keep["xa"] = xa
         return y.addmm_(xa, B.t(), alpha=m.scale)
     # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps, each as few passes as exact
     folded = _folded(m.scale, dt.lora)
     if folded and m.scale != 1.0:
         xa.mul_(m.scale)
+    if keep is not None:
+        keep["xa_s" if folded else "xa"] = xa
     lora = torch.mm(xa, B.t())
     if not folded:
         lora.mul_(m.scale)
@@ -256,29 +277,38 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None) -
     return y.to(dt.add).add_(lora.to(dt.add)).to(dt.out)
 
 
-def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts: dict | None = None):
+def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts: dict | None = None,
+                  kept: dict | None = None):
     """(dx, dA, dB) of proj_forward for output gradient dy and 2-D input x, replaying the forward's
     dtypes. dx: None (the first term), the running sum in x's dtype (added to in place), or False
     (x needs no gradient: the base's dx matmul is skipped, as autograd skips it). The adapter's term
-    is added before the base's, the order in which autograd sums PEFT's two branches."""
+    is added before the base's, the order in which autograd sums PEFT's two branches. kept: what
+    proj_forward kept (KEPT), used instead of casting and multiplying again; the same values, so the
+    same gradients bit for bit."""
     dt = m.dt
+    kept = kept or {}
     # dy -> the sum's dtype -> back is the identity where the sum's dtype holds dy's: no copies then
     d_add = dy if _widens(dy.dtype, dt.add) else dy.to(dt.add)
     dA = dB = None
     if m.adapted:
-        A, B = t["A"].to(dt.lora), t["B"].to(dt.lora)
+        A = kept["A"] if "A" in kept else _to(t["A"], dt.lora)
+        B = kept["B"] if "B" in kept else _to(t["B"], dt.lora)
         mask = t.get("mask")
-        g = d_add.to(dt.lora)
+        g = _to(d_add, dt.lora)
         xl = _adapter_input(x, m, mask, casts)
         u = (g @ B).mul_(m.scale)  # (n, r)
-        dB = (g.t() @ (xl @ A.t())).mul_(m.scale).to(t["B"].dtype)
-        dA = (u.t() @ xl).to(t["A"].dtype)
+        if "xa_s" in kept:  # s (g^T xa) = g^T (s xa) exactly: the scale is a power of two (`_folded`)
+            dB = _to(g.t() @ kept["xa_s"], t["B"].dtype)
+        else:
+            xa = kept["xa"] if "xa" in kept else xl @ A.t()
+            dB = _to((g.t() @ xa).mul_(m.scale), t["B"].dtype)
+        dA = _to(u.t() @ xl, t["A"].dtype)
         del xl, g
         if dx is not False:
             dx = _accumulate(dx, dropped(u @ A, mask, m.p, dt.lora_in, x.dtype, backward=True), x.dtype)
     if dx is not False:
         w = base_weight(m, t)
-        dx = _accumulate(dx, d_add.to(dt.result).to(dt.base) @ w, x.dtype)
+        dx = _accumulate(dx, _to(_to(d_add, dt.result), dt.base) @ w, x.dtype)
         del w
     return dx, dA, dB
 
@@ -342,9 +372,15 @@ def _grad_fakes(metas, ts) -> list:
 
 def _linears(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     """Each projection of `spec` on x (2-D outputs): PEFT's LoRA forward, fused."""
+    return _linears_keeping(x, tensors, spec, None)
+
+
+def _linears_keeping(x, tensors, spec, keeps: list | None) -> list[torch.Tensor]:
+    """_linears, filling keeps[i] (a dict per projection) with what backward can reuse (KEPT)."""
     metas, _ = parse(spec)
     x2, casts = _rows(x), {}
-    return [proj_forward(x2, m, t, casts) for m, t in zip(metas, _split(metas, tensors))]
+    keeps = keeps if keeps is not None else [None] * len(metas)
+    return [proj_forward(x2, m, t, casts, k) for m, t, k in zip(metas, _split(metas, tensors), keeps)]
 
 
 _linears_op = _custom_op("linears")(_linears)
@@ -359,12 +395,18 @@ def _(x, tensors, spec):
 def _linears_bwd(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor], spec: str,
                          need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
+    return _linears_bwd_kept(douts, x, tensors, spec, need_dx, None)
+
+
+def _linears_bwd_kept(douts, x, tensors, spec, need_dx, kepts: list | None) -> list[torch.Tensor]:
+    """_linears_bwd with what the forward kept (a dict per projection, or None: recomputed)."""
     metas, _ = parse(spec)
     x2, casts = _rows(x), {}
     dx, grads = (None if need_dx else False), []
+    kepts = kepts if kepts is not None else [None] * len(metas)
     # last projection first: the order in which autograd sums PEFT's separate calls into dx
-    for m, t, dout in reversed(list(zip(metas, _split(metas, tensors), douts))):
-        dx, dA, dB = proj_backward(dout, x2, m, t, dx, casts)
+    for m, t, dout, kept in reversed(list(zip(metas, _split(metas, tensors), douts, kepts))):
+        dx, dA, dB = proj_backward(dout, x2, m, t, dx, casts, kept)
         if m.adapted:
             grads = [dA, dB] + grads
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + grads
@@ -400,18 +442,24 @@ _linears_op.register_autograd(_linears_backward, setup_context=_linears_setup)
 def _mlp(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(down(act(gate(x)) * up(x)) as 2-D, gate, up) for the projections of `spec` (gate, up, down;
     or gate_up, down, where the second output is gate_up whole and the third an empty tensor)."""
+    return _mlp_keeping(x, tensors, spec, None)
+
+
+def _mlp_keeping(x, tensors, spec, keeps: list | None):
+    """_mlp, filling keeps[i] (a dict per projection) with what backward can reuse (KEPT)."""
     metas, (act, gate_first, path) = parse(spec)
     ts = _split(metas, tensors)
     x2, casts = _rows(x), {}
+    keeps = keeps if keeps is not None else [None] * len(metas)
     if len(metas) == 3:
-        gate = proj_forward(x2, metas[0], ts[0], casts)
-        up = proj_forward(x2, metas[1], ts[1], casts)
+        gate = proj_forward(x2, metas[0], ts[0], casts, keeps[0])
+        up = proj_forward(x2, metas[1], ts[1], casts, keeps[1])
         h = glu_forward(act, gate, up, path)
     else:
-        gate = proj_forward(x2, metas[0], ts[0])  # gate_up whole
+        gate = proj_forward(x2, metas[0], ts[0], None, keeps[0])  # gate_up whole
         up = x.new_empty(0)
         h = glu_forward(act, *_halves(gate, gate_first == "1"), path)
-    out = proj_forward(h, metas[-1], ts[-1])
+    out = proj_forward(h, metas[-1], ts[-1], None, keeps[-1])
     return out, gate, up
 
 
@@ -435,28 +483,34 @@ def _(x, tensors, spec):
 def _mlp_bwd(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                      tensors: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
     """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
+    return _mlp_bwd_kept(dout, x, gate, up, tensors, spec, need_dx, None)
+
+
+def _mlp_bwd_kept(dout, x, gate, up, tensors, spec, need_dx, kepts: list | None) -> list[torch.Tensor]:
+    """_mlp_bwd with what the forward kept (a dict per projection, or None: recomputed)."""
     metas, (act, gate_first, path) = parse(spec)
     ts = _split(metas, tensors)
+    kepts = kepts if kepts is not None else [None] * len(metas)
     fused = len(metas) == 2
     if fused:
         gate, up = _halves(gate, gate_first == "1")
     down = metas[-1]
     # the down adapter needs its input: recomputed, never saved (else only its dtype is read)
     h = glu_forward(act, gate, up, path) if down.adapted else gate
-    dh, dAd, dBd = proj_backward(dout, h, down, ts[-1], None)
+    dh, dAd, dBd = proj_backward(dout, h, down, ts[-1], None, None, kepts[-1])
     del h
     dgate, dup = glu_backward(act, dh, gate, up)
     del dh
     x2, casts = _rows(x), {}
     dx = None if need_dx else False
     if not fused:
-        dx, dAu, dBu = proj_backward(dup, x2, metas[1], ts[1], dx, casts)  # up was called last
-        dx, dAg, dBg = proj_backward(dgate, x2, metas[0], ts[0], dx, casts)
+        dx, dAu, dBu = proj_backward(dup, x2, metas[1], ts[1], dx, casts, kepts[1])  # up was called last
+        dx, dAg, dBg = proj_backward(dgate, x2, metas[0], ts[0], dx, casts, kepts[0])
         grads = [(dAg, dBg), (dAu, dBu), (dAd, dBd)]
     else:
         dgu = torch.cat((dgate, dup) if gate_first == "1" else (dup, dgate), dim=-1)
         del dgate, dup
-        dx, dA, dB = proj_backward(dgu, x2, metas[0], ts[0], dx)
+        dx, dA, dB = proj_backward(dgu, x2, metas[0], ts[0], dx, None, kepts[0])
         grads = [(dA, dB), (dAd, dBd)]
     flat = [g for m, pair in zip(metas, grads) if m.adapted for g in pair]
     return [dx.view(x.shape) if need_dx else x.new_empty(0)] + flat
@@ -507,41 +561,66 @@ class _NoAutocast:
         return self.ctx.__exit__(*exc) if self.ctx is not None else False
 
 
+def _save(ctx, tensors, keeps) -> None:
+    """save_for_backward of `tensors` then what the forward kept (KEPT, a dict per projection), so
+    that saved-tensor hooks (checkpointing, offloading) see every tensor backward reads; the kept
+    ones' places go in ctx.kept_at."""
+    extra, at = [], []
+    for i, keep in enumerate(keeps):
+        for name in KEPT:
+            if name in keep:
+                at.append((i, name))
+                extra.append(keep[name])
+    ctx.save_for_backward(*tensors, *extra)
+    ctx.kept_at = tuple(at)
+
+
+def _restore(ctx, n_projections: int, n_tensors: int):
+    """(the first n_tensors saved tensors, the kept dicts) as `_save` saved them."""
+    saved = ctx.saved_tensors
+    kepts = [{} for _ in range(n_projections)]
+    for (i, name), t in zip(ctx.kept_at, saved[n_tensors:]):
+        kepts[i][name] = t
+    return saved[:n_tensors], kepts
+
+
 class _EagerLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, *tensors):
+        keeps = [{} for _ in parse(spec)[0]]
         with _NoAutocast(x.device.type):
-            outs = _linears(x, list(tensors), spec)
-        ctx.save_for_backward(x, *tensors)
+            outs = _linears_keeping(x, list(tensors), spec, keeps)
+        _save(ctx, (x, *tensors), keeps)
         ctx.spec, ctx.need_dx = spec, ctx.needs_input_grad[0]
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *douts):
-        x, *tensors = ctx.saved_tensors
         metas, _ = parse(ctx.spec)
+        (x, *tensors), kepts = _restore(ctx, len(metas), 1 + sum(m.n_tensors for m in metas))
         douts = [d if d is not None else x.new_zeros((_n_rows(x), m.out_features), dtype=m.dt.out)
                  for d, m in zip(douts, metas)]
         with _NoAutocast(x.device.type):
-            grads = _linears_bwd(douts, x, tensors, ctx.spec, ctx.need_dx)
+            grads = _linears_bwd_kept(douts, x, tensors, ctx.spec, ctx.need_dx, kepts)
         return (grads[0] if ctx.need_dx else None), None, *_adapter_grads(metas, grads[1:])
 
 
 class _EagerMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, *tensors):
+        keeps = [{} for _ in parse(spec)[0]]
         with _NoAutocast(x.device.type):
-            out, gate, up = _mlp(x, list(tensors), spec)
-        ctx.save_for_backward(x, gate, up, *tensors)
+            out, gate, up = _mlp_keeping(x, list(tensors), spec, keeps)
+        _save(ctx, (x, gate, up, *tensors), keeps)
         ctx.spec, ctx.need_dx = spec, ctx.needs_input_grad[0]
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, gate, up, *tensors = ctx.saved_tensors
         metas, _ = parse(ctx.spec)
+        (x, gate, up, *tensors), kepts = _restore(ctx, len(metas), 3 + sum(m.n_tensors for m in metas))
         with _NoAutocast(x.device.type):
-            grads = _mlp_bwd(dout, x, gate, up, tensors, ctx.spec, ctx.need_dx)
+            grads = _mlp_bwd_kept(dout, x, gate, up, tensors, ctx.spec, ctx.need_dx, kepts)
         return (grads[0] if ctx.need_dx else None), None, *_adapter_grads(metas, grads[1:])
 
 

@@ -104,7 +104,7 @@ def test_a_bfloat16_lora_step_is_as_close_to_float64_as_stock(family):
 # --- what the fused MLP saves for backward --------------------------------------------------
 
 
-def test_the_fused_mlp_saves_only_x_gate_and_up():
+def test_the_fused_mlp_saves_only_x_gate_up_and_the_r_wide_products():
     base = build("llama")
     model = peft_model(base, "peft-then-swap")
     mlp_ = model.base_model.model.model.layers[0].mlp
@@ -119,13 +119,17 @@ def test_the_fused_mlp_saves_only_x_gate_and_up():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = mlp_(x)
-    inter = base.config.intermediate_size
-    assert sum(saved) == 10 * (base.config.hidden_size + 2 * inter) * 4, saved
+    inter, r = base.config.intermediate_size, ALL_LINEAR["r"]
+    # x, gate, up, and each projection's r-wide drop(x) A^T (float32 throughout: no adapter casts
+    # to keep), so that backward does not compute it again
+    assert sum(saved) == 10 * (base.config.hidden_size + 2 * inter + 3 * r) * 4, saved
     # nothing kept beside save_for_backward: the fused node (eager: the op's functions without the
-    # custom-op boundary) holds only its spec and a flag
+    # custom-op boundary) holds its spec, a flag and where the kept products lie among the saved
     node = out.grad_fn.next_functions[0][0]
     assert type(node).__name__ == "_EagerMLPBackward"
-    assert not [k for k, v in vars(node).items() if isinstance(v, (torch.Tensor, tuple, list, dict))]
+    held = torch.utils._pytree.tree_leaves(dict(vars(node)))
+    assert not [v for v in held if isinstance(v, torch.Tensor)], held
+    assert sorted(node.kept_at) == [(0, "xa"), (1, "xa"), (2, "xa")]
 
 
 # --- QLoRA ------------------------------------------------------------------------------------

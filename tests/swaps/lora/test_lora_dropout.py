@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _models import build, padded_batch, rel, training_step
-from test_lora import calls, peft_model
+from test_lora import ALL_LINEAR, calls, peft_model
 from test_lora_autocast import assert_qkv_equals_peft, expected_calls
 
 DROPOUT = 0.1
@@ -115,6 +115,7 @@ def test_with_dropout_the_fused_mlp_saves_x_gate_up_and_a_byte_per_mask_element(
     hidden, inter = base.config.hidden_size, base.config.intermediate_size
     floats = sum(n for dtype, n in saved if dtype != torch.bool)
     masks = sorted(n for dtype, n in saved if dtype == torch.bool)
-    assert floats == 10 * (hidden + 2 * inter) * 4  # x, gate, up: as with dropout 0
+    r = ALL_LINEAR["r"]
+    assert floats == 10 * (hidden + 2 * inter + 3 * r) * 4  # x, gate, up, the r-wide products: as with dropout 0
     assert masks == sorted([10 * hidden, 10 * hidden, 10 * inter])  # gate's, up's, down's: 1 byte each
     assert calls(model) == {"lora_mlp": {"fused": 1}}

@@ -108,3 +108,58 @@ def test_a_4bit_base_compiles_and_passes_opcheck(checkpoints):
         params = [p for n, p in block.named_parameters() if p.requires_grad and any(k in n for k in names)]
         with torch._dynamo.config.patch(error_on_recompile=True):
             assert_compiled_equals_eager(call, params, x, torch.bfloat16)
+
+
+def _op_call(kind, projections, act_first=True):
+    """The same function through the custom ops' registered autograd, whose backward recomputes
+    what the eager path keeps (the adapters' casts, the r-wide drop(x) A^T)."""
+    def call(x):
+        if kind == "qkv":
+            x_, tensors, spec = functions.linears_inputs(x, *planned(projections, x))
+            return tuple(o.view(*x.shape[:-1], -1) for o in torch.ops.accel_patch_lora.linears(x_, tensors, spec))
+        x_, tensors, spec = functions.mlp_inputs(x, *planned(projections, x), "silu", act_first)
+        return (torch.ops.accel_patch_lora.mlp(x_, tensors, spec)[0].view(*x.shape[:-1], -1),)
+    return call
+
+
+@pytest.mark.parametrize("autocast, alpha", [
+    (None, 16),             # float32 throughout: x A^T kept unscaled, the adapters are the parameters
+    (torch.bfloat16, 16),   # PEFT's float32 adapters under autocast, scale 2: s x A^T kept, bf16 A and B kept
+    (torch.bfloat16, 12),   # scale 1.5 (not a power of two): x A^T kept unscaled, scaled again in backward
+])
+@pytest.mark.parametrize("op", ["qkv", "mlp"])
+def test_what_the_eager_path_keeps_gives_the_gradients_of_recomputing_it_bit_for_bit(op, autocast, alpha):
+    torch.manual_seed(3)
+    config = {**ALL_LINEAR, "lora_dropout": 0.1, "lora_alpha": alpha}
+    block = get_peft_model(build("qwen2"), LoraConfig(**config)).train().base_model.model.model.layers[0]
+    for n, p in block.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.5)
+    if op == "qkv":
+        names = ("q_proj", "k_proj", "v_proj")
+        projections = [getattr(block.self_attn, n) for n in names]
+        eager, ops = qkv_call(block.self_attn), _op_call("qkv", projections)
+    else:
+        names = ("gate_proj", "up_proj", "down_proj")
+        projections = [getattr(block.mlp, n) for n in names]
+        eager, ops = mlp_call(block.mlp), _op_call("mlp", projections)
+    params = [p for n, p in block.named_parameters() if p.requires_grad and any(k in n for k in names)]
+    x = torch.randn(2, 5, block.self_attn.q_proj.in_features, requires_grad=True)
+    results, kept = [], []
+    for call in (eager, ops):
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            torch.manual_seed(0)
+            outs = call(x * 1)
+        if call is eager:
+            kept = outs[0].grad_fn.next_functions[0][0].kept_at  # the fused node beneath the output's view
+        grads = torch.autograd.grad(outs, [x] + params, [torch.randn_like(o, generator=torch.Generator().manual_seed(1))
+                                                         for o in outs])
+        results.append((outs, grads))
+    (outs0, grads0), (outs1, grads1) = results
+    assert [torch.equal(a, b) for a, b in zip(outs0, outs1)] == [True] * len(outs0)
+    assert [torch.equal(a, b) for a, b in zip(grads0, grads1)] == [True] * len(grads0)
+    folded = autocast is not None and alpha == 16
+    expect = {"xa_s"} if folded else {"xa"}
+    if autocast is not None:
+        expect |= {"A", "B"}
+    assert {name for _, name in kept} == expect and len(kept) == len(names) * len(expect)
