@@ -32,6 +32,8 @@ ALLOCS = {"empty", "empty_like", "new_empty", "empty_strided", "zeros", "zeros_l
           "new_zeros", "new_ones", "full", "scalar_tensor", "fill_"}
 VIEWS = {"view", "t", "transpose", "reshape", "_unsafe_view", "expand", "alias", "slice", "split", "detach",
          "as_strided", "unsqueeze", "squeeze", "permute", "chunk", "split_with_sizes", "select", "_reshape_alias"}
+#: Dispatched, but no pass over data and no kernel: counted with the views (no op, no bytes).
+NO_KERNEL = {"promote_types", "result_type"}
 
 
 def kind(name: str) -> str:
@@ -43,7 +45,7 @@ def kind(name: str) -> str:
         return "dropout"
     if name in ALLOCS:
         return "alloc"
-    if name in VIEWS:
+    if name in VIEWS or name in NO_KERNEL:
         return "view"
     return "elementwise"
 
@@ -179,8 +181,13 @@ def mlp_call(mlp, fused: bool):
     return lambda x: (mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)),)
 
 
-def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True, hidden: int = HIDDEN):
-    """(forward records, backward records) of one call on a bf16 input of `tokens` tokens."""
+def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True, hidden: int = HIDDEN, modules=()):
+    """(forward records, backward records) of one call on a bf16 input of `tokens` tokens. The
+    gradients of `modules`' parameters are cleared first, so that each path's backward writes them
+    as a first backward does (no accumulation into the other path's)."""
+    for module in modules:
+        for param in module.parameters():
+            param.grad = None
     torch.manual_seed(1)
     x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16).requires_grad_()
     fwd, bwd = [], []
@@ -227,7 +234,7 @@ def table(show_ops: bool = False) -> str:
         for call_name, make in (("q/k/v", lambda f: qkv_call(attn, f)), ("MLP", lambda f: mlp_call(mlp, f))):
             results = {}
             for path, fused in (("PEFT", False), ("fused", True)):
-                results[path] = run(make(fused), autocast)
+                results[path] = run(make(fused), autocast, modules=(attn, mlp))
             for i, pass_name in enumerate(("forward", "backward")):
                 for path in ("PEFT", "fused"):
                     recs = results[path][i]
