@@ -197,7 +197,7 @@ def _scaled(t: torch.Tensor, scale: float, out_dtype: torch.dtype, inplace: bool
 def _as(x: torch.Tensor, dtype: torch.dtype, casts: dict | None) -> torch.Tensor:
     """x in dtype, cast once per op call for all the projections reading it (`casts`)."""
     if x.dtype == dtype or casts is None:
-        return x.to(dtype)
+        return _to(x, dtype)
     if dtype not in casts:
         casts[dtype] = x.to(dtype)
     return casts[dtype]
@@ -207,7 +207,7 @@ def _accumulate(dx, term: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """dx + term in dtype (term first cast to dtype, as autograd casts each branch's gradient; the
     cast is skipped where exact)."""
     if dx is None:
-        return term.to(dtype)
+        return _to(term, dtype)
     return dx.add_(term if torch.promote_types(term.dtype, dtype) == dtype else term.to(dtype))
 
 
