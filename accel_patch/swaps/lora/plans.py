@@ -89,6 +89,14 @@ def _hooked(m) -> bool:
 
 _AUTOCASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts (not float64)
 
+#: Adapters of this dtype on a float32 input outside autocast, over a bitsandbytes 4-bit base:
+#: TRL's trainers cast a quantized model's adapters to bfloat16 whatever the precision flags, and
+#: `prepare_model_for_kbit_training` leaves the hidden states in float32, so `bf16=False` trains
+#: in exactly this pairing. PEFT casts x to the adapters' dtype, computes the adapter there and adds
+#: it cast back (`lora.bnb.Linear4bit`); the LoRA probe checks the pairing on 4-bit bases
+#: (`probe._probe_configs`), so it is taken only there.
+HALF_ADAPTERS_4BIT = torch.bfloat16
+
 
 
 
@@ -192,7 +200,8 @@ def projection(m, x: torch.Tensor):
     else:
         lora_cast, peft_cast = cast_enabled, "promote"
     if autocast is None:
-        if A.dtype != x.dtype and not (A.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)):
+        if A.dtype != x.dtype and not (A.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)) \
+                and not (kind == "4bit" and A.dtype == HALF_ADAPTERS_4BIT and x.dtype == torch.float32):
             return f"mixed dtypes (input {x.dtype}, adapter {A.dtype}/{B.dtype})"
         if A.dtype != x.dtype and not lora_cast:
             return f"mixed dtypes (input {x.dtype}, adapter {A.dtype}, input casting disabled)"

@@ -10,7 +10,7 @@ from .. import probe
 from ..layers import mlp
 from .functions import fused_linears, fused_mlp
 from ..sites import autocast_available
-from .plans import Proj, _compute_4bit, _is_lora_layer, base_kind
+from .plans import HALF_ADAPTERS_4BIT, Proj, _compute_4bit, _is_lora_layer, base_kind
 
 PROBE_RANK = 4
 
@@ -72,16 +72,25 @@ def _probe_projs(bases, dtype, adapters, x, autocast, p):
     return projs
 
 
-def _compare(what, got, ref, grads_got, grads_ref, dtype, autocast, p) -> str | None:
+def _computed_in(dtype, adapter_dtype, autocast) -> torch.dtype:
+    """The least precise dtype of a probe's computation: autocast's where on, else the input's or the
+    adapters' (bf16 adapters on a float32 input round the adapter's terms to bf16, as PEFT does)."""
+    if autocast is not None:
+        return autocast
+    return max(dtype, adapter_dtype, key=lambda d: torch.finfo(d).eps)
+
+
+def _compare(what, got, ref, grads_got, grads_ref, dtype, autocast, p, adapter_dtype=None) -> str | None:
     """None when the output (its dtype too) and every gradient are within the bound of the dtype
     computed in, else the first that is not."""
     if got.dtype != ref.dtype:
         return f"{what} returns {got.dtype}, PEFT {ref.dtype} in {_what(dtype, autocast, p)}"
-    limit = probe.bound(autocast or dtype)
+    limit = probe.bound(_computed_in(dtype, adapter_dtype or dtype, autocast))
     for (name, r), g in [(("output", ref), got)] + list(zip(grads_ref, grads_got)):
         err = probe.rel_err(g, r)
         if err > limit:
-            return f"{what} differs from PEFT's LoRA in {_what(dtype, autocast, p)}: {name} relative error {err:.2e} > {limit:.1e}"
+            return (f"{what} differs from PEFT's LoRA in {_what(dtype, autocast, p, adapter_dtype)}: {name} relative error "
+                    f"{err:.2e} > {limit:.1e}")
     return None
 
 
@@ -93,7 +102,9 @@ def _bases(module, names):
 def _probe_configs(act_dtype, bases, device):
     """(input dtype, adapter dtype, autocast dtype or None, dropout p) to probe: each dtype the model
     computes in; PEFT's float32 adapters on a half-precision model; dropout (the same masks under
-    the same seed); PEFT's float32 adapters under bfloat16 autocast, with dropout."""
+    the same seed); on 4-bit bases, bf16 adapters on a float32 input (what TRL trains a QLoRA model
+    in without bf16 autocast: `plans.HALF_ADAPTERS_4BIT`); PEFT's float32 adapters under bfloat16
+    autocast, with dropout."""
     dtypes = [act_dtype]
     if act_dtype != torch.float32 and all(base_kind(b) == "plain" for b in bases):
         dtypes.append(torch.float32)
@@ -103,6 +114,8 @@ def _probe_configs(act_dtype, bases, device):
     if act_dtype in (torch.bfloat16, torch.float16):  # PEFT's default float32 adapters on a half base
         configs.append((act_dtype, torch.float32, None, 0.0))
     configs.append((dtypes[-1], dtypes[-1], None, PROBE_DROPOUT))
+    if all(base_kind(b) == "4bit" for b in bases):  # TRL's QLoRA: bf16 adapters, float32 hidden states
+        configs.append((torch.float32, HALF_ADAPTERS_4BIT, None, PROBE_DROPOUT))
     if device is not None and autocast_available(device.type) and act_dtype != torch.float64:
         configs.append((act_dtype, torch.float32, torch.bfloat16, PROBE_DROPOUT))
     return configs
@@ -121,8 +134,9 @@ def _probing_input(module, bases, adapters, dtype, device):
         yield x, [x] + [t for A, B, _ in adapters for t in (A, B)]
 
 
-def _what(dtype, autocast, p):
-    return f"{dtype}" + (f" under {autocast} autocast" if autocast else "") + (f" with dropout {p}" if p else "")
+def _what(dtype, autocast, p, adapter_dtype=None):
+    adapters = f" with {adapter_dtype} adapters" if adapter_dtype not in (None, dtype) else ""
+    return f"{dtype}{adapters}" + (f" under {autocast} autocast" if autocast else "") + (f" with dropout {p}" if p else "")
 
 
 def probe_mlp(module, act_dtype, names, act):
@@ -159,7 +173,8 @@ def probe_mlp(module, act_dtype, names, act):
             ref_grads = torch.autograd.grad(ref, leaves, dy)
             got_grads = torch.autograd.grad(got, leaves, dy)
         labels = ["x"] + [f"{n}.{ab}" for n in names for ab in ("A", "B")]
-        reason = _compare("fused LoRA MLP", got, ref, got_grads, list(zip(labels, ref_grads)), dtype, autocast, p)
+        reason = _compare("fused LoRA MLP", got, ref, got_grads, list(zip(labels, ref_grads)), dtype, autocast, p,
+                          adapter_dtype)
         if reason:
             return reason
     return plan
@@ -186,7 +201,8 @@ def probe_linears(module, act_dtype, names):
         if [g.dtype for g in got] != [r.dtype for r in refs]:
             return f"fused LoRA {'/'.join(names)} returns {[g.dtype for g in got]}, PEFT {[r.dtype for r in refs]} in {_what(dtype, autocast, p)}"
         reason = _compare("fused LoRA " + "/".join(names), torch.cat([g.flatten() for g in got]),
-                          torch.cat([r.flatten() for r in refs]), got_grads, list(zip(labels, ref_grads)), dtype, autocast, p)
+                          torch.cat([r.flatten() for r in refs]), got_grads, list(zip(labels, ref_grads)), dtype, autocast, p,
+                          adapter_dtype)
         if reason:
             return reason
     return True

@@ -117,6 +117,68 @@ def test_qlora_with_a_bf16_compute_dtype_under_autocast_is_fused_and_as_close_as
     assert calls(twin) == expected_calls(twin, family)
 
 
+def trl_qlora(checkpoint, family, kernels="0"):
+    """A QLoRA model as TRL's trainers leave it: 4-bit with a bf16 compute dtype, the hidden states
+    in float32 (`prepare_model_for_kbit_training`), and every adapter cast to bfloat16, whatever the
+    trainer's precision flags."""
+    import os
+
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_use_double_quant=True)
+    os.environ["ACCEL_PATCH_KERNELS"] = kernels  # the load hook swaps these: swap before PEFT
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint / family, quantization_config=quant)
+    finally:
+        del os.environ["ACCEL_PATCH_KERNELS"]
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(3)
+    model = get_peft_model(model, LoraConfig(**{**ALL_LINEAR, "lora_dropout": 0.05}))
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+@pytest.mark.slow  # loads 4-bit models
+@pytest.mark.parametrize("order", ["swap-then-peft", "peft-then-swap"])
+def test_trls_qlora_without_autocast_is_fused_and_equals_pefts_step_bit_for_bit(checkpoints, order, monkeypatch):
+    """SFTTrainer(bf16=False) on a 4-bit model: bf16 adapters on float32 hidden states, dropout on.
+    PEFT casts x to bf16 for the adapter and adds its output cast back; the fused functions take
+    the same steps: the loss and every adapter gradient equal stock's. The swap's probe ran the
+    pairing before any call was fused."""
+    pytest.importorskip("bitsandbytes")
+    from accel_patch.swaps import probe as swap_probe
+    from accel_patch.swaps.lora import probe as lora_probe
+
+    stock = trl_qlora(checkpoints, "qwen2")
+    twin = trl_qlora(checkpoints, "qwen2", "lora" if order == "swap-then-peft" else "0")
+    if order == "peft-then-swap":
+        probed, fused = [], lora_probe.fused_linears
+
+        def spy(x, projs, adapters):
+            probed.append((x.dtype, adapters[0].dtype))
+            return fused(x, projs, adapters)
+
+        monkeypatch.setattr(lora_probe, "fused_linears", spy)
+        monkeypatch.setattr(swap_probe, "cache", swap_probe.ProbeCache())  # probe afresh
+        swap_kernels(twin, "lora")
+        assert (torch.float32, torch.bfloat16) in probed, probed
+    assert {p.dtype for n, p in twin.named_parameters() if "lora_" in n} == {torch.bfloat16}
+    batch = padded_batch()
+    torch.manual_seed(0)
+    loss0, grads0, _ = training_step(stock, batch)
+    torch.manual_seed(0)
+    loss1, grads1, _ = training_step(twin, batch)
+    assert loss1.dtype == loss0.dtype == torch.float32
+    assert torch.equal(loss1, loss0), (loss1, loss0)
+    assert grads1.keys() == grads0.keys() and grads0
+    assert [n for n in grads0 if not torch.equal(grads1[n], grads0[n])] == []
+    assert calls(twin) == expected_calls(twin, "qwen2")
+
+
 # --- the function against PEFT's layers, bit for bit ------------------------------------------
 
 
