@@ -173,7 +173,8 @@ def dropped(v: torch.Tensor, mask: torch.Tensor | None, p: float, noise_dtype: t
     same = _same_rounding(v.dtype, noise_dtype, out_dtype)
     if mask is None:
         return _as(v, out_dtype, casts) if same else _as(v, noise_dtype, casts).to(out_dtype)
-    mask = mask.reshape(v.shape)
+    if mask.shape != v.shape:  # `dropout_mask` draws it 2-D already: no reshape a call
+        mask = mask.reshape(v.shape)
     scale = dropout_scale(p, noise_dtype, v.device.type, backward)
     if casts is not None:
         # projections reading the same x: fp32(x * scale) once (rounded to out_dtype), then one exact
@@ -329,12 +330,15 @@ def glu_forward(act: str, gate: torch.Tensor, up: torch.Tensor, path: str = GLU_
 
 
 def glu_backward(act: str, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
-    """(dgate, dup) of act(gate) * up: `torch.ops.accel_kernels.glu_backward`, on the Triton path
-    where the forward takes it (float64 runs the twin, as the public entry does)."""
+    """(dgate, dup) of act(gate) * up: accel_kernels' `glu_backward` op, on the Triton path where
+    the forward takes it (float64 runs the twin, as the public entry does). Called through the op's
+    eager entry: its implementation directly in eager (no custom-op dispatch: tens of
+    microseconds a call), `torch.ops.accel_kernels.glu_backward` while compiling."""
     from accel_kernels import _dispatch
+    from accel_kernels.ops import _glu
 
     triton_path = _dispatch.use_triton(gate) and gate.dtype != torch.float64
-    return torch.ops.accel_kernels.glu_backward(dh, gate, up, act, triton_path)
+    return _glu._glu_backward_op(dh, gate, up, act, triton_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -624,6 +628,22 @@ class _EagerMLP(torch.autograd.Function):
         return (grads[0] if ctx.need_dx else None), None, *_adapter_grads(metas, grads[1:])
 
 
+def _fast_apply(function):
+    """`function.apply` without its Python half (which unwraps functorch's dead wrappers over every
+    argument, a dozen tensors here: about 10 us a call), where no functorch transform is active;
+    the Python half where one is."""
+    direct = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+
+    def apply(*args):
+        if torch._C._are_functorch_transforms_active():
+            return function.apply(*args)
+        return direct(*args)
+    return apply
+
+
+_apply_linears, _apply_mlp = _fast_apply(_EagerLinears), _fast_apply(_EagerMLP)
+
+
 # --------------------------------------------------------------------------------------------
 # Entries: dropout drawn here, in PEFT's order; everything else in the ops
 # --------------------------------------------------------------------------------------------
@@ -639,7 +659,8 @@ def dropout_mask(shape, like: torch.Tensor | None, p: Proj, x_dtype, A, device):
     """The bool mask PEFT's dropout would draw now on the adapter input of projection p (shape,
     strides, dtype and device of what its `nn.Dropout` sees), or None when no dropout applies. The
     same RNG call F.dropout makes there: `native_dropout` where it runs the fused kernel, else
-    `empty_like(input).bernoulli_(1 - p)` (ATen's `_dropout_impl`)."""
+    `empty_like(input).bernoulli_(1 - p)` (ATen's `_dropout_impl`). Returned 2-D ([rows, width], the
+    fused functions' view of the input), so that the three uses a call makes of it need no reshape."""
     if not p.adapted or p.dropout == 0:
         return None
     dtype = dtypes(p, x_dtype, A.dtype).lora_in
@@ -648,8 +669,10 @@ def dropout_mask(shape, like: torch.Tensor | None, p: Proj, x_dtype, A, device):
     else:
         noise = torch.empty(shape, dtype=dtype, device=device)
     if noise.device.type in _FUSED_DROPOUT:
-        return torch.native_dropout(noise.fill_(1), p.dropout, True)[1]
-    return noise.bernoulli_(1 - p.dropout) != 0
+        mask = torch.native_dropout(noise.fill_(1), p.dropout, True)[1]
+    else:
+        mask = noise.bernoulli_(1 - p.dropout) != 0
+    return mask.reshape(-1, mask.shape[-1])
 
 
 def linears_inputs(x, projs, adapters) -> tuple:
@@ -669,7 +692,7 @@ def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
     if torch.compiler.is_compiling():
         outs = torch.ops.accel_patch_lora.linears(x, tensors, spec)
     else:
-        outs = _EagerLinears.apply(x, spec, *tensors)
+        outs = _apply_linears(x, spec, *tensors)
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
@@ -702,7 +725,7 @@ def fused_mlp(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GL
     if torch.compiler.is_compiling():
         out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
     else:
-        out = _EagerMLP.apply(x, spec, *tensors)
+        out = _apply_mlp(x, spec, *tensors)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
