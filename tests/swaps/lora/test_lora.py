@@ -132,6 +132,24 @@ def test_the_fused_mlp_saves_only_x_gate_up_and_the_r_wide_products():
     assert sorted(node.kept_at) == [(0, "xa"), (1, "xa"), (2, "xa")]
 
 
+def test_the_fused_mlp_in_eager_never_crosses_a_custom_op_boundary(monkeypatch):
+    # the boundary costs tens of microseconds a call: in eager the fused functions and the GLU they
+    # call run their implementations directly, forward and backward
+    model = peft_model(build("llama"), "peft-then-swap", lora_dropout=0.1)
+    model.train()
+    mlp_ = model.base_model.model.model.layers[0].mlp
+    crossed = []
+    for namespace in (torch.ops.accel_kernels, torch.ops.accel_patch_lora):
+        for name in ("glu", "glu_backward", "mlp", "mlp_backward"):
+            if hasattr(namespace, name):
+                real = getattr(namespace, name)
+                monkeypatch.setattr(namespace, name, lambda *a, _n=name, _r=real: crossed.append(_n) or _r(*a))
+    x = torch.randn(2, 5, mlp_.gate_proj.in_features, requires_grad=True)
+    mlp_(x).sum().backward()
+    assert crossed == [], crossed
+    assert calls(model) == {"lora_mlp": {"fused": 1}}
+
+
 # --- QLoRA ------------------------------------------------------------------------------------
 
 
