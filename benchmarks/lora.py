@@ -7,6 +7,9 @@ and Liger Kernel + PEFT ("liger": `apply_liger_kernel_to_llama()` before the mod
     python benchmarks/lora.py --quick          # CPU, smaller: hidden 512, 2 layers, vocab 8000, 512 tokens
     python benchmarks/lora.py --qlora          # the same with a bitsandbytes 4-bit (nf4) base
     python benchmarks/lora.py --device cuda    # GPU: Llama-3.2-1B shape, bf16 (add --qlora where bitsandbytes is)
+    python benchmarks/lora.py --device cuda --small  # the same model at 1 x 512 tokens: where the host's
+                                               # work per call (fused LoRA's plan, masks, one Function)
+                                               # is not hidden behind the device's
     python benchmarks/lora.py --json lora.json # also every figure as JSON
     python benchmarks/lora.py --autocast bf16  # the step under bf16 (or fp16) autocast, as Trainer(bf16=True) runs it
     python benchmarks/lora.py --dropout 0.1    # LoRA dropout 0.1 (combinable with --autocast and --compile)
@@ -78,6 +81,10 @@ SHAPES = {
                              max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0),
                  batch=4, seq=2048, dtype="bfloat16"),
 }
+# The same model at a batch adapter users train with on one GPU, where a call's device work is short
+# enough that the host's may show: fused LoRA against PEFT's layers there decides whether a per-call
+# fall-back at few tokens would pay (docs/lora.md, "The per-call rule").
+SHAPES["cuda-small"] = dict(SHAPES["cuda"], batch=1, seq=512)
 VARIANTS = ("stock", "liger", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
 DEFAULT_VARIANTS = ("stock", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
 TODAY_OPS = "rms_norm,rope,glu,fused_linear_cross_entropy"
@@ -362,6 +369,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     p.add_argument("--quick", action="store_true", help="the smaller CPU shape")
+    p.add_argument("--small", action="store_true", help="on a GPU: the Llama-3.2-1B shape at 1 x 512 tokens")
     p.add_argument("--dry-run", action="store_true", help="the same code at a tiny shape on CPU, one step each")
     p.add_argument("--qlora", action="store_true", help="a bitsandbytes 4-bit (nf4) base")
     p.add_argument("--warmup", type=int, default=None, help="steps before timing (default: 1 on CPU, 3 on GPU)")
@@ -379,7 +387,10 @@ def main(argv=None) -> int:
     import torch
 
     device = "cpu" if args.dry_run else (args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shape_name = args.shape or ("dry" if args.dry_run else "cuda" if device == "cuda" else ("quick" if args.quick else "cpu"))
+    if args.small and device != "cuda" and not args.dry_run:
+        p.error("--small is a GPU shape (--device cuda); on CPU, --quick")
+    gpu_shape = "cuda-small" if args.small else "cuda"
+    shape_name = args.shape or ("dry" if args.dry_run else gpu_shape if device == "cuda" else ("quick" if args.quick else "cpu"))
     warmup = args.warmup if args.warmup is not None else (3 if device == "cuda" else 1)
     steps = args.steps if args.steps is not None else (10 if device == "cuda" else (1 if args.dry_run else 2))
     if warmup < 1 or steps < 1:

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
             e2e(args.out, name)
             if name == "e2e":
                 profile(args.out)
-        elif name in ("lora", "qlora", "lora-compile"):
+        elif name in ("lora", "lora-small", "qlora", "lora-compile"):
             lora(args.out, name)
         elif name == "bench":
             bench(args.out)
