@@ -78,7 +78,8 @@ def test_a_lora_step_under_fp16_autocast_is_as_close_to_float32_as_stock():
 # --- QLoRA: bitsandbytes 4-bit, bf16 compute dtype, double quantization, as users load it -----
 
 
-def qlora(checkpoint, family, compute_dtype, kernels="0"):
+def load_4bit(checkpoint, family, compute_dtype, kernels="0"):
+    """The checkpoint loaded 4-bit (nf4, double quantization), the load hook swapping `kernels`."""
     import os
 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -87,9 +88,13 @@ def qlora(checkpoint, family, compute_dtype, kernels="0"):
                                bnb_4bit_use_double_quant=True)
     os.environ["ACCEL_PATCH_KERNELS"] = kernels  # the load hook swaps these: swap before PEFT
     try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint / family, quantization_config=quant)
+        return AutoModelForCausalLM.from_pretrained(checkpoint / family, quantization_config=quant)
     finally:
         del os.environ["ACCEL_PATCH_KERNELS"]
+
+
+def qlora(checkpoint, family, compute_dtype, kernels="0"):
+    model = load_4bit(checkpoint, family, compute_dtype, kernels)
     torch.manual_seed(3)
     return get_peft_model(model, LoraConfig(**{**ALL_LINEAR, "lora_dropout": 0.05}))
 
@@ -121,18 +126,9 @@ def trl_qlora(checkpoint, family, kernels="0"):
     """A QLoRA model as TRL's trainers leave it: 4-bit with a bf16 compute dtype, the hidden states
     in float32 (`prepare_model_for_kbit_training`), and every adapter cast to bfloat16, whatever the
     trainer's precision flags."""
-    import os
-
     from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-                               bnb_4bit_use_double_quant=True)
-    os.environ["ACCEL_PATCH_KERNELS"] = kernels  # the load hook swaps these: swap before PEFT
-    try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint / family, quantization_config=quant)
-    finally:
-        del os.environ["ACCEL_PATCH_KERNELS"]
+    model = load_4bit(checkpoint, family, torch.bfloat16, kernels)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(3)
     model = get_peft_model(model, LoraConfig(**{**ALL_LINEAR, "lora_dropout": 0.05}))
