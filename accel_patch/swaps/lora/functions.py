@@ -137,6 +137,7 @@ def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
+@functools.lru_cache(maxsize=256)
 def dropout_scale(p: float, dtype: torch.dtype, device_type: str, backward: bool = False) -> float:
     """The factor F.dropout multiplies a kept element by (its backward's when `backward`), as a Python
     float exact in float32: on CPU the noise `ones.div_(1 - p)` computed in the input's dtype; CUDA's
@@ -669,7 +670,9 @@ def dropout_mask(shape, like: torch.Tensor | None, p: Proj, x_dtype, A, device):
     else:
         noise = torch.empty(shape, dtype=dtype, device=device)
     if noise.device.type in _FUSED_DROPOUT:
-        mask = torch.native_dropout(noise.fill_(1), p.dropout, True)[1]
+        # the kernel's mask is its RNG draw compared with 1 - p, whatever the input's values: the
+        # noise stays unwritten (no fill pass of its [tokens, width] before the draw)
+        mask = torch.native_dropout(noise, p.dropout, True)[1]
     else:
         mask = noise.bernoulli_(1 - p.dropout) != 0
     return mask.reshape(-1, mask.shape[-1])

@@ -119,3 +119,35 @@ def test_with_dropout_the_fused_mlp_saves_x_gate_up_and_a_byte_per_mask_element(
     assert floats == 10 * (hidden + 2 * inter + 3 * r) * 4  # x, gate, up, the r-wide products: as with dropout 0
     assert masks == sorted([10 * hidden, 10 * hidden, 10 * inter])  # gate's, up's, down's: 1 byte each
     assert calls(model) == {"lora_mlp": {"fused": 1}}
+
+
+def test_where_dropout_runs_its_fused_kernel_the_mask_is_drawn_in_one_rng_call_without_a_fill(monkeypatch):
+    # CUDA's path, run on CPU's native_dropout: the kernel's mask is its RNG draw alone, so the
+    # noise tensor is never written first (no [tokens, width] pass before the draw); the mask is the
+    # one native_dropout draws on a filled input under the same seed
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from accel_patch.swaps.lora import functions, plans
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    layer = peft_model(build("llama"), "stock", lora_dropout=DROPOUT).base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 5, layer.in_features)
+    proj, (A, _) = plans.projection(layer.train(), x)
+    monkeypatch.setattr(functions, "_FUSED_DROPOUT", ("cpu",))
+    torch.manual_seed(3)
+    with Ops() as ops:
+        mask = functions.dropout_mask(None, x, proj, x.dtype, A, x.device)
+    passes = [n for n in ops.names if n not in ("promote_types", "view")]  # no data touched by these
+    assert passes == ["empty_like", "native_dropout"], ops.names
+    torch.manual_seed(3)
+    expected = torch.native_dropout(torch.ones_like(x), DROPOUT, True)[1]
+    assert mask.dtype == torch.bool and torch.equal(mask, expected.reshape(-1, x.shape[-1]))
+    assert 0 < (~mask).sum() < mask.numel()
