@@ -243,7 +243,34 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 #: dtype, kept only where that was a cast) and the r-wide product, "xa_s" where it already carries
 #: the scale (folded), else "xa". r values a token a projection (16 of 2048 at Llama-3.2-1B's q: under
 #: 1% of the saved x) against one matmul and two casts fewer a projection in backward.
-KEPT = ("A", "B", "xa", "xa_s")
+KEPT = ("A", "B", "xa", "xa_s", "mask")
+
+
+class _Draw:
+    """In a dropout mask's place: the eager forward draws the mask itself, just before the adapter
+    reads its input (`_draw`), in PEFT's order; it is kept for backward as "mask" (KEPT)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DRAW"
+
+
+DRAW = _Draw()
+
+
+def _draw(x: torch.Tensor, m: Meta, casts: dict | None):
+    """(what lora_A multiplies, the bool mask), drawn now by the fused dropout kernel F.dropout runs
+    on CUDA: on PEFT's dropout input itself (x in the adapter's input dtype, contiguous as PEFT's
+    is) where no cast follows the dropout, so that the kernel's output is the adapter's input (its
+    values are PEFT's: the same kernel on the same tensor) and no mask multiply is left; else on an
+    unwritten tensor of that dtype (the mask is the kernel's RNG draw alone), applied as
+    `_adapter_input` applies a mask drawn beforehand."""
+    dt = m.dt
+    if dt.lora_in == dt.lora:
+        return torch.native_dropout(_as(x, dt.lora_in, casts), m.p, True)
+    mask = torch.native_dropout(torch.empty(x.shape, dtype=dt.lora_in, device=x.device), m.p, True)[1]
+    return _adapter_input(x, m, mask, casts), mask
 
 
 def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None, keep: dict | None = None) -> torch.Tensor:
@@ -258,7 +285,12 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None, k
         return y
     A, B = _to(t["A"], dt.lora), _to(t["B"], dt.lora)
     mask = t.get("mask")
-    xa = _adapter_input(x, m, mask, casts) @ A.t()  # (n, r)
+    if mask is DRAW:
+        xl, keep["mask"] = _draw(x, m, casts)
+    else:
+        xl = _adapter_input(x, m, mask, casts)
+    xa = xl @ A.t()  # (n, r)
+    del xl
     if keep is not None:
         keep.update({k: v for k, v in (("A", A), ("B", B)) if v is not t[k]})
     if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
@@ -295,7 +327,7 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
     if m.adapted:
         A = kept["A"] if "A" in kept else _to(t["A"], dt.lora)
         B = kept["B"] if "B" in kept else _to(t["B"], dt.lora)
-        mask = t.get("mask")
+        mask = kept["mask"] if "mask" in kept else t.get("mask")
         g = _to(d_add, dt.lora)
         xl = _adapter_input(x, m, mask, casts)
         u = (g @ B).mul_(m.scale)  # (n, r)
@@ -576,7 +608,7 @@ def _save(ctx, tensors, keeps) -> None:
             if name in keep:
                 at.append((i, name))
                 extra.append(keep[name])
-    ctx.save_for_backward(*tensors, *extra)
+    ctx.save_for_backward(*(None if t is DRAW else t for t in tensors), *extra)  # drawn masks: kept
     ctx.kept_at = tuple(at)
 
 
@@ -678,11 +710,27 @@ def dropout_mask(shape, like: torch.Tensor | None, p: Proj, x_dtype, A, device):
     return mask.reshape(-1, mask.shape[-1])
 
 
-def linears_inputs(x, projs, adapters) -> tuple:
-    """The `linears` op's arguments (x, tensors, spec) for these projections; draws the dropout masks."""
+def _draws_inside(x: torch.Tensor) -> bool:
+    """Whether an eager call draws its dropout masks inside the forward (`DRAW`): where F.dropout
+    runs the fused kernel, on a contiguous x (the layout PEFT's dropout input has, whose draw the
+    kernel's vectorized path makes), outside torch.compile (the ops stay deterministic there)."""
+    return x.device.type in _FUSED_DROPOUT and x.is_contiguous() and not torch.compiler.is_compiling()
+
+
+def _mask(inside: bool, p: Proj, shape, like, x_dtype, A, device):
+    """DRAW where the forward draws the mask itself (a dropped projection of an `inside` call), else
+    the mask drawn now (`dropout_mask`) or None."""
+    if inside:
+        return DRAW if p.adapted and p.dropout > 0 else None
+    return dropout_mask(shape, like, p, x_dtype, A, device)
+
+
+def linears_inputs(x, projs, adapters, inside: bool = False) -> tuple:
+    """The `linears` op's arguments (x, tensors, spec) for these projections; draws the dropout masks
+    (inside: leaves DRAW in their places, for the eager forward)."""
     items, tensors = [], []
     for p, (A, B) in zip(projs, _adapter_pairs(projs, adapters)):
-        mask = dropout_mask(None, x, p, x.dtype, A, x.device)
+        mask = _mask(inside, p, None, x, x.dtype, A, x.device)
         item, ts = _inputs(x.dtype, p, (A, B), mask)
         items.append(item)
         tensors += ts
@@ -691,7 +739,7 @@ def linears_inputs(x, projs, adapters) -> tuple:
 
 def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
     """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
-    x, tensors, spec = linears_inputs(x, projs, adapters)
+    x, tensors, spec = linears_inputs(x, projs, adapters, _draws_inside(x))
     if torch.compiler.is_compiling():
         outs = torch.ops.accel_patch_lora.linears(x, tensors, spec)
     else:
@@ -699,8 +747,10 @@ def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
 
 
-def mlp_inputs(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GLU_KERNEL) -> tuple:
-    """The `mlp` op's arguments (x, tensors, spec); draws the dropout masks (gate, up, down).
+def mlp_inputs(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GLU_KERNEL,
+               inside: bool = False) -> tuple:
+    """The `mlp` op's arguments (x, tensors, spec); draws the dropout masks (gate, up, down; inside:
+    leaves DRAW in their places, all three, so that the forward draws them in PEFT's order).
     glu_path: GLU_KERNEL or GLU_TORCH, how act(gate) * up is computed (`glu_forward`)."""
     projs = tuple(projs)
     pairs = _adapter_pairs(projs, adapters)
@@ -711,10 +761,10 @@ def mlp_inputs(x, projs, adapters, act: str, gate_first: bool, glu_path: str = G
     for i, (p, (A, B)) in enumerate(zip(projs, pairs)):
         if i == len(projs) - 1:  # down reads act(gate) * up
             in_dtype = gate_dtype
-            mask = dropout_mask((*x.shape[:-1], inter), None, p, in_dtype, A, x.device)
+            mask = _mask(inside, p, (*x.shape[:-1], inter), None, in_dtype, A, x.device)
         else:
             in_dtype = x.dtype
-            mask = dropout_mask(None, x, p, in_dtype, A, x.device)
+            mask = _mask(inside, p, None, x, in_dtype, A, x.device)
         item, ts = _inputs(in_dtype, p, (A, B), mask)
         items.append(item)
         tensors += ts
@@ -724,7 +774,7 @@ def mlp_inputs(x, projs, adapters, act: str, gate_first: bool, glu_path: str = G
 def fused_mlp(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GLU_KERNEL) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with PEFT's LoRA forward on each projection: one autograd node
     saving x, gate, up and the dropout masks."""
-    x, tensors, spec = mlp_inputs(x, projs, adapters, act, gate_first, glu_path)
+    x, tensors, spec = mlp_inputs(x, projs, adapters, act, gate_first, glu_path, _draws_inside(x))
     if torch.compiler.is_compiling():
         out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
     else:

@@ -4,6 +4,7 @@ host time, counted by a TorchDispatchMode on CPU.
 
     PYTHONPATH=$PWD:$PWD/kernels python tests/swaps/lora/lora_census.py            # the table of docs/lora.md
     PYTHONPATH=$PWD:$PWD/kernels python tests/swaps/lora/lora_census.py --ops      # and every op in order
+    PYTHONPATH=$PWD:$PWD/kernels python tests/swaps/lora/lora_census.py --cuda-dropout   # dropout as CUDA runs it
 
 The ops run on real CPU tensors at Llama-3.2-1B widths (hidden 2048, intermediate 8192, 8 of 32
 heads for k/v: 512) with few tokens (SMALL_TOKENS); FLOPs and bytes are then given at TOKENS tokens
@@ -181,10 +182,37 @@ def mlp_call(mlp, fused: bool):
     return lambda x: (mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)),)
 
 
-def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True, hidden: int = HIDDEN, modules=()):
+@contextlib.contextmanager
+def cuda_dropout():
+    """Dropout as it runs on CUDA, on these CPU tensors: F.dropout (PEFT's layers) as the one
+    `native_dropout` kernel it runs there (its backward `native_dropout_backward`), and the fused
+    functions' mask drawn by their CUDA branch. CPU's dropout is a sequence of passes (bernoulli_,
+    div_, mul) where CUDA's is one, so the two paths' bytes compare as on the GPU only under this."""
+    from accel_patch.swaps.lora import functions
+
+    def native(input, p=0.5, training=True, inplace=False):
+        assert not inplace
+        return torch.native_dropout(input, p, True)[0] if training and p > 0 else input
+
+    saved = F.dropout, functions._FUSED_DROPOUT
+    F.dropout, functions._FUSED_DROPOUT = native, (*functions._FUSED_DROPOUT, "cpu")
+    try:
+        yield
+    finally:
+        F.dropout, functions._FUSED_DROPOUT = saved
+
+
+def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True, hidden: int = HIDDEN, modules=(),
+        on_cuda_dropout: bool = False):
     """(forward records, backward records) of one call on a bf16 input of `tokens` tokens. The
     gradients of `modules`' parameters are cleared first, so that each path's backward writes them
-    as a first backward does (no accumulation into the other path's)."""
+    as a first backward does (no accumulation into the other path's). on_cuda_dropout: dropout's
+    ops as CUDA runs them (`cuda_dropout`)."""
+    with (cuda_dropout() if on_cuda_dropout else contextlib.nullcontext()):
+        return _run(call, autocast, tokens, count, hidden, modules)
+
+
+def _run(call, autocast, tokens, count, hidden, modules):
     for module in modules:
         for param in module.parameters():
             param.grad = None
@@ -224,7 +252,7 @@ SETTINGS = (("bf16 autocast, fp32 adapters, dropout 0.05", True, 0.05),
             ("bf16 autocast, fp32 adapters, no dropout", True, 0.0))
 
 
-def table(show_ops: bool = False) -> str:
+def table(show_ops: bool = False, on_cuda_dropout: bool = False) -> str:
     lines = ["| setting | call | pass | path | aten ops | matmuls | casts | elementwise | dropout | allocs "
              "| [T, width] passes | fp32 [T, width] outputs | GFLOP | GB moved | GB allocated | host us |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -234,7 +262,7 @@ def table(show_ops: bool = False) -> str:
         for call_name, make in (("q/k/v", lambda f: qkv_call(attn, f)), ("MLP", lambda f: mlp_call(mlp, f))):
             results = {}
             for path, fused in (("PEFT", False), ("fused", True)):
-                results[path] = run(make(fused), autocast, modules=(attn, mlp))
+                results[path] = run(make(fused), autocast, modules=(attn, mlp), on_cuda_dropout=on_cuda_dropout)
             for i, pass_name in enumerate(("forward", "backward")):
                 for path in ("PEFT", "fused"):
                     recs = results[path][i]
@@ -290,10 +318,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", action="store_true", help="also list every op in order")
     ap.add_argument("--timing", action="store_true", help="instead: the host time per call, interleaved")
+    ap.add_argument("--cuda-dropout", action="store_true", help="dropout's ops as CUDA runs them (one native_dropout)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if not a.timing:
-        print(table(a.ops))
+        print(table(a.ops, a.cuda_dropout))
     else:
         print()
         print(host_us_per_call())

@@ -48,3 +48,31 @@ def test_the_fused_call_runs_no_more_matmuls_than_pefts_layers(counted, setting,
     fused = [s["matmul"] for s in counted[setting, call, "fused"]]
     peft = [s["matmul"] for s in counted[setting, call, "PEFT"]]
     assert fused == peft, (fused, peft)
+
+
+@pytest.fixture(scope="module")
+def counted_cuda_dropout():
+    out = {}
+    for label, autocast, p in census.SETTINGS:
+        if p == 0:
+            continue
+        attn, mlp = census.peft_modules(p)
+        for call, make in (("q/k/v", lambda f: census.qkv_call(attn, f)), ("MLP", lambda f: census.mlp_call(mlp, f))):
+            for path, fused in (("PEFT", False), ("fused", True)):
+                fwd, bwd = census.run(make(fused), autocast, modules=(attn, mlp), on_cuda_dropout=True)
+                out[label, call, path] = census.summary(fwd), census.summary(bwd), [r[0] for r in fwd + bwd]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", [s[0] for s in census.SETTINGS if s[2] > 0])
+@pytest.mark.parametrize("call", ["q/k/v", "MLP"])
+def test_with_dropout_as_cuda_runs_it_the_fused_call_moves_no_more_bytes_than_pefts_layers(
+        counted_cuda_dropout, setting, call):
+    # CUDA's F.dropout is one native_dropout pass (the CPU's is three): the comparison that holds on the GPU
+    *fused, fused_ops = counted_cuda_dropout[setting, call, "fused"]
+    *peft, peft_ops = counted_cuda_dropout[setting, call, "PEFT"]
+    assert "native_dropout" in peft_ops and "bernoulli_" not in peft_ops + fused_ops  # CUDA's ops counted
+    assert "native_dropout" in fused_ops
+    fused, peft = sum(s["bytes"] for s in fused), sum(s["bytes"] for s in peft)
+    assert fused <= peft, (fused / 1e9, peft / 1e9)

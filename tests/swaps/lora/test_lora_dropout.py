@@ -151,3 +151,73 @@ def test_where_dropout_runs_its_fused_kernel_the_mask_is_drawn_in_one_rng_call_w
     expected = torch.native_dropout(torch.ones_like(x), DROPOUT, True)[1]
     assert mask.dtype == torch.bool and torch.equal(mask, expected.reshape(-1, x.shape[-1]))
     assert 0 < (~mask).sum() < mask.numel()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16 base, float32 adapters", "under bf16 autocast"])
+def test_where_dropout_runs_its_fused_kernel_the_forward_draws_each_mask_in_pefts_order_bit_for_bit(autocast):
+    # CUDA's dropout run on CPU tensors (lora_census.cuda_dropout: PEFT's F.dropout as the one
+    # native_dropout kernel, the fused functions on their CUDA branch): each eager call draws its masks
+    # in its forward, on PEFT's dropout input itself where no cast follows (the kernel's output is the
+    # adapter's input: no mask multiply), else on an unwritten tensor. Everything equals the masks
+    # drawn before the call bit for bit; q/k/v equals PEFT's layers, and so do the MLP's output and
+    # down's gradients (the GLU's backward rounds once where autograd's rounds each step)
+    import lora_census as census
+    from accel_kernels import _triton
+
+    from accel_patch.swaps.lora import functions
+
+    attn, mlp = census.peft_modules(DROPOUT, census.HOST_WIDTHS)
+    x = torch.randn(2, 6, census.HOST_WIDTHS[0], dtype=torch.bfloat16)
+    drawn, kernel_outputs = [], []
+    real_draw, real_dropout = functions._draw, torch.native_dropout
+
+    def dropout(*args):
+        out = real_dropout(*args)
+        kernel_outputs.append(out[0].data_ptr())
+        return out
+
+    def spy(v, m, casts):
+        out = real_draw(v, m, casts)
+        drawn.append(out[0].data_ptr() == kernel_outputs[-1])  # the adapter reads the kernel's own output
+        return out
+
+    def step(module, call):
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(11)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs = call(xi)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return [*outs, xi.grad, *(p.grad for p in params)]
+
+    results = {}
+    with census.cuda_dropout(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_triton, "INTERPRETING", False)  # the GLU's backward in plain torch
+        mp.setattr(functions, "_draw", spy)
+        for path in ("PEFT", "drawn before", "drawn inside"):
+            if path == "drawn before":
+                mp.setattr(functions, "_draws_inside", lambda x: False)
+            if path == "drawn inside":
+                mp.undo()
+                mp.setattr(_triton, "INTERPRETING", False)
+                mp.setattr(functions, "_draw", spy)
+                mp.setattr(torch, "native_dropout", dropout)
+            for name, module in (("q/k/v", attn), ("MLP", mlp)):
+                make = census.qkv_call if name == "q/k/v" else census.mlp_call
+                results[name, path] = step(module, make(module, path != "PEFT"))
+    # q, k, v, gate, up, down: the kernel's output is the adapter's input in float32 (no cast follows);
+    # under autocast the adapter runs in bf16, so the mask alone is drawn
+    assert drawn == [not autocast] * 6
+    for name in ("q/k/v", "MLP"):
+        for got, want in zip(results[name, "drawn inside"], results[name, "drawn before"], strict=True):
+            assert torch.equal(got, want), name
+    for got, want in zip(results["q/k/v", "drawn inside"], results["q/k/v", "PEFT"], strict=True):
+        assert torch.equal(got, want)
+    mlp_out, *_, down_a, down_b = results["MLP", "drawn inside"]
+    peft_out, *_, peft_a, peft_b = results["MLP", "PEFT"]
+    assert torch.equal(mlp_out, peft_out) and torch.equal(down_a, peft_a) and torch.equal(down_b, peft_b)
+    # the masks dropped something: without dropout the adapters' gradients differ
+    plain, _ = census.peft_modules(0.0, census.HOST_WIDTHS)
+    assert not torch.equal(step(plain, census.qkv_call(plain, False))[4], results["q/k/v", "PEFT"][4])
