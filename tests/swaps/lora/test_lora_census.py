@@ -98,11 +98,12 @@ def _through_the_ops(projections, mlp: bool):
 def test_through_the_custom_ops_the_backward_runs_no_more_matmuls_than_pefts_layers(call):
     # the forward op hands its r-wide products to the backward op (saved by the registered autograd)
     label, autocast, p = census.SETTINGS[0]
-    attn, mlp = census.peft_modules(p)
+    attn, mlp = census.peft_modules(p, census.HOST_WIDTHS)  # a count, not bytes: small widths do
     if call == "q/k/v":
         projections, peft = [attn.q_proj, attn.k_proj, attn.v_proj], census.qkv_call(attn, False)
     else:
         projections, peft = [mlp.gate_proj, mlp.up_proj, mlp.down_proj], census.mlp_call(mlp, False)
-    _, ops_bwd = census.run(_through_the_ops(projections, call == "MLP"), autocast, modules=(attn, mlp))
-    _, peft_bwd = census.run(peft, autocast, modules=(attn, mlp))
+    hidden = census.HOST_WIDTHS[0]
+    _, ops_bwd = census.run(_through_the_ops(projections, call == "MLP"), autocast, hidden=hidden, modules=(attn, mlp))
+    _, peft_bwd = census.run(peft, autocast, hidden=hidden, modules=(attn, mlp))
     assert census.summary(ops_bwd)["matmul"] == census.summary(peft_bwd)["matmul"] == 15
