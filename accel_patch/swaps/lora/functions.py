@@ -246,6 +246,28 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 KEPT = ("A", "B", "xa", "xa_s", "mask")
 
 
+def _kept_product(m: Meta) -> str:
+    """Which r-wide product `proj_forward` keeps for an adapted projection: "xa_s" where it carries
+    the scale (folded), else "xa"."""
+    dt = m.dt
+    if dt.lora_in == dt.lora == dt.add == dt.result:
+        return "xa"
+    return "xa_s" if _folded(m.scale, dt.lora) else "xa"
+
+
+def _products(metas, keeps) -> list[torch.Tensor]:
+    """The kept r-wide products of the adapted projections, in order (the ops' extra outputs)."""
+    return [keep[_kept_product(m)] for m, keep in zip(metas, keeps) if m.adapted]
+
+
+def _kept_dicts(metas, products) -> list | None:
+    """`_products`' list back as one kept dict per projection (None when nothing was kept)."""
+    if not products:
+        return None
+    it = iter(products)
+    return [{_kept_product(m): next(it)} if m.adapted else {} for m in metas]
+
+
 class _Draw:
     """In a dropout mask's place: the eager forward draws the mask itself, just before the adapter
     reads its input (`_draw`), in PEFT's order; it is kept for backward as "mask" (KEPT)."""
@@ -408,8 +430,12 @@ def _grad_fakes(metas, ts) -> list:
 
 
 def _linears(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    """Each projection of `spec` on x (2-D outputs): PEFT's LoRA forward, fused."""
-    return _linears_keeping(x, tensors, spec, None)
+    """Each projection of `spec` on x (2-D outputs): PEFT's LoRA forward, fused; then each adapted
+    projection's r-wide product (`_kept_product`), which the registered autograd saves so that the
+    backward op needs no matmul to remake it (r values a token a projection)."""
+    metas, _ = parse(spec)
+    keeps = [{} for _ in metas]
+    return _linears_keeping(x, tensors, spec, keeps) + _products(metas, keeps)
 
 
 def _linears_keeping(x, tensors, spec, keeps: list | None) -> list[torch.Tensor]:
@@ -423,16 +449,23 @@ def _linears_keeping(x, tensors, spec, keeps: list | None) -> list[torch.Tensor]
 _linears_op = _custom_op("linears")(_linears)
 
 
+def _product_fakes(metas, tensors, n: int, like: torch.Tensor) -> list[torch.Tensor]:
+    return [like.new_empty((n, t["A"].shape[0]), dtype=m.dt.lora) for m, t in zip(metas, _split(metas, tensors))
+            if m.adapted]
+
+
 @_linears_op.register_fake
 def _(x, tensors, spec):
     metas, _ = parse(spec)
-    return [x.new_empty((_n_rows(x), m.out_features), dtype=m.dt.out) for m in metas]
+    n = _n_rows(x)
+    return [x.new_empty((n, m.out_features), dtype=m.dt.out) for m in metas] + _product_fakes(metas, tensors, n, x)
 
 
-def _linears_bwd(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor], spec: str,
-                         need_dx: bool) -> list[torch.Tensor]:
-    """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
-    return _linears_bwd_kept(douts, x, tensors, spec, need_dx, None)
+def _linears_bwd(douts: list[torch.Tensor], x: torch.Tensor, tensors: list[torch.Tensor],
+                 products: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
+    """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]. products:
+    the forward op's r-wide products (`_linears`), or [] (remade here)."""
+    return _linears_bwd_kept(douts, x, tensors, spec, need_dx, _kept_dicts(parse(spec)[0], products))
 
 
 def _linears_bwd_kept(douts, x, tensors, spec, need_dx, kepts: list | None) -> list[torch.Tensor]:
@@ -453,33 +486,40 @@ _linears_backward_op = _custom_op("linears_backward")(_linears_bwd)
 
 
 @_linears_backward_op.register_fake
-def _(douts, x, tensors, spec, need_dx):
+def _(douts, x, tensors, products, spec, need_dx):
     metas, _ = parse(spec)
     return [x.new_empty(x.shape) if need_dx else x.new_empty(0)] + _grad_fakes(metas, _split(metas, tensors))
 
 
 def _linears_setup(ctx, inputs, output):
     x, tensors, spec = inputs
-    ctx.save_for_backward(x, *tensors)
-    ctx.spec, ctx.need_dx = spec, x.requires_grad
+    metas, _ = parse(spec)
+    ctx.save_for_backward(x, *tensors, *output[len(metas):])  # the r-wide products after the inputs
+    ctx.spec, ctx.need_dx, ctx.n_tensors = spec, x.requires_grad, len(tensors)
 
 
 def _linears_backward(ctx, douts):
-    x, *tensors = ctx.saved_tensors
+    x, *saved = ctx.saved_tensors
+    tensors, products = saved[:ctx.n_tensors], saved[ctx.n_tensors:]
     metas, _ = parse(ctx.spec)
+    # (the products' own gradients are not used: they are outputs only for the saving)
     douts = [d if d is not None else x.new_zeros((_n_rows(x), m.out_features), dtype=m.dt.out)
              for d, m in zip(douts, metas)]
-    grads = torch.ops.accel_patch_lora.linears_backward(douts, x, tensors, ctx.spec, ctx.need_dx)
+    grads = torch.ops.accel_patch_lora.linears_backward(douts, x, tensors, products, ctx.spec, ctx.need_dx)
     return (grads[0] if ctx.need_dx else None), _adapter_grads(metas, grads[1:]), None
 
 
 _linears_op.register_autograd(_linears_backward, setup_context=_linears_setup)
 
 
-def _mlp(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(down(act(gate(x)) * up(x)) as 2-D, gate, up) for the projections of `spec` (gate, up, down;
-    or gate_up, down, where the second output is gate_up whole and the third an empty tensor)."""
-    return _mlp_keeping(x, tensors, spec, None)
+def _mlp(x: torch.Tensor, tensors: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
+    """[down(act(gate(x)) * up(x)) as 2-D, gate, up, then each adapted projection's r-wide product]
+    for the projections of `spec` (gate, up, down; or gate_up, down, where the second output is
+    gate_up whole and the third an empty tensor). The registered autograd saves gate, up and the
+    products (as `_linears`)."""
+    metas, _ = parse(spec)
+    keeps = [{} for _ in metas]
+    return [*_mlp_keeping(x, tensors, spec, keeps), *_products(metas, keeps)]
 
 
 def _mlp_keeping(x, tensors, spec, keeps: list | None):
@@ -514,13 +554,15 @@ def _(x, tensors, spec):
     n = _n_rows(x)
     gate = x.new_empty((n, metas[0].out_features), dtype=metas[0].dt.out)
     up = x.new_empty((n, metas[1].out_features), dtype=metas[1].dt.out) if len(metas) == 3 else x.new_empty(0)
-    return x.new_empty((n, metas[-1].out_features), dtype=metas[-1].dt.out), gate, up
+    out = x.new_empty((n, metas[-1].out_features), dtype=metas[-1].dt.out)
+    return [out, gate, up, *_product_fakes(metas, tensors, n, x)]
 
 
 def _mlp_bwd(dout: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                     tensors: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
-    """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]."""
-    return _mlp_bwd_kept(dout, x, gate, up, tensors, spec, need_dx, None)
+             tensors: list[torch.Tensor], products: list[torch.Tensor], spec: str, need_dx: bool) -> list[torch.Tensor]:
+    """[dx (or an empty tensor when not needed), then dA, dB of every adapted projection]. products:
+    the forward op's r-wide products (`_mlp`), or [] (remade here)."""
+    return _mlp_bwd_kept(dout, x, gate, up, tensors, spec, need_dx, _kept_dicts(parse(spec)[0], products))
 
 
 def _mlp_bwd_kept(dout, x, gate, up, tensors, spec, need_dx, kepts: list | None) -> list[torch.Tensor]:
@@ -557,22 +599,24 @@ _mlp_backward_op = _custom_op("mlp_backward")(_mlp_bwd)
 
 
 @_mlp_backward_op.register_fake
-def _(dout, x, gate, up, tensors, spec, need_dx):
+def _(dout, x, gate, up, tensors, products, spec, need_dx):
     metas, _ = parse(spec)
     return [x.new_empty(x.shape) if need_dx else x.new_empty(0)] + _grad_fakes(metas, _split(metas, tensors))
 
 
 def _mlp_setup(ctx, inputs, output):
     x, tensors, spec = inputs
-    _, gate, up = output
-    ctx.save_for_backward(x, gate, up, *tensors)
-    ctx.spec, ctx.need_dx = spec, x.requires_grad
+    _, gate, up, *products = output
+    ctx.save_for_backward(x, gate, up, *tensors, *products)
+    ctx.spec, ctx.need_dx, ctx.n_tensors = spec, x.requires_grad, len(tensors)
 
 
-def _mlp_backward(ctx, dout, _dgate, _dup):
-    x, gate, up, *tensors = ctx.saved_tensors
+def _mlp_backward(ctx, douts):
+    dout = douts[0]  # (gate's, up's and the products' gradients are not used: outputs only for the saving)
+    x, gate, up, *saved = ctx.saved_tensors
+    tensors, products = saved[:ctx.n_tensors], saved[ctx.n_tensors:]
     metas, _ = parse(ctx.spec)
-    grads = torch.ops.accel_patch_lora.mlp_backward(dout, x, gate, up, tensors, ctx.spec, ctx.need_dx)
+    grads = torch.ops.accel_patch_lora.mlp_backward(dout, x, gate, up, tensors, products, ctx.spec, ctx.need_dx)
     return (grads[0] if ctx.need_dx else None), _adapter_grads(metas, grads[1:]), None
 
 
@@ -741,7 +785,7 @@ def fused_linears(x, projs, adapters) -> tuple[torch.Tensor, ...]:
     """Every projection of `projs` on x (PEFT's forward of each, one autograd node, x saved once)."""
     x, tensors, spec = linears_inputs(x, projs, adapters, _draws_inside(x))
     if torch.compiler.is_compiling():
-        outs = torch.ops.accel_patch_lora.linears(x, tensors, spec)
+        outs = torch.ops.accel_patch_lora.linears(x, tensors, spec)[:len(parse(spec)[0])]  # then the products
     else:
         outs = _apply_linears(x, spec, *tensors)
     return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
@@ -776,7 +820,7 @@ def fused_mlp(x, projs, adapters, act: str, gate_first: bool, glu_path: str = GL
     saving x, gate, up and the dropout masks."""
     x, tensors, spec = mlp_inputs(x, projs, adapters, act, gate_first, glu_path, _draws_inside(x))
     if torch.compiler.is_compiling():
-        out, _, _ = torch.ops.accel_patch_lora.mlp(x, tensors, spec)
+        out = torch.ops.accel_patch_lora.mlp(x, tensors, spec)[0]
     else:
         out = _apply_mlp(x, spec, *tensors)
     return out.view(*x.shape[:-1], out.shape[-1])

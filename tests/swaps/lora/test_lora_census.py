@@ -76,3 +76,34 @@ def test_with_dropout_as_cuda_runs_it_the_fused_call_moves_no_more_bytes_than_pe
     assert "native_dropout" in fused_ops
     fused, peft = sum(s["bytes"] for s in fused), sum(s["bytes"] for s in peft)
     assert fused <= peft, (fused / 1e9, peft / 1e9)
+
+
+def _through_the_ops(projections, mlp: bool):
+    """One call through the custom ops and their registered autograd (the path torch.compile takes)."""
+    import torch
+
+    from accel_patch.swaps.lora import functions
+
+    def call(x):
+        projs, adapters = census._plan(projections, x)
+        if mlp:
+            x2, tensors, spec = functions.mlp_inputs(x, projs, adapters, "silu", False, functions.GLU_TORCH)
+            return (torch.ops.accel_patch_lora.mlp(x2, tensors, spec)[0],)
+        x2, tensors, spec = functions.linears_inputs(x, projs, adapters)
+        return tuple(torch.ops.accel_patch_lora.linears(x2, tensors, spec)[:len(projections)])
+    return call
+
+
+@pytest.mark.parametrize("call", ["q/k/v", "MLP"])
+def test_through_the_custom_ops_the_backward_runs_no_more_matmuls_than_pefts_layers(call):
+    # the forward op hands its r-wide products to the backward op (saved by the registered autograd)
+    label, autocast, p = census.SETTINGS[0]
+    attn, mlp = census.peft_modules(p, census.HOST_WIDTHS)  # a count, not bytes: small widths do
+    if call == "q/k/v":
+        projections, peft = [attn.q_proj, attn.k_proj, attn.v_proj], census.qkv_call(attn, False)
+    else:
+        projections, peft = [mlp.gate_proj, mlp.up_proj, mlp.down_proj], census.mlp_call(mlp, False)
+    hidden = census.HOST_WIDTHS[0]
+    _, ops_bwd = census.run(_through_the_ops(projections, call == "MLP"), autocast, hidden=hidden, modules=(attn, mlp))
+    _, peft_bwd = census.run(peft, autocast, hidden=hidden, modules=(attn, mlp))
+    assert census.summary(ops_bwd)["matmul"] == census.summary(peft_bwd)["matmul"] == 15

@@ -57,11 +57,17 @@ def test_the_ops_pass_opcheck(autocast):
     detached = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (linears_args, mlp_args))
     (x, tensors, spec), (_, mlp_tensors, mlp_spec) = detached
     outs = torch.ops.accel_patch_lora.linears(x, tensors, spec)
-    torch.library.opcheck(torch.ops.accel_patch_lora.linears_backward.default,
-                          ([torch.randn_like(o) for o in outs], x, tensors, spec, True))
-    out, gate, up = torch.ops.accel_patch_lora.mlp(x, mlp_tensors, mlp_spec)
-    torch.library.opcheck(torch.ops.accel_patch_lora.mlp_backward.default,
-                          (torch.randn_like(out), x, gate, up, mlp_tensors, mlp_spec, False))
+    outs, products = outs[:3], outs[3:]
+    # then each projection's r-wide x A^T, which the backward op takes (or remakes, given none)
+    assert [p.shape[0] for p in products] == [x.shape[0] * x.shape[1]] * 3
+    for kept in (products, []):
+        torch.library.opcheck(torch.ops.accel_patch_lora.linears_backward.default,
+                              ([torch.randn_like(o) for o in outs], x, tensors, kept, spec, True))
+    out, gate, up, *mlp_products = torch.ops.accel_patch_lora.mlp(x, mlp_tensors, mlp_spec)
+    assert len(mlp_products) == 3
+    for kept in (mlp_products, []):
+        torch.library.opcheck(torch.ops.accel_patch_lora.mlp_backward.default,
+                              (torch.randn_like(out), x, gate, up, mlp_tensors, kept, mlp_spec, False))
 
 
 def assert_compiled_equals_eager(call, params, x, autocast=None):
@@ -116,7 +122,8 @@ def _op_call(kind, projections, act_first=True):
     def call(x):
         if kind == "qkv":
             x_, tensors, spec = functions.linears_inputs(x, *planned(projections, x))
-            return tuple(o.view(*x.shape[:-1], -1) for o in torch.ops.accel_patch_lora.linears(x_, tensors, spec))
+            outs = torch.ops.accel_patch_lora.linears(x_, tensors, spec)[:len(projections)]
+            return tuple(o.view(*x.shape[:-1], -1) for o in outs)
         x_, tensors, spec = functions.mlp_inputs(x, *planned(projections, x), "silu", act_first)
         return (torch.ops.accel_patch_lora.mlp(x_, tensors, spec)[0].view(*x.shape[:-1], -1),)
     return call
@@ -146,18 +153,24 @@ def test_what_the_eager_path_keeps_gives_the_gradients_of_recomputing_it_bit_for
     params = [p for n, p in block.named_parameters() if p.requires_grad and any(k in n for k in names)]
     x = torch.randn(2, 5, block.self_attn.q_proj.in_features, requires_grad=True)
     results, kept = [], []
-    for call in (eager, ops):
-        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            torch.manual_seed(0)
-            outs = call(x * 1)
-        if call is eager:
-            kept = outs[0].grad_fn.next_functions[0][0].kept_at  # the fused node beneath the output's view
-        grads = torch.autograd.grad(outs, [x] + params, [torch.randn_like(o, generator=torch.Generator().manual_seed(1))
-                                                         for o in outs])
+    # eager (keeps the products and the cast adapters), the ops (keep the products), the ops
+    # remaking everything (their backward op given no products)
+    for call, remade in ((eager, False), (ops, False), (ops, True)):
+        with pytest.MonkeyPatch.context() as mp:
+            if remade:
+                mp.setattr(functions, "_kept_dicts", lambda metas, products: None)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                torch.manual_seed(0)
+                outs = call(x * 1)
+            if call is eager:
+                kept = outs[0].grad_fn.next_functions[0][0].kept_at  # the fused node beneath the output's view
+            grads = torch.autograd.grad(outs, [x] + params, [torch.randn_like(o, generator=torch.Generator().manual_seed(1))
+                                                             for o in outs])
         results.append((outs, grads))
-    (outs0, grads0), (outs1, grads1) = results
-    assert [torch.equal(a, b) for a, b in zip(outs0, outs1)] == [True] * len(outs0)
-    assert [torch.equal(a, b) for a, b in zip(grads0, grads1)] == [True] * len(grads0)
+    (outs0, grads0), *others = results
+    for outs1, grads1 in others:
+        assert [torch.equal(a, b) for a, b in zip(outs0, outs1)] == [True] * len(outs0)
+        assert [torch.equal(a, b) for a, b in zip(grads0, grads1)] == [True] * len(grads0)
     folded = autocast is not None and alpha == 16
     expect = {"xa_s"} if folded else {"xa"}
     if autocast is not None:
