@@ -185,6 +185,10 @@ def dropped(v: torch.Tensor, mask: torch.Tensor | None, p: float, noise_dtype: t
         if key not in casts:
             casts[key] = _scaled(v if same else _as(v, noise_dtype, casts), scale, out_dtype)
         return casts[key] * mask
+    if same and out_dtype == v.dtype:
+        # v * mask * scale in one pass, rounded once: the op dropout's own backward runs (on CUDA
+        # its kernel computes in float32 and rounds to v's dtype, as the scale's multiply does)
+        return torch.ops.aten.native_dropout_backward(v, mask, scale)
     t = (v if same else v.to(noise_dtype)) * mask
     return _scaled(t, scale, out_dtype, inplace=True)
 

@@ -107,3 +107,10 @@ def test_through_the_custom_ops_the_backward_runs_no_more_matmuls_than_pefts_lay
     _, ops_bwd = census.run(_through_the_ops(projections, call == "MLP"), autocast, hidden=hidden, modules=(attn, mlp))
     _, peft_bwd = census.run(peft, autocast, hidden=hidden, modules=(attn, mlp))
     assert census.summary(ops_bwd)["matmul"] == census.summary(peft_bwd)["matmul"] == 15
+
+
+@pytest.mark.parametrize("call", ["q/k/v", "MLP"])
+def test_under_autocast_each_dropped_projections_dx_term_is_masked_and_scaled_in_one_pass(counted, call):
+    # dropout's own backward op (grad * mask * scale, rounded once), not a mask multiply then a scale
+    fwd, bwd = counted[AUTOCAST_DROPOUT, call, "fused"]
+    assert bwd["dropout"] >= 3, bwd  # q, k, v (gate, up, down; and down's input remade in the MLP)
