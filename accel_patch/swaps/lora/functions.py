@@ -131,6 +131,8 @@ def base_weight(m: Meta, t: dict) -> torch.Tensor:
 
 #: Device types where F.dropout runs the fused native_dropout kernel (`is_fused_kernel_acceptable`).
 _FUSED_DROPOUT = ("cuda", "xpu")
+#: Device types whose native_dropout_backward is one kernel (grad * mask * scale in one pass).
+_ONE_PASS_DROPOUT_BACKWARD = ("cuda",)
 
 
 def _f32(v: float) -> float:
@@ -177,6 +179,17 @@ def dropped(v: torch.Tensor, mask: torch.Tensor | None, p: float, noise_dtype: t
     if mask.shape != v.shape:  # `dropout_mask` draws it 2-D already: no reshape a call
         mask = mask.reshape(v.shape)
     scale = dropout_scale(p, noise_dtype, v.device.type, backward)
+    # v * mask * scale in one pass, rounded once, where the result is in the dtype the op reads and
+    # the device runs dropout's own backward op as one kernel (CUDA's computes in float32 and rounds
+    # to v's dtype, as the scale's multiply does; CPU's casts the mask and multiplies twice: slower
+    # than the multiplies below): v in its own dtype where the rounding is the same, else cast to the
+    # noise's dtype when that is the result's (PEFT's dropout output itself: one pass a projection,
+    # less than a shared x * scale and a mask multiply each)
+    if v.device.type in _ONE_PASS_DROPOUT_BACKWARD:
+        if same and out_dtype == v.dtype:
+            return torch.ops.aten.native_dropout_backward(v, mask, scale)
+        if out_dtype == noise_dtype:
+            return torch.ops.aten.native_dropout_backward(_as(v, noise_dtype, casts), mask, scale)
     if casts is not None:
         # projections reading the same x: fp32(x * scale) once (rounded to out_dtype), then one exact
         # mask multiply each ((x * s) * 0/1 is (x * 0/1) * s, signed zeros and NaNs included as s > 0;
@@ -185,10 +198,6 @@ def dropped(v: torch.Tensor, mask: torch.Tensor | None, p: float, noise_dtype: t
         if key not in casts:
             casts[key] = _scaled(v if same else _as(v, noise_dtype, casts), scale, out_dtype)
         return casts[key] * mask
-    if same and out_dtype == v.dtype:
-        # v * mask * scale in one pass, rounded once: the op dropout's own backward runs (on CUDA
-        # its kernel computes in float32 and rounds to v's dtype, as the scale's multiply does)
-        return torch.ops.aten.native_dropout_backward(v, mask, scale)
     t = (v if same else v.to(noise_dtype)) * mask
     return _scaled(t, scale, out_dtype, inplace=True)
 

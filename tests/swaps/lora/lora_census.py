@@ -139,9 +139,9 @@ class _MLP(torch.nn.Module):
         self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
 
 
-def peft_modules(dropout: float, widths=(HIDDEN, INTER, KV)):
+def peft_modules(dropout: float, widths=(HIDDEN, INTER, KV), adapter_dtype=None):
     """(attention, MLP) with PEFT's LoRA layers (r=16, alpha 32) on a bf16 base: float32 adapters
-    (PEFT's autocast_adapter_dtype), B non-zero."""
+    (PEFT's autocast_adapter_dtype) unless adapter_dtype says otherwise, B non-zero."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -152,6 +152,8 @@ def peft_modules(dropout: float, widths=(HIDDEN, INTER, KV)):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)
+            if "lora_" in n and adapter_dtype is not None:
+                p.data = p.data.to(adapter_dtype)
         out.append(model.train().base_model.model)
     return out
 
@@ -186,7 +188,8 @@ def mlp_call(mlp, fused: bool):
 def cuda_dropout():
     """Dropout as it runs on CUDA, on these CPU tensors: F.dropout (PEFT's layers) as the one
     `native_dropout` kernel it runs there (its backward `native_dropout_backward`), and the fused
-    functions' mask drawn by their CUDA branch. CPU's dropout is a sequence of passes (bernoulli_,
+    functions on their CUDA branches (the masks drawn in the forward, a mask and its scale in one
+    `native_dropout_backward`). CPU's dropout is a sequence of passes (bernoulli_,
     div_, mul) where CUDA's is one, so the two paths' bytes compare as on the GPU only under this."""
     from accel_patch.swaps.lora import functions
 
@@ -194,12 +197,14 @@ def cuda_dropout():
         assert not inplace
         return torch.native_dropout(input, p, True)[0] if training and p > 0 else input
 
-    saved = F.dropout, functions._FUSED_DROPOUT
-    F.dropout, functions._FUSED_DROPOUT = native, (*functions._FUSED_DROPOUT, "cpu")
+    saved = F.dropout, functions._FUSED_DROPOUT, functions._ONE_PASS_DROPOUT_BACKWARD
+    F.dropout = native
+    functions._FUSED_DROPOUT = (*functions._FUSED_DROPOUT, "cpu")
+    functions._ONE_PASS_DROPOUT_BACKWARD = (*functions._ONE_PASS_DROPOUT_BACKWARD, "cpu")
     try:
         yield
     finally:
-        F.dropout, functions._FUSED_DROPOUT = saved
+        F.dropout, functions._FUSED_DROPOUT, functions._ONE_PASS_DROPOUT_BACKWARD = saved
 
 
 def run(call, autocast: bool, tokens: int = SMALL_TOKENS, count: bool = True, hidden: int = HIDDEN, modules=(),
