@@ -139,12 +139,18 @@ def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
 
-@functools.lru_cache(maxsize=256)
 def dropout_scale(p: float, dtype: torch.dtype, device_type: str, backward: bool = False) -> float:
     """The factor F.dropout multiplies a kept element by (its backward's when `backward`), as a Python
     float exact in float32: on CPU the noise `ones.div_(1 - p)` computed in the input's dtype; CUDA's
     fused kernel: float32 1/(1-p) of float32 (1-p), its backward 1/(1-p) rounded to float32."""
-    if device_type in _FUSED_DROPOUT:
+    return _dropout_scale(p, dtype, device_type in _FUSED_DROPOUT, backward)
+
+
+@functools.lru_cache(maxsize=256)
+def _dropout_scale(p: float, dtype: torch.dtype, fused_kernel: bool, backward: bool) -> float:
+    """`dropout_scale`, once per value (keyed by the kernel, not the device type, so that a cached
+    value always follows `_FUSED_DROPOUT`)."""
+    if fused_kernel:
         return _f32(1.0 / (1.0 - p) if backward else 1.0 / _f32(1.0 - p))
     return _cpu_noise(p, dtype)
 

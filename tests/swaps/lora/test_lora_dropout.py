@@ -173,12 +173,12 @@ def test_where_dropout_runs_its_fused_kernel_the_forward_draws_each_mask_in_peft
 
     def dropout(*args):
         out = real_dropout(*args)
-        kernel_outputs.append(out[0].data_ptr())
+        kernel_outputs.append(out[0])  # held: no later tensor can take its memory
         return out
 
     def spy(v, m, casts):
         out = real_draw(v, m, casts)
-        drawn.append(out[0].data_ptr() == kernel_outputs[-1])  # the adapter reads the kernel's own output
+        drawn.append(out[0] is kernel_outputs[-1])  # the adapter reads the kernel's own output
         return out
 
     def step(module, call):
@@ -221,3 +221,18 @@ def test_where_dropout_runs_its_fused_kernel_the_forward_draws_each_mask_in_peft
     # the masks dropped something: without dropout the adapters' gradients differ
     plain, _ = census.peft_modules(0.0, census.HOST_WIDTHS)
     assert not torch.equal(step(plain, census.qkv_call(plain, False))[4], results["q/k/v", "PEFT"][4])
+
+
+def test_the_dropout_scale_follows_the_kernel_the_device_runs_after_cuda_was_simulated_on_cpu():
+    # CUDA's dropout simulated on CPU tensors must leave CPU's scale (its noise rounded in the
+    # input's dtype) to the calls after it: a cached CUDA value there broke bit equality with PEFT
+    import lora_census as census
+
+    from accel_patch.swaps.lora import functions
+
+    cpu = functions.dropout_scale(DROPOUT, torch.bfloat16, "cpu")
+    with census.cuda_dropout():
+        cuda = functions.dropout_scale(DROPOUT, torch.bfloat16, "cpu")
+    assert cuda != cpu  # bf16's rounded 1/(1-p) against float32's
+    assert functions.dropout_scale(DROPOUT, torch.bfloat16, "cpu") == cpu
+    assert cpu == float(torch.ones((), dtype=torch.bfloat16).div_(1 - DROPOUT))
