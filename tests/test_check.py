@@ -18,6 +18,18 @@ def rows_by(rows):
     return {(r.name, r.where): r for r in rows}
 
 
+@pytest.fixture(autouse=True)
+def fresh_probes():
+    """Tests here break a kernel on purpose and swap models meanwhile: the probe verdicts cached
+    then (a refused fused LoRA MLP, say) must not outlive the test, in the process-wide cache that
+    the rest of the suite's files share with it on one worker."""
+    from accel_patch.swaps import probe
+
+    probe.cache.clear()
+    yield
+    probe.cache.clear()
+
+
 @pytest.mark.slow  # over 2 s: every kernel row of the check, interpreted
 def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
     from accel_kernels.bench import catalogue
