@@ -18,20 +18,23 @@ def rows_by(rows):
     return {(r.name, r.where): r for r in rows}
 
 
-@pytest.fixture(autouse=True)
-def fresh_probes():
-    """Tests here break a kernel on purpose and swap models meanwhile: the probe verdicts cached
-    then (a refused fused LoRA MLP, say) must not outlive the test, in the process-wide cache that
-    the rest of the suite's files share with it on one worker."""
+@pytest.fixture
+def broken_kernel_probes():
+    """For a test that breaks a kernel on purpose and swaps models meanwhile: it probes afresh, and
+    the verdicts cached then (a refused fused LoRA MLP, say) do not outlive it in the process-wide
+    cache the suite's later files share on one worker; the verdicts from before are put back, so
+    those files need not probe again."""
     from accel_patch.swaps import probe
 
+    before = dict(probe.cache._verdicts)
     probe.cache.clear()
     yield
     probe.cache.clear()
+    probe.cache._verdicts.update(before)
 
 
 @pytest.mark.slow  # over 2 s: every kernel row of the check, interpreted
-def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
+def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch, broken_kernel_probes):
     from accel_kernels.bench import catalogue
     from accel_kernels.ops import rms_norm
 
@@ -48,7 +51,7 @@ def test_a_broken_kernel_fails_its_row_with_the_figure(monkeypatch):
 
 
 @pytest.mark.slow  # interpreted Triton
-def test_the_gpt_oss_experts_row_fails_when_the_clamp_or_the_lora_is_wrong(monkeypatch):
+def test_the_gpt_oss_experts_row_fails_when_the_clamp_or_the_lora_is_wrong(monkeypatch, broken_kernel_probes):
     import accel_kernels
     from accel_kernels.bench import catalogue
 
@@ -61,7 +64,7 @@ def test_the_gpt_oss_experts_row_fails_when_the_clamp_or_the_lora_is_wrong(monke
 
 
 @pytest.mark.slow  # over 2 s: the model rows of the check
-def test_a_kernel_with_a_wrong_gradient_fails_the_model_rows(monkeypatch):
+def test_a_kernel_with_a_wrong_gradient_fails_the_model_rows(monkeypatch, broken_kernel_probes):
     from accel_kernels.ops import _glu
 
     real = _glu._backward_triton
