@@ -266,8 +266,8 @@ KEPT = ("A", "B", "xa", "xa_s", "mask")
 
 
 def _kept_product(m: Meta) -> str:
-    """Which r-wide product `proj_forward` keeps for an adapted projection: "xa_s" where it carries
-    the scale (folded), else "xa"."""
+    """The name under which `proj_forward` keeps an adapted projection's r-wide product (and the ops
+    return it): "xa_s" where it carries the scale (folded), else "xa"."""
     dt = m.dt
     if dt.lora_in == dt.lora == dt.add == dt.result:
         return "xa"
@@ -334,16 +334,13 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None, k
     del xl
     if keep is not None:
         keep.update({k: v for k, v in (("A", A), ("B", B)) if v is not t[k]})
+        keep[_kept_product(m)] = xa  # (scaled in place below where the scale is folded)
     if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
-        if keep is not None:
-            keep["xa"] = xa
         return y.addmm_(xa, B.t(), alpha=m.scale)
     # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps, each as few passes as exact
     folded = _folded(m.scale, dt.lora)
     if folded and m.scale != 1.0:
         xa.mul_(m.scale)
-    if keep is not None:
-        keep["xa_s" if folded else "xa"] = xa
     lora = torch.mm(xa, B.t())
     if not folded:
         lora.mul_(m.scale)
