@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers import mlp
-from .plans import Dtypes, Proj, dtypes
+from .plans import Dtypes, Proj, dtypes, promote
 
 NAMESPACE = "accel_patch_lora"
 
@@ -60,9 +60,18 @@ class Meta(namedtuple("Meta", "kind bias adapted scale p dt out_features quant")
 
 
 def _encode(p: Proj, x_dtype: torch.dtype, adapter_dtype, out_features: int, quant) -> str:
+    # once per configuration (a spec item is a few microseconds of string work a projection a call)
+    return _encoded(p.kind, p.bias is not None, p.adapted, p.scale, p.dropout, p.compute, p.autocast, p.lora_cast,
+                    p.peft_cast, x_dtype, adapter_dtype, out_features, quant)
+
+
+@functools.lru_cache(maxsize=1024)
+def _encoded(kind, bias: bool, adapted: bool, scale, dropout, compute, autocast, lora_cast, peft_cast, x_dtype,
+             adapter_dtype, out_features: int, quant) -> str:
+    p = Proj(None, None, kind, compute, adapted, scale, dropout, autocast, lora_cast, peft_cast)  # what dtypes reads
     dt = dtypes(p, x_dtype, adapter_dtype)
     codes = ".".join(_DTYPE_CODES[d] for d in dt)
-    head = f"{p.kind},{int(p.bias is not None)},{int(p.adapted)},{p.scale!r},{p.dropout!r},{codes},{out_features}"
+    head = f"{kind},{int(bias)},{int(adapted)},{scale!r},{dropout!r},{codes},{out_features}"
     if quant is None:
         return head
     shape, blocksize, quant_type, nested = quant
@@ -83,13 +92,20 @@ def parse(spec: str) -> tuple:
     return tuple(metas), tuple(extra.split(",")) if extra else ()
 
 
+@functools.lru_cache(maxsize=1024)
+def _names(m: Meta) -> tuple[str, ...]:
+    """The names of projection m's tensors in the flat list, in order."""
+    names = ["weight"] + ["bias"] * m.bias + ["A", "B"] * m.adapted + ["mask"] * (m.p > 0)
+    if m.quant is not None:
+        names += ["absmax", "absmax2", "code2", "offset"] if m.quant[3] else ["absmax"]
+    return tuple(names)
+
+
 def _split(metas, tensors):
     """Per projection, its dict of tensors (weight, bias, A, B, mask, absmax, absmax2, code2, offset)."""
     out, i = [], 0
     for m in metas:
-        names = ["weight"] + ["bias"] * m.bias + ["A", "B"] * m.adapted + ["mask"] * (m.p > 0)
-        if m.quant is not None:
-            names += ["absmax", "absmax2", "code2", "offset"] if m.quant[3] else ["absmax"]
+        names = _names(m)
         out.append(dict(zip(names, tensors[i:i + len(names)])))
         i += len(names)
     return out
@@ -143,7 +159,16 @@ def dropout_scale(p: float, dtype: torch.dtype, device_type: str, backward: bool
     """The factor F.dropout multiplies a kept element by (its backward's when `backward`), as a Python
     float exact in float32: on CPU the noise `ones.div_(1 - p)` computed in the input's dtype; CUDA's
     fused kernel: float32 1/(1-p) of float32 (1-p), its backward 1/(1-p) rounded to float32."""
-    return _dropout_scale(p, dtype, device_type in _FUSED_DROPOUT, backward)
+    fused_kernel = device_type in _FUSED_DROPOUT
+    # a dict read where the value was asked before (the fused functions ask it for every dropped
+    # projection, forward and backward: an lru_cache call costs about two microseconds)
+    scale = _SCALES.get((p, dtype, fused_kernel, backward))
+    if scale is None:
+        scale = _SCALES[p, dtype, fused_kernel, backward] = _dropout_scale(p, dtype, fused_kernel, backward)
+    return scale
+
+
+_SCALES: dict = {}
 
 
 @functools.lru_cache(maxsize=256)
@@ -184,14 +209,15 @@ def dropped(v: torch.Tensor, mask: torch.Tensor | None, p: float, noise_dtype: t
         return _as(v, out_dtype, casts) if same else _as(v, noise_dtype, casts).to(out_dtype)
     if mask.shape != v.shape:  # `dropout_mask` draws it 2-D already: no reshape a call
         mask = mask.reshape(v.shape)
-    scale = dropout_scale(p, noise_dtype, v.device.type, backward)
+    device_type = v.device.type
+    scale = dropout_scale(p, noise_dtype, device_type, backward)
     # v * mask * scale in one pass, rounded once, where the result is in the dtype the op reads and
     # the device runs dropout's own backward op as one kernel (CUDA's computes in float32 and rounds
     # to v's dtype, as the scale's multiply does; CPU's casts the mask and multiplies twice: slower
     # than the multiplies below): v in its own dtype where the rounding is the same, else cast to the
     # noise's dtype when that is the result's (PEFT's dropout output itself: one pass a projection,
     # less than a shared x * scale and a mask multiply each)
-    if v.device.type in _ONE_PASS_DROPOUT_BACKWARD:
+    if device_type in _ONE_PASS_DROPOUT_BACKWARD:
         if same and out_dtype == v.dtype:
             return torch.ops.aten.native_dropout_backward(v, mask, scale)
         if out_dtype == noise_dtype:
@@ -229,7 +255,7 @@ def _accumulate(dx, term: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     cast is skipped where exact)."""
     if dx is None:
         return _to(term, dtype)
-    return dx.add_(term if torch.promote_types(term.dtype, dtype) == dtype else term.to(dtype))
+    return dx.add_(term if promote(term.dtype, dtype) == dtype else term.to(dtype))
 
 
 def _adapter_input(x: torch.Tensor, m: Meta, mask, casts: dict | None) -> torch.Tensor:
@@ -248,7 +274,7 @@ def _folded(scale: float, dtype: torch.dtype) -> bool:
 
 def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
     """Whether every value of `narrow` is one of `wide` (narrow -> wide -> narrow is the identity)."""
-    return torch.promote_types(narrow, wide) == wide
+    return promote(narrow, wide) == wide
 
 
 def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -265,6 +291,7 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 KEPT = ("A", "B", "xa", "xa_s", "mask")
 
 
+@functools.lru_cache(maxsize=1024)
 def _kept_product(m: Meta) -> str:
     """The name under which `proj_forward` keeps an adapted projection's r-wide product (and the ops
     return it): "xa_s" where it carries the scale (folded), else "xa"."""
@@ -333,18 +360,21 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None, k
     xa = xl @ A.t()  # (n, r)
     del xl
     if keep is not None:
-        keep.update({k: v for k, v in (("A", A), ("B", B)) if v is not t[k]})
+        if A is not t["A"]:
+            keep["A"] = A
+        if B is not t["B"]:
+            keep["B"] = B
         keep[_kept_product(m)] = xa  # (scaled in place below where the scale is folded)
     if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
         return y.addmm_(xa, B.t(), alpha=m.scale)
     # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps, each as few passes as exact
-    folded = _folded(m.scale, dt.lora)
+    folded = _kept_product(m) == "xa_s"  # (the scale folded into the r-wide product)
     if folded and m.scale != 1.0:
         xa.mul_(m.scale)
     lora = torch.mm(xa, B.t())
     if not folded:
         lora.mul_(m.scale)
-    if dt.out == y.dtype and torch.promote_types(y.dtype, lora.dtype) == dt.add:
+    if dt.out == y.dtype and promote(y.dtype, lora.dtype) == dt.add:
         return y.add_(lora)  # computed in dt.add (the promoted dtype), stored in the result's: PEFT's add and cast back
     return y.to(dt.add).add_(lora.to(dt.add)).to(dt.out)
 
@@ -434,11 +464,23 @@ def _n_rows(x: torch.Tensor):
 
 def _adapter_grads(metas, grads) -> list:
     """The gradient list of the flat tensor input: dA, dB at each adapter's place, None elsewhere."""
-    out, it = [], iter(grads)
-    for m in metas:
-        for name in _split([m], [None] * m.n_tensors)[0]:
-            out.append(next(it) if name in ("A", "B") else None)
+    n, places = _adapter_places(metas)
+    out = [None] * n
+    for i, g in zip(places, grads):
+        out[i] = g
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_places(metas) -> tuple[int, tuple[int, ...]]:
+    """(length of the flat tensor list, the places of the adapters' A and B in it)."""
+    places, i = [], 0
+    for m in metas:
+        for name in _names(m):
+            if name in ("A", "B"):
+                places.append(i)
+            i += 1
+    return i, tuple(places)
 
 
 def _grad_fakes(metas, ts) -> list:

@@ -38,6 +38,18 @@ class Dtypes(namedtuple("Dtypes", "base result lora_in lora add out")):
     __slots__ = ()
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: torch.promote_types of the floating dtypes, read from a table: the fused functions ask it a few
+#: dozen times a call, and each `torch.promote_types` is a dispatched op (about a microsecond).
+_PROMOTED = {(a, b): torch.promote_types(a, b) for a in _FLOATS for b in _FLOATS}
+
+
+def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """torch.promote_types(a, b)."""
+    promoted = _PROMOTED.get((a, b))
+    return promoted if promoted is not None else torch.promote_types(a, b)
+
+
 def dtypes(p: Proj, x_dtype: torch.dtype, adapter_dtype: torch.dtype | None) -> Dtypes:
     """What PEFT's forward computes in, for projection `p` on an input of `x_dtype` (autocast,
     where on, runs every matmul in its dtype, as `F.linear` does under it)."""
@@ -47,14 +59,60 @@ def dtypes(p: Proj, x_dtype: torch.dtype, adapter_dtype: torch.dtype | None) -> 
         return Dtypes(base, result, x_dtype, result, result, result)
     lora_in = adapter_dtype if p.lora_cast else x_dtype
     lora = p.autocast or adapter_dtype
-    promoted = torch.promote_types(result, lora)
+    promoted = promote(result, lora)
     if p.peft_cast == "cast":
         return Dtypes(base, result, lora_in, lora, result, result)
     return Dtypes(base, result, lora_in, lora, promoted, result if p.peft_cast == "promote" else promoted)
 
 
 def _is_lora_layer(m) -> bool:
-    return hasattr(m, "lora_A") and hasattr(m, "lora_B") and callable(getattr(m, "get_base_layer", None))
+    # PEFT's LoRA layers hold lora_A and lora_B as submodules: two dict lookups (hasattr on a module
+    # without them goes through nn.Module.__getattr__ and a raised AttributeError)
+    children = m._modules
+    return "lora_A" in children and "lora_B" in children and callable(getattr(m, "get_base_layer", None))
+
+
+def _own_get_base_layer(cls) -> bool:
+    """Whether the class keeps PEFT's `BaseTunerLayer.get_base_layer` (the walk down `base_layer`):
+    asked once per class in eager (`_per_class`)."""
+    return _per_class(_GET_BASE_LAYER, cls, _keeps_pefts_get_base_layer)
+
+
+def _keeps_pefts_get_base_layer(cls) -> bool:
+    method = getattr(cls, "get_base_layer", None)
+    return (getattr(method, "__qualname__", "") == "BaseTunerLayer.get_base_layer"
+            and getattr(method, "__module__", "").startswith("peft."))
+
+
+_GET_BASE_LAYER: dict = {}
+
+
+def _per_class(cache: dict, cls, answer) -> bool:
+    """answer(cls), kept in `cache` in eager; asked afresh while dynamo traces (a dict the trace
+    writes to would be guarded on, and a new class would recompile every graph that read it)."""
+    if torch.compiler.is_compiling():
+        return answer(cls)
+    known = cache.get(cls)
+    if known is None:
+        known = cache[cls] = answer(cls)
+    return known
+
+
+def base_layer(m):
+    """`m.get_base_layer()` of a LoRA layer: PEFT's walk down the nested `base_layer`s, as submodule
+    lookups where the class keeps PEFT's method (its `hasattr` ends in a raised AttributeError:
+    about 3 us a call, for every projection of every fused call)."""
+    if not _own_get_base_layer(type(m)):
+        return m.get_base_layer()
+    base = m
+    while True:
+        inner = base._modules.get("base_layer")
+        if inner is None:
+            break
+        base = inner
+    if "base_layer" in base.__dict__ or hasattr(type(base), "base_layer"):
+        return m.get_base_layer()  # a base_layer that is not a submodule: PEFT's own walk
+    return base
 
 
 def _is_4bit(m) -> bool:
@@ -62,8 +120,21 @@ def _is_4bit(m) -> bool:
 
 
 def _plain_linear(m) -> bool:
-    return (isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
-            and type(m.weight) in (torch.nn.Parameter, torch.Tensor))
+    if not _plain_linear_class(type(m)):
+        return False
+    weight = m._parameters.get("weight")
+    return type(weight if weight is not None else getattr(m, "weight", None)) in (torch.nn.Parameter, torch.Tensor)
+
+
+def _plain_linear_class(cls) -> bool:
+    return _per_class(_PLAIN_LINEAR, cls, _is_plain_linear_class)
+
+
+def _is_plain_linear_class(cls) -> bool:
+    return issubclass(cls, torch.nn.Linear) and cls.forward is torch.nn.Linear.forward
+
+
+_PLAIN_LINEAR: dict = {}
 
 
 def base_kind(m) -> str | None:
@@ -77,7 +148,7 @@ def base_kind(m) -> str | None:
 
 def layer_kind(m) -> str | None:
     """The base kind of a projection (looking through a PEFT LoRA layer), None when not computable."""
-    return base_kind(m.get_base_layer() if _is_lora_layer(m) else m)
+    return base_kind(base_layer(m) if _is_lora_layer(m) else m)
 
 
 def _hooked(m) -> bool:
@@ -128,13 +199,14 @@ def projection(m, x: torch.Tensor):
     p = 0.0
     lora_A = lora_B = None
     if _is_lora_layer(m):
-        base = m.get_base_layer()
+        base = base_layer(m)
         adapter = None
+        children = m._modules  # the LoRA layer's submodules read from its dict, not through __getattr__
         if m.disable_adapters:
             if m.merged:
                 return "adapters disabled while merged (PEFT unmerges in its forward)"
         elif not m.merged:
-            lora_A = m.lora_A
+            lora_A = children["lora_A"]._modules
             active = [a for a in m.active_adapters if a in lora_A]
             if len(active) > 1:
                 return f"more than one active adapter ({', '.join(active)})"
@@ -149,11 +221,11 @@ def projection(m, x: torch.Tensor):
                 return "lora_bias"
             if getattr(m, "fan_in_fan_out", False):
                 return "fan_in_fan_out"
-            dropout = m.lora_dropout[adapter]
+            dropout = children["lora_dropout"]._modules[adapter]
             p = _dropout_p(dropout)
             if isinstance(p, str):
                 return p
-            lora_A, lora_B = lora_A[adapter], m.lora_B[adapter]
+            lora_A, lora_B = lora_A[adapter], children["lora_B"]._modules[adapter]
             if _hooked(lora_A) or _hooked(lora_B) or _hooked(dropout):
                 return "hooks on a projection"
         if _hooked(m):
@@ -225,7 +297,7 @@ def mlp_candidate(module):
     for name in names:
         if layer_kind(getattr(module, name)) is None:
             proj = getattr(module, name)
-            base = proj.get_base_layer() if _is_lora_layer(proj) else proj
+            base = base_layer(proj) if _is_lora_layer(proj) else proj
             return f"projection {name} is {type(base).__name__}: neither a plain nor a bitsandbytes 4-bit linear"
     return names, act
 
@@ -247,7 +319,7 @@ def attention_candidate(module):
         for name in names:
             if op not in reasons and layer_kind(children[name]) is None:
                 proj = children[name]
-                base = proj.get_base_layer() if _is_lora_layer(proj) else proj
+                base = base_layer(proj) if _is_lora_layer(proj) else proj
                 reasons[op] = f"projection {name} is {type(base).__name__}: neither a plain nor a bitsandbytes 4-bit linear"
     return inputs, out, reasons
 

@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 import accel_patch
 from accel_patch import restore_kernels, swap_kernels
 from accel_patch.swaps import lora, ops, probe, sites
+from accel_patch.swaps.lora import plans
 from accel_patch.swaps.layers import tiled_mlp
 
 from _models import build, padded_batch, rel, training_step
@@ -339,6 +340,21 @@ def test_an_adapter_disabled_merged_switched_or_removed_after_the_swap_is_seen_a
         m.set_adapter("default")
     assert_step_equals_stock(stock, twin)
     assert calls(twin)["lora_mlp"]["fused"] == 4
+
+
+def test_a_projection_is_read_through_its_own_get_base_layer():
+    """Each call finds a LoRA layer's base as PEFT's get_base_layer does (the walk down the
+    base_layer submodules, read from their dicts), and through a class's own get_base_layer where
+    one replaces PEFT's."""
+    model = peft_model(build("llama"), "stock")
+    layers = [m for m in model.modules() if plans._is_lora_layer(m)]
+    assert len(layers) == 14 and all(plans.base_layer(m) is m.get_base_layer() for m in layers)
+    m = layers[0]
+    other = torch.nn.Linear(m.in_features, m.out_features, bias=False).requires_grad_(False)
+    m.__class__ = type("OwnBase", (type(m),), {"get_base_layer": lambda self: other})
+    assert plans.base_layer(m) is other
+    proj, _ = plans.projection(m, torch.randn(3, m.in_features))
+    assert proj.weight is other.weight
 
 
 @pytest.mark.slow
