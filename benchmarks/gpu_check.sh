@@ -32,8 +32,9 @@
 #                             one accel-patch and one Liger step ($OUT/profile.json)
 #   lora         100 s (~55)  LoRA as adapter users train it (bf16 autocast, dropout 0.05): stock PEFT, Liger +
 #                             PEFT, accel-patch without the LoRA ops ("swapped today"), accel-patch fused LoRA
-#   flce          60 s (~25)  the fused loss alone at 8192 x 4096 x 128256 bf16: the weight's gradient by its own
-#                             vocabulary pass (the default) against the fp32 sum over token chunks, and Liger's
+#   flce          60 s (~35)  the fused loss alone at 8192 x 4096 x 128256 bf16: the weight's gradient by its own
+#                             vocabulary pass (the default) against the fp32 sum over token chunks, the bf16 sum
+#                             over the forward's 8 chunks (WEIGHT_DTYPE_SUM_CHUNKS=8), and Liger's
 #   moe-op        60 s (~30)  the experts op alone at Qwen3-30B-A3B's shape, forward and backward timed apart, each
 #                             backward (Triton, grouped_mm, auto) against transformers' grouped_mm path
 #   e2e-compile  240 s (~160) stock + torch.compile and accel-patch + torch.compile (Inductor, cold cache), full

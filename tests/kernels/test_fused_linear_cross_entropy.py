@@ -158,6 +158,83 @@ def test_weight_pass_matches_float64(device, dtype, reduction, tile_tokens, monk
            what=f"tile of {tile_tokens} tokens")
 
 
+def _weight_sum_in_dtype(monkeypatch, chunks):
+    """Above a zero fp32 budget, the weight's gradient summed in its own dtype over at most `chunks`
+    token chunks (WEIGHT_DTYPE_SUM_CHUNKS), on the Triton path; a record of the way each call took
+    to it: "dtype sum" (the forward's pass, in the weight's dtype) or "vocab blocks"."""
+    monkeypatch.setattr(flce_module, "WEIGHT_FP32_BYTES", 0)
+    monkeypatch.setattr(flce_module, "WEIGHT_DTYPE_SUM_CHUNKS", chunks)
+    taken = []
+    chunked, blocks = flce_module._chunked_pass, flce_module._weight_pass
+
+    def chunked_pass(*args, w_sum_dtype=torch.float32, **kw):
+        if kw["need_w"] and w_sum_dtype != torch.float32:
+            taken.append("dtype sum")
+        return chunked(*args, w_sum_dtype=w_sum_dtype, **kw)
+
+    def weight_pass(*args, **kw):
+        taken.append("vocab blocks")
+        return blocks(*args, **kw)
+
+    monkeypatch.setattr(flce_module, "_chunked_pass", chunked_pass)
+    monkeypatch.setattr(flce_module, "_weight_pass", weight_pass)
+    return taken
+
+
+@pytest.mark.parametrize("chunk_size, way", [(8, "dtype sum"), (2, "dtype sum"), (1, "vocab blocks")],
+                         ids=["3 chunks", "8 chunks", "16 chunks"])
+@pytest.mark.parametrize("dtype, reduction", matrix(
+    [torch.bfloat16, torch.float16], ["mean", "sum"], quick=lambda dtype, reduction: dtype == torch.bfloat16))
+def test_weight_sum_in_its_dtype_matches_float64_up_to_its_chunk_limit(device, dtype, reduction, chunk_size, way,
+                                                                      monkeypatch):
+    # 16 tokens: chunks of 8 and 2 (3 and 8 roundings of each weight-gradient element, the limit)
+    # sum in the weight's dtype within the bound of eager's error; chunks of 1 (16) take the pass
+    # over vocabulary blocks instead
+    taken = _weight_sum_in_dtype(monkeypatch, 8)
+    hidden, weight, bias, labels = _inputs((2, 8), 32, 500, dtype, device, ignored=(3, 9, 10), scale=2.0)
+    _check(hidden, weight, bias, labels, dtype, chunk_size=chunk_size, softcap=15.0, reduction=reduction,
+           what=f"chunks of {chunk_size}")
+    assert taken == [way]
+
+
+def test_weight_sum_in_its_dtype_is_off_by_default_and_never_on_the_plain_torch_path(device, monkeypatch):
+    assert flce_module.WEIGHT_DTYPE_SUM_CHUNKS == 0
+    assert not flce_module.weight_sum_in_dtype(8192, 1024, 128_256, 4096, torch.bfloat16, triton_path=True)
+    monkeypatch.setattr(flce_module, "WEIGHT_DTYPE_SUM_CHUNKS", 8)
+    # the GPU benchmark's shape: 8 chunks of 1024 tokens (CHUNK_BYTES); 16 at twice the tokens
+    rows = flce_module.chunk_rows(8192, 128_256, 2, flce_module.CHUNK_BYTES)
+    assert flce_module.weight_sum_in_dtype(8192, rows, 128_256, 4096, torch.bfloat16, triton_path=True)
+    assert not flce_module.weight_sum_in_dtype(16384, rows, 128_256, 4096, torch.bfloat16, triton_path=True)
+    assert not flce_module.weight_sum_in_dtype(8192, rows, 128_256, 4096, torch.float32, triton_path=True)
+    assert not flce_module.weight_sum_in_dtype(8192, rows, 128_256, 4096, torch.bfloat16, triton_path=False)
+    assert not flce_module.weight_sum_in_dtype(8192, rows, 1000, 64, torch.bfloat16, triton_path=True)  # fp32 fits
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_weight_sum_in_its_dtype_hands_over_and_a_second_backward_recomputes(device, factor, monkeypatch):
+    # the forward's grad W and grad h, scaled in place and handed over by the first backward; a
+    # second backward through the retained graph recomputes both (by the vocabulary pass), whatever
+    # was done to .grad in between, and leaves the inputs alone
+    taken = _weight_sum_in_dtype(monkeypatch, 8)
+    hidden, weight, bias, labels = _inputs((10,), 8, 50, torch.bfloat16, device)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], chunk_size=4)
+    loss.backward(torch.tensor(factor, device=device), retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad.mul_(3.0)  # the handed-over tensors, worked on in place
+        t.grad = None
+    loss.backward(torch.tensor(factor, device=device))
+    assert taken == ["dtype sum", "vocab blocks"]
+    go = torch.tensor(factor, device=device)
+    ref, stock = _reference(hidden, weight, bias, labels, go), _run(_eager(labels), hidden, weight, bias, go)
+    for name, a, b, r, st in zip(("grad hidden", "grad weight", "grad bias"), first, leaves, ref[1:], stock[1:]):
+        assert_close(a, r, torch.bfloat16, stock=st, what=f"{name}, first backward")
+        assert_close(b.grad, r, torch.bfloat16, stock=st, what=f"{name}, second backward")
+    for before, t in zip((hidden, weight, bias), leaves):
+        assert torch.equal(before, t.detach())
+
+
 @pytest.mark.parametrize("blocks", [False, True], ids=["fp32 sum", "vocab blocks"])
 @pytest.mark.parametrize("factor", [1.0, 2.0])
 def test_inputs_not_modified_and_second_backward_equal(device, factor, blocks, monkeypatch):
@@ -385,3 +462,37 @@ def test_weight_pass_under_compile_equals_eager(reduction, monkeypatch):
                              _run(fn, hidden, weight, bias, go), ref):
         assert_close(c, r, torch.float32, what=f"{name} compiled")
         torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_weight_sum_in_its_dtype_under_compile_equals_eager(device, monkeypatch):
+    # the forward op's grad W in the weight's dtype (its fake says so) and the backward formula that
+    # scales it in place and hands it over, traced by AOTAutograd
+    taken = _weight_sum_in_dtype(monkeypatch, 8)
+    hidden, weight, bias, labels = _inputs((16,), 16, 300, torch.bfloat16, device, ignored=(3,))
+    go = torch.tensor(0.5, device=device)
+
+    def fn(h, w, b):
+        return fused_linear_cross_entropy(h, w, labels, bias=b, chunk_size=4)
+
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(fn, backend="aot_eager", fullgraph=True), hidden, weight, bias, go)
+    eager = _run(fn, hidden, weight, bias, go)
+    assert taken == ["dtype sum", "dtype sum"]
+    for name, c, e in zip(("loss", "grad hidden", "grad weight", "grad bias"), compiled, eager):
+        assert c.dtype == e.dtype
+        torch.testing.assert_close(c, e, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.usefixtures("unguarded_outputs")
+def test_weight_sum_in_its_dtype_passes_opcheck(monkeypatch):
+    # the fake implementation gives grad W the weight's dtype where the forward sums it so
+    _weight_sum_in_dtype(monkeypatch, 8)
+    h, w, b = (torch.randn(*shape).to(torch.bfloat16).requires_grad_() for shape in ((2, 3, 8), (30, 8), (30,)))
+    labels = torch.tensor([[1, -100, 7], [29, 0, 3]])
+    out = torch.ops.accel_kernels.fused_linear_cross_entropy(h, w, b, labels, -100, None, "mean", 4,
+                                                              True, True, True, True, True)
+    assert out[3].dtype == torch.bfloat16 and out[3].shape == w.shape
+    torch.library.opcheck(torch.ops.accel_kernels.fused_linear_cross_entropy,
+                          (h, w, b, labels, -100, None, "mean", 4, True, True, True, True, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -70,6 +70,16 @@ TORCH_CHUNK_BYTES = 64 << 20
 WEIGHT_FP32_BYTES = 256 << 20
 TORCH_WEIGHT_FP32_BYTES = 1 << 30
 TILE_BYTES = 32 << 20
+# Above the fp32 budget, a third way to the weight's gradient: summed over the forward's token
+# chunks in the weight's own dtype (bf16/fp16), where there are at most this many chunks. Three
+# logits-sized matmuls, as the fp32 sum, instead of the vocabulary pass's four; each chunk's
+# product is rounded into the sum once (cuBLAS accumulates it in fp32), so 8 chunks round 8 times
+# (benchmarks/flce_rounding.py: 3.70e-3 relative error against 2.03e-3 for one rounding, within the
+# kernel tests' 1.5x eager's + 1e-3), and the forward holds its chunk of logits beside the (V, H)
+# gradient (at 8192 tokens x 128256 in bf16: a 250 MiB chunk, 218 MiB more at the peak than the
+# vocabulary pass with its 32 MiB tile). 0, the default: never. `benchmarks/flce_weight.py` times it against the vocabulary
+# pass and Liger's on a GPU; that measurement decides the default (docs/fused-loss.md).
+WEIGHT_DTYPE_SUM_CHUNKS = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,9 +101,19 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
 
 
 def weight_grad_by_blocks(vocab: int, hidden: int, triton_path: bool) -> bool:
-    """Whether the weight's gradient is computed per vocabulary block in a pass of its own (its
-    fp32 (V, H) sum over token chunks would not fit WEIGHT_FP32_BYTES, TORCH_WEIGHT_FP32_BYTES)."""
+    """Whether the weight's gradient does not fit an fp32 (V, H) sum over token chunks
+    (WEIGHT_FP32_BYTES, TORCH_WEIGHT_FP32_BYTES): then it is summed in the weight's dtype in the
+    forward (`weight_sum_in_dtype`) or computed per vocabulary block in a pass of its own."""
     return vocab * hidden * 4 > (WEIGHT_FP32_BYTES if triton_path else TORCH_WEIGHT_FP32_BYTES)
+
+
+def weight_sum_in_dtype(n_rows: int, rows: int, vocab: int, hidden: int, dtype: torch.dtype,
+                        triton_path: bool) -> bool:
+    """Whether the weight's gradient is summed over the token chunks in its own dtype during the
+    forward (WEIGHT_DTYPE_SUM_CHUNKS): on the Triton path, for a bf16/fp16 weight whose fp32 sum
+    does not fit, over at most WEIGHT_DTYPE_SUM_CHUNKS chunks of `rows` tokens."""
+    return (WEIGHT_DTYPE_SUM_CHUNKS > 0 and triton_path and dtype in (torch.bfloat16, torch.float16)
+            and weight_grad_by_blocks(vocab, hidden, triton_path) and n_rows <= WEIGHT_DTYPE_SUM_CHUNKS * rows)
 
 
 # Whether torch.addmm(..., out_dtype=torch.float32) works on a device type (cuBLAS, torch >= 2.8):
@@ -103,10 +123,16 @@ _ADDMM_OUT_FP32: dict[str, bool] = {}
 
 def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """acc += a @ b (acc = a @ b when first: acc's contents, even NaN, are ignored), acc fp32 and
-    a, b maybe of a lower precision (then rounded to fp32 once per call, never to a's dtype)."""
+    a, b maybe of a lower precision (then rounded to fp32 once per call, never to a's dtype); or
+    acc in a's dtype (the sum in the weight's dtype): a @ b + acc accumulated in fp32 and rounded
+    into acc once per call, as cuBLAS's addmm does (a, b in fp32 on CPU: `_chunked_pass`'s wide
+    gradient)."""
     beta = 0.0 if first else 1.0
     if a.dtype == acc.dtype:
         acc.addmm_(a, b, beta=beta)
+        return
+    if acc.dtype != torch.float32:  # the half-precision sum from fp32 operands: one rounding a call
+        acc.copy_(torch.addmm(acc.float(), a, b, beta=beta))
         return
     kind = acc.device.type
     if _ADDMM_OUT_FP32.get(kind, kind == "cuda"):
@@ -123,21 +149,21 @@ def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
 
 
 def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale, need_h, need_w, need_b,
-                  loss=None, lse=None, saved_lse=None):
+                  loss=None, lse=None, saved_lse=None, w_sum_dtype=torch.float32):
     """One walk over the token chunks, with cross_entropy's Triton rows or (triton_path False)
     their plain-torch twins.
 
     Forward mode (saved_lse is None): writes per-token loss and lse; if any gradient is needed,
     also the gradients scaled per token by `scale`. Backward mode: recomputes each chunk's logits
-    and writes the gradients from `saved_lse`. Returns (grad_h, grad_w fp32, grad_b fp32), None
-    for those not needed.
+    and writes the gradients from `saved_lse`. Returns (grad_h, grad_w in w_sum_dtype (fp32, or the
+    weight's dtype: `weight_sum_in_dtype`), grad_b fp32), None for those not needed.
     """
     forward_rows, backward_rows = _row_functions(triton_path)
     n, hidden = h.shape
     vocab = w.shape[0]
     want_grad = need_h or need_w or need_b
     grad_h = _dispatch.empty((n, hidden), dtype=h.dtype, device=h.device) if need_h else None
-    grad_w = _dispatch.empty((vocab, hidden), dtype=torch.float32, device=h.device) if need_w else None
+    grad_w = _dispatch.empty((vocab, hidden), dtype=w_sum_dtype, device=h.device) if need_w else None
     grad_b = torch.zeros((vocab,), dtype=torch.float32, device=h.device) if need_b else None
     if n == 0:
         return grad_h, grad_w.zero_() if need_w else None, grad_b
@@ -272,10 +298,11 @@ def _fused_linear_cross_entropy_op(
     ignore_index: int, softcap: Optional[float], reduction: str, rows: int,
     need_h: bool, need_w: bool, need_b: bool, check_label_range: bool, triton_path: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lse (N,) float32, grad_h, grad_w float32, grad_b float32). For "mean" and "sum" the
-    gradients asked for by need_* are computed here, unscaled by grad_output, except the weight's
-    and bias's when weight_grad_by_blocks (the backward's pass computes those); every gradient not
-    computed is (0,). rows: tokens per chunk."""
+    """(loss, lse (N,) float32, grad_h, grad_w float32 (the weight's dtype where
+    `weight_sum_in_dtype`), grad_b float32). For "mean" and "sum" the gradients asked for by need_*
+    are computed here, unscaled by grad_output, except the weight's and bias's when
+    weight_grad_by_blocks and not weight_sum_in_dtype (the backward's pass computes those); every
+    gradient not computed is (0,). rows: tokens per chunk."""
     h = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     y = _flat_labels(labels)
     n = y.shape[0]
@@ -288,11 +315,15 @@ def _fused_linear_cross_entropy_op(
         scale = torch.ones(1, dtype=torch.float32, device=h.device)
     loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
     lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
-    # Above the fp32 budget the weight's and bias's gradients wait for the backward (_weight_pass).
-    in_pass = grads_now and not weight_grad_by_blocks(weight.shape[0], h.shape[1], triton_path)
+    # Above the fp32 budget the weight's and bias's gradients wait for the backward (_weight_pass),
+    # unless the weight's is summed here in its own dtype.
+    in_dtype = grads_now and need_w and weight_sum_in_dtype(n, rows, weight.shape[0], h.shape[1], weight.dtype,
+                                                            triton_path)
+    in_pass = grads_now and (in_dtype or not weight_grad_by_blocks(weight.shape[0], h.shape[1], triton_path))
     grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows, scale=scale,
                           need_h=need_h and grads_now, need_w=need_w and in_pass,
-                          need_b=need_b and bias is not None and in_pass, loss=loss, lse=lse)
+                          need_b=need_b and bias is not None and in_pass, loss=loss, lse=lse,
+                          w_sum_dtype=weight.dtype if in_dtype else torch.float32)
     if check_label_range:  # after the pass: a bad label's row has a NaN lse
         _check_label_range_by_lse(labels, lse, weight.shape[0], ignore_index)
     grads = _grads_or_nothing(grads, h, weight, bias)
@@ -308,11 +339,13 @@ def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, need
       check_label_range, triton_path):
     now = reduction != "none"
     n, vocab, size = labels.numel(), weight.shape[0], hidden.shape[-1]
-    in_pass = now and not weight_grad_by_blocks(vocab, size, triton_path)
+    in_dtype = now and need_w and weight_sum_in_dtype(n, rows, vocab, size, weight.dtype, triton_path)
+    in_pass = now and (in_dtype or not weight_grad_by_blocks(vocab, size, triton_path))
     return (hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32),
             hidden.new_empty((n,), dtype=torch.float32),
             hidden.new_empty((n, size) if now and need_h else (0,)),
-            hidden.new_empty((vocab, size) if in_pass and need_w else (0,), dtype=torch.float32),
+            hidden.new_empty((vocab, size) if in_pass and need_w else (0,),
+                             dtype=weight.dtype if in_dtype else torch.float32),
             hidden.new_empty((vocab,) if in_pass and need_b and bias is not None else (0,), dtype=torch.float32))
 
 
@@ -360,11 +393,16 @@ def _setup_context(ctx, inputs, output):
     ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
     # "mean"/"sum" with the weight's gradient left to the backward (weight_grad_by_blocks) keep the
     # inputs for its pass, as "none" does, and the forward's unscaled grad_h
+    # the weight's gradient summed in its own dtype in the forward: handed over scaled in place, as
+    # grad_h above the budget, so the inputs are kept for a second backward's recomputation
+    ctx.in_dtype = reduction != "none" and need_w and weight_sum_in_dtype(
+        labels.numel(), rows, weight.shape[0], hidden.shape[-1], weight.dtype, triton_path)
     ctx.recompute = reduction == "none" or (
-        (need_w or (need_b and bias is not None))
+        not ctx.in_dtype and (need_w or (need_b and bias is not None))
         and weight_grad_by_blocks(weight.shape[0], hidden.shape[-1], triton_path))
     ctx.grad_h_given = False
-    ctx.save_for_backward(grad_h, grad_w, grad_b, *((hidden, weight, bias, labels, lse) if ctx.recompute else ()))
+    keep_inputs = ctx.recompute or ctx.in_dtype
+    ctx.save_for_backward(grad_h, grad_w, grad_b, *((hidden, weight, bias, labels, lse) if keep_inputs else ()))
     ctx.set_materialize_grads(False)  # lse and the gradients get no gradient: allocate none for them
 
 
@@ -389,7 +427,26 @@ def _backward(ctx, grad_output, *_unused):
     ignore_index, softcap, reduction, rows, triton_path, hidden_shape = ctx.options
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     h_dtype, w_dtype, b_dtype = ctx.dtypes
-    if not ctx.recompute:
+    if ctx.in_dtype and not ctx.grad_h_given:
+        # The forward's grad_h and grad_w (the weight's dtype: `weight_sum_in_dtype`) are scaled in
+        # place, in fp32 a chunk of rows at a time (one rounding, as `_scaled`), and handed over: a
+        # scaled copy would hold a second (V, H) beside the saved one. Through `.data`, as above the
+        # budget; a later backward through a retained graph recomputes them (the branch below).
+        saved_h, saved_w, saved_b = ctx.saved_tensors[:3]
+        factor = grad_output.float()
+        grad_h = _scale_in_place(saved_h.data, factor, rows).view(hidden_shape) if need_h else None
+        grad_w = _scale_in_place(saved_w.data, factor, rows) if need_w else None
+        grad_b = _scaled(saved_b, grad_output, b_dtype) if need_b else None
+        ctx.grad_h_given = True
+    elif ctx.in_dtype:
+        hidden, weight, bias, labels, lse = ctx.saved_tensors[3:]
+        scale = grad_output.float()
+        if reduction == "mean":
+            scale = scale / (labels != ignore_index).sum().clamp(min=1)
+        grad_h, grad_w, grad_b = _fused_linear_cross_entropy_backward_op.backward_call(
+            ctx, scale, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
+            need_h, need_w, need_b, triton_path)
+    elif not ctx.recompute:
         grad_h, grad_w, grad_b = ctx.saved_tensors
         grad_h = _scaled(grad_h, grad_output, h_dtype) if need_h else None
         if need_h and grad_h.shape != hidden_shape:
@@ -524,7 +581,8 @@ def fused_linear_cross_entropy(
     grad_output in the backward; for "none" the backward recomputes each chunk's logits. grad of
     weight is summed in float32 across chunks, or, when that (V, H) sum would exceed
     WEIGHT_FP32_BYTES, computed in the backward per vocabulary block over all tokens (one more
-    logits matmul; see the module docstring).
+    logits matmul; see the module docstring), or, where WEIGHT_DTYPE_SUM_CHUNKS allows (off by
+    default), summed in the weight's dtype over the forward's few chunks.
 
     chunk_size: tokens per chunk (default: as many as fit CHUNK_BYTES of logits on the Triton
     path, TORCH_CHUNK_BYTES on the plain-torch path).
