@@ -176,3 +176,26 @@ def test_what_the_eager_path_keeps_gives_the_gradients_of_recomputing_it_bit_for
     if autocast is not None:
         expect |= {"A", "B"}
     assert {name for _, name in kept} == expect and len(kept) == len(names) * len(expect)
+
+
+def test_the_eager_functions_run_their_math_with_autocast_off_and_give_it_back(monkeypatch):
+    # every dtype of the math comes from the spec (as inside a custom op), so the Functions switch
+    # the caller's autocast off around it, forward and backward, and on again after
+    seen = []
+    forward, backward = functions.proj_forward, functions.proj_backward
+    monkeypatch.setattr(functions, "proj_forward",
+                        lambda *a, **k: seen.append(torch.is_autocast_enabled("cpu")) or forward(*a, **k))
+    monkeypatch.setattr(functions, "proj_backward",
+                        lambda *a, **k: seen.append(torch.is_autocast_enabled("cpu")) or backward(*a, **k))
+    attn = layer().self_attn
+    x = torch.randn(2, 5, attn.q_proj.in_features, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = qkv_call(attn)(x)
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        loss = sum(o.float().sum() for o in outs)
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = qkv_call(attn)(x)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])  # backward inside autocast too
+        assert torch.is_autocast_enabled("cpu")
+    assert seen == [False] * 12  # three projections, forward and backward, twice
