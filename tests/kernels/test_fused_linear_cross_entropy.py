@@ -210,6 +210,23 @@ def test_weight_sum_in_its_dtype_is_off_by_default_and_never_on_the_plain_torch_
     assert not flce_module.weight_sum_in_dtype(8192, rows, 1000, 64, torch.bfloat16, triton_path=True)  # fp32 fits
 
 
+def _two_backwards(leaves, labels, factor, chunk_size, keep_grad):
+    """Two backwards of the loss of `leaves` (hidden, weight, bias) through a retained graph, each
+    .grad worked on in place in between (a user, or gradient accumulation, does that to a tensor
+    the first backward may have handed over), then kept for the second to add to or dropped; the
+    first backward's gradients."""
+    device = leaves[0].device
+    loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], chunk_size=chunk_size)
+    loss.backward(torch.tensor(factor, device=device), retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad.mul_(3.0)
+        if not keep_grad:
+            t.grad = None
+    loss.backward(torch.tensor(factor, device=device))
+    return first
+
+
 @pytest.mark.parametrize("factor", [1.0, 2.0])
 def test_weight_sum_in_its_dtype_hands_over_and_a_second_backward_recomputes(device, factor, monkeypatch):
     # the forward's grad W and grad h, scaled in place and handed over by the first backward; a
@@ -218,13 +235,7 @@ def test_weight_sum_in_its_dtype_hands_over_and_a_second_backward_recomputes(dev
     taken = _weight_sum_in_dtype(monkeypatch, 8)
     hidden, weight, bias, labels = _inputs((10,), 8, 50, torch.bfloat16, device)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], chunk_size=4)
-    loss.backward(torch.tensor(factor, device=device), retain_graph=True)
-    first = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad.mul_(3.0)  # the handed-over tensors, worked on in place
-        t.grad = None
-    loss.backward(torch.tensor(factor, device=device))
+    first = _two_backwards(leaves, labels, factor, 4, keep_grad=False)  # the second's .grad alone
     assert taken == ["dtype sum", "vocab blocks"]
     go = torch.tensor(factor, device=device)
     ref, stock = _reference(hidden, weight, bias, labels, go), _run(_eager(labels), hidden, weight, bias, go)
@@ -242,12 +253,7 @@ def test_inputs_not_modified_and_second_backward_equal(device, factor, blocks, m
         _weight_pass_always(monkeypatch, 16 * 50 * 4)
     hidden, weight, bias, labels = _inputs((10,), 8, 50, torch.float32, device)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    loss = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], chunk_size=3)
-    loss.backward(torch.tensor(factor, device=device), retain_graph=True)
-    first = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad.mul_(3.0)  # a user (or grad accumulation) working on .grad in place
-    loss.backward(torch.tensor(factor, device=device))
+    first = _two_backwards(leaves, labels, factor, 3, keep_grad=True)
     for a, b in zip(first, leaves):
         torch.testing.assert_close(b.grad, 4.0 * a)  # the saved gradients were not touched
     for before, t in zip((hidden, weight, bias), leaves):
