@@ -307,9 +307,8 @@ def _fused_linear_cross_entropy_op(
     y = _flat_labels(labels)
     n = y.shape[0]
     grads_now = reduction != "none"
-    n_valid = (y != ignore_index).sum()  # a device tensor: no host sync
-    if reduction == "mean":
-        kept = n_valid.clamp(min=1)
+    if reduction == "mean":  # ("sum" and "none" count nothing: two launches a call fewer)
+        kept = (y != ignore_index).sum().clamp_(min=1)  # a device tensor: no host sync
         scale = kept.float().reciprocal_().view(1)  # the bits of 1.0 / kept, in one op
     else:
         scale = torch.ones(1, dtype=torch.float32, device=h.device)
