@@ -38,18 +38,6 @@ class Dtypes(namedtuple("Dtypes", "base result lora_in lora add out")):
     __slots__ = ()
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: torch.promote_types of the floating dtypes, read from a table: the fused functions ask it a few
-#: dozen times a call, and each `torch.promote_types` is a dispatched op (about a microsecond).
-_PROMOTED = {(a, b): torch.promote_types(a, b) for a in _FLOATS for b in _FLOATS}
-
-
-def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """torch.promote_types(a, b)."""
-    promoted = _PROMOTED.get((a, b))
-    return promoted if promoted is not None else torch.promote_types(a, b)
-
-
 def dtypes(p: Proj, x_dtype: torch.dtype, adapter_dtype: torch.dtype | None) -> Dtypes:
     """What PEFT's forward computes in, for projection `p` on an input of `x_dtype` (autocast,
     where on, runs every matmul in its dtype, as `F.linear` does under it)."""
@@ -59,7 +47,7 @@ def dtypes(p: Proj, x_dtype: torch.dtype, adapter_dtype: torch.dtype | None) -> 
         return Dtypes(base, result, x_dtype, result, result, result)
     lora_in = adapter_dtype if p.lora_cast else x_dtype
     lora = p.autocast or adapter_dtype
-    promoted = promote(result, lora)
+    promoted = torch.promote_types(result, lora)
     if p.peft_cast == "cast":
         return Dtypes(base, result, lora_in, lora, result, result)
     return Dtypes(base, result, lora_in, lora, promoted, result if p.peft_cast == "promote" else promoted)
