@@ -116,6 +116,18 @@ def weight_sum_in_dtype(n_rows: int, rows: int, vocab: int, hidden: int, dtype: 
             and weight_grad_by_blocks(vocab, hidden, triton_path) and n_rows <= WEIGHT_DTYPE_SUM_CHUNKS * rows)
 
 
+def _weight_grad_in_forward(n_rows: int, rows: int, weight: torch.Tensor, hidden: int, reduction: str,
+                            need_w: bool, triton_path: bool) -> tuple[bool, bool]:
+    """(in_dtype, in_pass) of one call, as the forward op, its fake and the autograd formula all
+    need them: whether the forward sums the weight's gradient in the weight's dtype
+    (`weight_sum_in_dtype`), and whether it computes the weight's and bias's gradients at all
+    ("mean" and "sum" below the fp32 budget, or in_dtype; else the backward's pass does)."""
+    now = reduction != "none"
+    vocab = weight.shape[0]
+    in_dtype = now and need_w and weight_sum_in_dtype(n_rows, rows, vocab, hidden, weight.dtype, triton_path)
+    return in_dtype, now and (in_dtype or not weight_grad_by_blocks(vocab, hidden, triton_path))
+
+
 # Whether torch.addmm(..., out_dtype=torch.float32) works on a device type (cuBLAS, torch >= 2.8):
 # it accumulates a bf16 product straight into an fp32 buffer without a (V, H) temporary.
 _ADDMM_OUT_FP32: dict[str, bool] = {}
@@ -316,9 +328,7 @@ def _fused_linear_cross_entropy_op(
     lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
     # Above the fp32 budget the weight's and bias's gradients wait for the backward (_weight_pass),
     # unless the weight's is summed here in its own dtype.
-    in_dtype = grads_now and need_w and weight_sum_in_dtype(n, rows, weight.shape[0], h.shape[1], weight.dtype,
-                                                            triton_path)
-    in_pass = grads_now and (in_dtype or not weight_grad_by_blocks(weight.shape[0], h.shape[1], triton_path))
+    in_dtype, in_pass = _weight_grad_in_forward(n, rows, weight, h.shape[1], reduction, need_w, triton_path)
     grads = _chunked_pass(h, weight, bias, y, ignore_index, softcap, triton_path, rows, scale=scale,
                           need_h=need_h and grads_now, need_w=need_w and in_pass,
                           need_b=need_b and bias is not None and in_pass, loss=loss, lse=lse,
@@ -338,8 +348,7 @@ def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, need
       check_label_range, triton_path):
     now = reduction != "none"
     n, vocab, size = labels.numel(), weight.shape[0], hidden.shape[-1]
-    in_dtype = now and need_w and weight_sum_in_dtype(n, rows, vocab, size, weight.dtype, triton_path)
-    in_pass = now and (in_dtype or not weight_grad_by_blocks(vocab, size, triton_path))
+    in_dtype, in_pass = _weight_grad_in_forward(n, rows, weight, size, reduction, need_w, triton_path)
     return (hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32),
             hidden.new_empty((n,), dtype=torch.float32),
             hidden.new_empty((n, size) if now and need_h else (0,)),
@@ -394,11 +403,9 @@ def _setup_context(ctx, inputs, output):
     # inputs for its pass, as "none" does, and the forward's unscaled grad_h
     # the weight's gradient summed in its own dtype in the forward: handed over scaled in place, as
     # grad_h above the budget, so the inputs are kept for a second backward's recomputation
-    ctx.in_dtype = reduction != "none" and need_w and weight_sum_in_dtype(
-        labels.numel(), rows, weight.shape[0], hidden.shape[-1], weight.dtype, triton_path)
-    ctx.recompute = reduction == "none" or (
-        not ctx.in_dtype and (need_w or (need_b and bias is not None))
-        and weight_grad_by_blocks(weight.shape[0], hidden.shape[-1], triton_path))
+    ctx.in_dtype, in_pass = _weight_grad_in_forward(labels.numel(), rows, weight, hidden.shape[-1], reduction,
+                                                    need_w, triton_path)
+    ctx.recompute = reduction == "none" or (not in_pass and (need_w or (need_b and bias is not None)))
     ctx.grad_h_given = False
     keep_inputs = ctx.recompute or ctx.in_dtype
     ctx.save_for_backward(grad_h, grad_w, grad_b, *((hidden, weight, bias, labels, lse) if keep_inputs else ()))
@@ -430,22 +437,14 @@ def _backward(ctx, grad_output, *_unused):
         # The forward's grad_h and grad_w (the weight's dtype: `weight_sum_in_dtype`) are scaled in
         # place, in fp32 a chunk of rows at a time (one rounding, as `_scaled`), and handed over: a
         # scaled copy would hold a second (V, H) beside the saved one. Through `.data`, as above the
-        # budget; a later backward through a retained graph recomputes them (the branch below).
+        # budget; a later backward through a retained graph recomputes them (the last branch).
         saved_h, saved_w, saved_b = ctx.saved_tensors[:3]
         factor = grad_output.float()
         grad_h = _scale_in_place(saved_h.data, factor, rows).view(hidden_shape) if need_h else None
         grad_w = _scale_in_place(saved_w.data, factor, rows) if need_w else None
         grad_b = _scaled(saved_b, grad_output, b_dtype) if need_b else None
         ctx.grad_h_given = True
-    elif ctx.in_dtype:
-        hidden, weight, bias, labels, lse = ctx.saved_tensors[3:]
-        scale = grad_output.float()
-        if reduction == "mean":
-            scale = scale / (labels != ignore_index).sum().clamp(min=1)
-        grad_h, grad_w, grad_b = _fused_linear_cross_entropy_backward_op.backward_call(
-            ctx, scale, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
-            need_h, need_w, need_b, triton_path)
-    elif not ctx.recompute:
+    elif not ctx.recompute and not ctx.in_dtype:
         grad_h, grad_w, grad_b = ctx.saved_tensors
         grad_h = _scaled(grad_h, grad_output, h_dtype) if need_h else None
         if need_h and grad_h.shape != hidden_shape:
@@ -457,7 +456,7 @@ def _backward(ctx, grad_output, *_unused):
         grad_h, grad_w, grad_b = _fused_linear_cross_entropy_backward_op.backward_call(
             ctx, grad_output, hidden, weight, bias, labels, lse, ignore_index, softcap, rows,
             need_h, need_w, need_b, triton_path)
-    else:
+    else:  # above the budget; or a second backward after the in-dtype sum was handed over
         saved_h, _, _, hidden, weight, bias, labels, lse = ctx.saved_tensors
         scale = grad_output.float()
         if reduction == "mean":
