@@ -23,8 +23,10 @@ already.
 
 Schemas take tensors, bool, int, float, str, Optional of those and torch.dtype: options travel as
 those (casting mode and reduction as str, softcap as float?, ignore_index as int). Outputs never
-alias inputs and have the strides the fake implementations promise (contiguous); an output an op
-does not need is an empty (0,) tensor, never None.
+alias inputs and have the strides the fake implementations promise: contiguous, but for RoPE's,
+which an argument may lay out with dims 1 and 2 swapped in memory (`ops/rope.py`: the layout a
+function of the arguments, never of the inputs' strides, which Inductor does not hand the fake as
+the real call gets them); an output an op does not need is an empty (0,) tensor, never None.
 
 float64 calls of rms_norm and rope do not go through the ops: they run the module's formula in
 plain differentiable torch, so that second derivatives through them stay exact (a custom op's

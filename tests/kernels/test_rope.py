@@ -143,6 +143,40 @@ def test_non_contiguous_inputs(device, dtype):
     check_against_float64(qkv[:, :, :n_q], qkv[:, :, n_q:n_q + n_k], cos, sin, 2)
 
 
+@pytest.mark.parametrize("path", ["triton", "twin"])
+def test_outputs_keep_the_projections_layout_and_gradients_transpose_back_to_it(device, monkeypatch, path):
+    """q, k as attention builds them, (B, H, S, D) views of (B, S, H, D) projections: the outputs
+    keep that memory order as transformers' formula does (an attention whose output follows q's
+    layout then needs no copy before o_proj), and the gradients, from an upstream in either layout,
+    transpose back to contiguous (B, S, H, D) ones (no copy in the projections' view backward,
+    where stock's formula gives a contiguous (B, H, S, D) gradient and its view backward copies
+    it). The same for a fused projection's slices; a contiguous (B, H, S, D) q keeps its layout."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: path == "triton")
+    batch, seq, n_q, n_k, head_dim = 2, 3, 4, 2, 16
+    theta = torch.rand(1, seq, head_dim, device=device) * 6.3
+    cos, sin = theta.cos(), theta.sin()
+    qkv = torch.randn(batch, seq, n_q + 2 * n_k, head_dim, device=device)
+    projected = (torch.randn(batch, seq, n_q, head_dim, device=device).transpose(1, 2),
+                 torch.randn(batch, seq, n_k, head_dim, device=device).transpose(1, 2))
+    fused = (qkv[:, :, :n_q].transpose(1, 2), qkv[:, :, n_q:n_q + n_k].transpose(1, 2))
+    for q, k in (projected, fused):
+        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+        q_out, k_out = rope(q, k, cos, sin)
+        stock_q, stock_k = apply_rotary_pos_emb(q, k, cos, sin)
+        assert (q_out.stride(), k_out.stride()) == (stock_q.stride(), stock_k.stride())
+        assert q_out.transpose(1, 2).is_contiguous() and k_out.transpose(1, 2).is_contiguous()
+        for dq_out, dk_out in ((torch.randn_like(q_out), torch.randn_like(k_out)),  # the outputs' layout
+                               (torch.randn(q.shape, device=device), torch.randn(k.shape, device=device))):
+            dq, dk = torch.autograd.grad([q_out, k_out], [q, k], [dq_out, dk_out], retain_graph=True)
+            assert dq.transpose(1, 2).is_contiguous() and dk.transpose(1, 2).is_contiguous()
+            want = torch.autograd.grad([stock_q, stock_k], [q, k], [dq_out, dk_out], retain_graph=True)
+            assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip((dq, dk), want))
+    q, k, cos, sin = make_inputs(device, torch.float32)
+    assert rope(q, k, cos, sin)[0].is_contiguous()
+
+
 @pytest.mark.usefixtures("triton_only")
 def test_inputs_are_not_written_and_only_cos_sin_are_saved(device):
     q, k, cos, sin = make_inputs(device, torch.bfloat16, n_q=4, n_k=2, head_dim=32, rot_dim=16)

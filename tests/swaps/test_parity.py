@@ -6,6 +6,9 @@ from stock's own bfloat16 error against a float64 run.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,3 +74,20 @@ def test_each_kernel_kind_really_runs_in_a_training_step(family):
     assert expected <= set(launched), sorted(set(launched))
     # one RMSNorm launch per norm forward: 2 per layer and the final one
     assert launched.count("_rms_norm_fwd_kernel") == 5
+
+
+
+def test_the_swapped_rope_leaves_attention_no_copy_stock_does_not_make():
+    """RoPE's outputs keep the projections' memory order, as transformers' formula does: an
+    attention whose output follows q's layout (SDPA here, as flash attention on CUDA) needs no copy
+    before o_proj, and the gradients reach the projections' view backward without one. Red with
+    the op's outputs contiguous in (B, H, S, D): one copy forward, as many as stock's backward."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from attention_layout import copies
+    finally:
+        sys.path.pop(0)
+    stock, twin = pair("llama")
+    assert set(swap_kernels(twin, ops="rope").swapped) == {"rope"}
+    copied = {name: copies(model.train()) for name, model in (("stock", stock), ("swapped", twin))}
+    assert copied["swapped"][0] <= copied["stock"][0] and copied["swapped"][1] <= copied["stock"][1], copied

@@ -216,21 +216,42 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
-def _forward_triton(q, k, cos, sin, unsqueeze_dim, form=0):
-    """(q_out, k_out), new tensors in the dtypes torch promotion gives."""
-    q_out = _dispatch.empty_like(q, dtype=_out_dtype(q, cos, sin))
-    k_out = _dispatch.empty_like(k, dtype=_out_dtype(k, cos, sin))
+def _new(t: torch.Tensor, dtype: torch.dtype, swapped: bool) -> torch.Tensor:
+    """An output of t's shape: contiguous, or (swapped) laid out with dims 1 and 2 swapped in
+    memory, a transposed view of a contiguous tensor (`rope`'s `swapped`)."""
+    if not swapped:
+        return _dispatch.empty_like(t, dtype=dtype)
+    b, d1, d2, d = t.shape
+    return _dispatch.empty((b, d2, d1, d), dtype=dtype, device=t.device).transpose(1, 2)
+
+
+def _laid_out(r: torch.Tensor, swapped: bool) -> torch.Tensor:
+    """The twin's result `r` in `_new`'s layout (the op's strides are its fake's): itself where it
+    has them, else a copy."""
+    want = _new(r, r.dtype, swapped) if r.stride() != _strides(r.shape, swapped) else None
+    return r if want is None else want.copy_(r)
+
+
+def _strides(shape, swapped: bool) -> tuple[int, ...]:
+    b, d1, d2, d = shape
+    return (d1 * d2 * d, d, d1 * d, 1) if swapped else (d1 * d2 * d, d2 * d, d, 1)
+
+
+def _forward_triton(q, k, cos, sin, unsqueeze_dim, form=0, swapped=False):
+    """(q_out, k_out), new tensors in the dtypes torch promotion gives, laid out as `_new` says."""
+    q_out = _new(q, _out_dtype(q, cos, sin), swapped)
+    k_out = _new(k, _out_dtype(k, cos, sin), swapped)
     _rope_launch(q, k, q_out, k_out, cos, sin, unsqueeze_dim, backward=False, form=form)
     return q_out, k_out
 
 
 def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs,
-                     forward_autocast, form=0):
+                     forward_autocast, form=0, swapped=False):
     """(dq, dk, None, None): the transposed rotation of the output gradients. Only taken when cos
     and sin want no gradient; q and k (None here) do not enter the gradients of q and k.
     (forward_autocast is for the twin, which recomputes the forward; the kernel does not.)"""
-    dq = _dispatch.empty_like(dq_out, dtype=q_dtype)
-    dk = _dispatch.empty_like(dk_out, dtype=k_dtype)
+    dq = _new(dq_out, q_dtype, swapped)
+    dk = _new(dk_out, k_dtype, swapped)
     _rope_launch(dq_out, dk_out, dq, dk, cos, sin, unsqueeze_dim, backward=True, form=form)
     return dq, dk, None, None
 
@@ -242,55 +263,71 @@ def _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_d
 
 @_library.custom_op("rope")
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
-             triton_path: bool, form: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = (_forward_triton if triton_path else _forward_torch)(q, k, cos, sin, unsqueeze_dim, form)
-    return q_out.contiguous(), k_out.contiguous()
+             triton_path: bool, form: int = 0, swapped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out), contiguous or (swapped) laid out with dims 1 and 2 swapped in memory."""
+    if triton_path:
+        return _forward_triton(q, k, cos, sin, unsqueeze_dim, form, swapped)
+    q_out, k_out = _forward_torch(q, k, cos, sin, unsqueeze_dim, form)
+    return _laid_out(q_out, swapped), _laid_out(k_out, swapped)
+
+
+def _fake_new(t: torch.Tensor, dtype: torch.dtype, swapped: bool) -> torch.Tensor:
+    if not swapped:
+        return t.new_empty(t.shape, dtype=dtype)
+    b, d1, d2, d = t.shape
+    return t.new_empty((b, d2, d1, d), dtype=dtype).transpose(1, 2)
 
 
 @_rope_op.register_fake
-def _(q, k, cos, sin, unsqueeze_dim, triton_path, form=0):
-    return q.new_empty(q.shape, dtype=_out_dtype(q, cos, sin)), k.new_empty(k.shape, dtype=_out_dtype(k, cos, sin))
+def _(q, k, cos, sin, unsqueeze_dim, triton_path, form=0, swapped=False):
+    return _fake_new(q, _out_dtype(q, cos, sin), swapped), _fake_new(k, _out_dtype(k, cos, sin), swapped)
 
 
 @_library.custom_op("rope_backward")
 def _rope_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, q: Optional[torch.Tensor],
                       k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int,
                       q_dtype: torch.dtype, k_dtype: torch.dtype, need_cos: bool, need_sin: bool,
-                      triton_path: bool, form: int = 0
+                      triton_path: bool, form: int = 0, swapped: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dcos, dsin); dcos, dsin are (0,) unless asked for (then q and k are given)."""
+    """(dq, dk, dcos, dsin); dcos, dsin are (0,) unless asked for (then q and k are given); dq and
+    dk laid out as the forward's outputs (`swapped`)."""
     needs = (True, True, need_cos, need_sin)
-    grads = (_backward_triton if triton_path else _backward_torch)(
-        dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs, None, form)
-    dq, dk, dcos, dsin = grads
-    return (dq.contiguous(), dk.contiguous(),
+    if triton_path:
+        dq, dk, dcos, dsin = _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype,
+                                              needs, None, form, swapped)
+    else:
+        dq, dk, dcos, dsin = _backward_torch(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype,
+                                             needs, None, form)
+        dq, dk = _laid_out(dq, swapped), _laid_out(dk, swapped)
+    return (dq, dk,
             dcos.contiguous() if need_cos else _library.nothing(cos),
             dsin.contiguous() if need_sin else _library.nothing(sin))
 
 
 @_rope_backward_op.register_fake
-def _(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, need_cos, need_sin, triton_path, form=0):
-    return (dq_out.new_empty(dq_out.shape, dtype=q_dtype), dk_out.new_empty(dk_out.shape, dtype=k_dtype),
+def _(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, need_cos, need_sin, triton_path, form=0,
+      swapped=False):
+    return (_fake_new(dq_out, q_dtype, swapped), _fake_new(dk_out, k_dtype, swapped),
             cos.new_empty(cos.shape) if need_cos else _library.nothing(cos),
             sin.new_empty(sin.shape) if need_sin else _library.nothing(sin))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, unsqueeze_dim, triton_path, form = inputs
+    q, k, cos, sin, unsqueeze_dim, triton_path, form, swapped = inputs
     # the rotation is linear in q and k: they are needed only for the gradients of cos and sin
     keep_qk = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
     ctx.save_for_backward(cos, sin, *((q, k) if keep_qk else (None, None)))
-    ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype, form)
+    ctx.options = (unsqueeze_dim, triton_path, q.dtype, k.dtype, form, swapped)
 
 
 def _backward(ctx, dq_out, dk_out):
     _dispatch.check_first_order("rope")  # the op's backward is opaque to autograd
     cos, sin, q, k = ctx.saved_tensors
-    unsqueeze_dim, triton_path, q_dtype, k_dtype, form = ctx.options
+    unsqueeze_dim, triton_path, q_dtype, k_dtype, form, swapped = ctx.options
     needs = ctx.needs_input_grad[:4]
     grads = _rope_backward_op.backward_call(ctx, dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype,
-                                                  k_dtype, needs[2], needs[3], triton_path, form)
-    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
+                                                  k_dtype, needs[2], needs[3], triton_path, form, swapped)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None)
 
 
 _rope_op.register_autograd(_backward, setup_context=_setup_context)
@@ -472,7 +509,9 @@ def rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: tor
     last D - R pass through (partial rotary; "pairs_last": the last R rotate, the first D - R pass
     through); "interleave", "pairs" and "pairs_last" read the first R/2 columns (one angle per
     pair), "complex" cos's even columns and sin's odd ones. Any strides. Outputs are new tensors of q's/k's shape in the dtype torch
-    promotion gives q (k) with cos and sin. Differentiable in q and k. The kernel gives cos and
+    promotion gives q (k) with cos and sin; where q and k are views with dims 1 and 2 swapped in
+    memory (attention's transposed projections), in that memory order, as transformers' formula
+    gives them, else contiguous. Differentiable in q and k. The kernel gives cos and
     sin no gradient: when either requires grad, the plain-torch twin runs instead so that they get
     one. Raises ValueError naming a bad argument. float32/bfloat16/float16 run the Triton kernel
     (on GPU, or on CPU when the kernels run under Triton's interpreter); float64 and everything
@@ -495,5 +534,18 @@ def rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: tor
     else:
         triton_path = (_dispatch.use_triton(q) and q.numel() > 0
                        and all(t.dtype in _DTYPES for t in (q, k, cos, sin)) and not grad_tables)
-        q_out, k_out = _rope_op(q, k, cos, sin, unsqueeze_dim, triton_path, index)
+        # q, k as attention builds them, (B, H, S, D) views of (B, S, H, D) projections: the outputs
+        # keep the projections' memory order, as transformers' formula does (an attention whose
+        # output follows q's layout then needs no copy before o_proj), and so do the gradients
+        # (they reach the projections' view backward contiguous: no copy there)
+        swapped = _heads_transposed(q) and (alone or _heads_transposed(k))
+        q_out, k_out = _rope_op(q, k, cos, sin, unsqueeze_dim, triton_path, index, swapped)
     return (q_out, None) if alone else (q_out, k_out)
+
+
+def _heads_transposed(t: torch.Tensor) -> bool:
+    """Whether t is a transposed view of a dims-1-and-2-swapped tensor (a (B, H, S, D) view of a
+    (B, S, H, D) projection, or a slice of a fused one): its strides decrease with dims 1 and 2
+    swapped, and not as they are."""
+    b, s1, s2, d = t.stride()
+    return b >= s2 >= s1 >= d and not (s1 >= s2)
