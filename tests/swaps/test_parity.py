@@ -77,6 +77,7 @@ def test_each_kernel_kind_really_runs_in_a_training_step(family):
 
 
 
+@pytest.mark.slow  # 1.4 s; tests/kernels/test_rope.py's layout test holds the rule in the quick loop
 def test_the_swapped_rope_leaves_attention_no_copy_stock_does_not_make():
     """RoPE's outputs keep the projections' memory order, as transformers' formula does: an
     attention whose output follows q's layout (SDPA here, as flash attention on CUDA) needs no copy
