@@ -222,6 +222,10 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int, rope_forms=None):
     if act == _glu.SILU:  # the clamped variant (DeepSeek V4's and GLM-5-next's swiglu_limit): same shapes
         _glu._forward_triton(gate, up, act, 10.0)
         _glu._backward_triton(torch.empty_like(gate), gate, up, act, 10.0)
+    # the halves of a fused gate_up projection (Phi3's), read in place by the row kernels
+    first, second = _meta((tokens, 2 * model.intermediate), dtype).chunk(2, dim=-1)
+    _glu._forward_triton(first, second, act)
+    _glu._backward_triton(torch.empty_like(gate), first, second, act)
     relu_squared._forward_triton(up)  # Nemotron-H's non-gated MLP: the same elementwise shapes
     relu_squared._backward_triton(torch.empty_like(up), up)
     labels = _meta((tokens,), torch.int64)

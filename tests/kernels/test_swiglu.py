@@ -64,6 +64,27 @@ def test_non_contiguous_inputs(device, dtype):
     check_against_float64(swiglu, eager, gate_t, up, dout)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "silu limit 10", "gelu_tanh"])
+def test_the_halves_of_a_fused_gate_up_are_read_in_place(device, dtype, act):
+    """Phi3's gate_up_proj output chunked in two: the row kernels read both halves where they lie
+    (a row stride of twice the width), forward and backward, where the flat kernels would need a
+    contiguous copy of each (two [tokens, width] passes each way); 1100 columns: a full and a
+    partial column block. Red with the row kernels unused (the flat ones launch)."""
+    from accel_kernels import _launch, geglu
+
+    limit = 10.0 if act.endswith("limit 10") else None
+    op, ref = ((lambda g, u: swiglu(g, u, limit=limit)),
+               (lambda g, u: eager(g.clamp(max=limit), u.clamp(-limit, limit)) if limit else eager(g, u)))
+    if act == "gelu_tanh":
+        op, ref = (lambda g, u: geglu(g, u, approximate="tanh")), (lambda g, u: F.gelu(g, approximate="tanh") * u)
+    gate, up = torch.randn(2, 3, 2 * 1100, device=device).mul(6).to(dtype).chunk(2, dim=-1)
+    dout = torch.randn(2, 3, 1100, device=device).to(dtype)
+    with _launch.recording() as launched:
+        check_against_float64(op, ref, gate, up, dout)
+    assert set(launched) == {"_glu_forward_rows_kernel", "_glu_backward_rows_kernel"}, launched
+
+
 def test_plain_path_matches_triton_path(device, monkeypatch):
     gate, up, dout = (torch.randn(4, 777, device=device) for _ in range(3))
     allocations = []

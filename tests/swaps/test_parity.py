@@ -77,18 +77,20 @@ def test_each_kernel_kind_really_runs_in_a_training_step(family):
 
 
 
-@pytest.mark.slow  # 1.4 s; tests/kernels/test_rope.py's layout test holds the rule in the quick loop
-def test_the_swapped_rope_leaves_attention_no_copy_stock_does_not_make():
+@pytest.mark.slow  # 2 s; the kernels' own layout tests hold both rules in the quick loop
+def test_swapped_attention_and_fused_gate_up_mlp_copy_no_more_than_stock():
     """RoPE's outputs keep the projections' memory order, as transformers' formula does: an
     attention whose output follows q's layout (SDPA here, as flash attention on CUDA) needs no copy
-    before o_proj, and the gradients reach the projections' view backward without one. Red with
-    the op's outputs contiguous in (B, H, S, D): one copy forward, as many as stock's backward."""
+    before o_proj, and the gradients reach the projections' view backward without one. The GLU
+    reads the halves of Phi3's fused gate_up projection in place. Red with RoPE's outputs
+    contiguous in (B, H, S, D) (one copy forward), or with the GLU's inputs copied contiguous."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
-        from attention_layout import copies
+        import copies
     finally:
         sys.path.pop(0)
-    stock, twin = pair("llama")
-    assert set(swap_kernels(twin, ops="rope").swapped) == {"rope"}
-    copied = {name: copies(model.train()) for name, model in (("stock", stock), ("swapped", twin))}
-    assert copied["swapped"][0] <= copied["stock"][0] and copied["swapped"][1] <= copied["stock"][1], copied
+    for family, op, part in (("llama", "rope", "attention"), ("phi3", "glu", "mlp")):
+        stock, twin = pair(family)
+        assert set(swap_kernels(twin, ops=op).swapped) == {op}
+        copied = {name: copies.copies(model.train(), part) for name, model in (("stock", stock), ("swapped", twin))}
+        assert copied["swapped"][0] <= copied["stock"][0] and copied["swapped"][1] <= copied["stock"][1], (family, copied)

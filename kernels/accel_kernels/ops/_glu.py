@@ -5,7 +5,9 @@ The two ops differ only in the activation and its derivative, so one elementwise
 both op files in the usual order (kernels, host launch, torch.library ops `glu` and
 `glu_backward` with the activation as a str, plain-torch twin,
 checks, entry `gated_unit`); swiglu.py and geglu.py hold their public entries only. Kernels walk
-the flat, contiguous tensor in 1-D blocks and compute in fp32; outputs are in the input dtype.
+the flat, contiguous tensors in 1-D blocks, or, where gate and up are the halves of one fused
+gate_up projection (evenly strided rows), read them in place row by row (no contiguous copies);
+they compute in fp32; outputs are contiguous, in the input dtype.
 
 Memory: the forward saves only gate and up and the backward recomputes act(gate), so an MLP keeps
 two activation-sized tensors for backward where eager `act(gate) * up` keeps three.
@@ -59,6 +61,30 @@ def _act_and_grad(g, ACT: tl.constexpr):
 
 
 @jit
+def _glu_forward_math(g, u, limit, ACT: tl.constexpr, CLAMP: tl.constexpr):
+    """act(g) * u in fp32 (g, u clamped first under CLAMP)."""
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    a, _ = _act_and_grad(g, ACT)
+    return a * u
+
+
+@jit
+def _glu_backward_math(dout, g, u, limit, ACT: tl.constexpr, CLAMP: tl.constexpr):
+    """(d gate, d up) in fp32."""
+    dg_pass = 1.0
+    du_pass = 1.0
+    if CLAMP:  # torch.clamp's gradient: passed where the input lies within the bounds
+        dg_pass = tl.where(g <= limit, 1.0, 0.0)
+        du_pass = tl.where((u >= -limit) & (u <= limit), 1.0, 0.0)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    a, da = _act_and_grad(g, ACT)
+    return dout * u * da * dg_pass, dout * a * du_pass
+
+
+@jit
 def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, limit, ACT: tl.constexpr, CLAMP: tl.constexpr,
                         BLOCK: tl.constexpr):
     # int64 block start: tensors of 2**31 elements and more are common at LLM scale.
@@ -67,11 +93,8 @@ def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, n, limit, ACT: tl.constexpr, 
     mask = offs < n - start
     g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-    if CLAMP:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    a, _ = _act_and_grad(g, ACT)
-    tl.store(out_ptr + start + offs, cast_rounded(a * u, out_ptr.dtype.element_ty), mask=mask)
+    out = _glu_forward_math(g, u, limit, ACT, CLAMP)
+    tl.store(out_ptr + start + offs, cast_rounded(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
@@ -83,16 +106,38 @@ def _glu_backward_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, limi
     dout = tl.load(dout_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-    dg_pass = 1.0
-    du_pass = 1.0
-    if CLAMP:  # torch.clamp's gradient: passed where the input lies within the bounds
-        dg_pass = tl.where(g <= limit, 1.0, 0.0)
-        du_pass = tl.where((u >= -limit) & (u <= limit), 1.0, 0.0)
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    a, da = _act_and_grad(g, ACT)
-    tl.store(dgate_ptr + start + offs, cast_rounded(dout * u * da * dg_pass, dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + start + offs, cast_rounded(dout * a * du_pass, dup_ptr.dtype.element_ty), mask=mask)
+    dg, du = _glu_backward_math(dout, g, u, limit, ACT, CLAMP)
+    tl.store(dgate_ptr + start + offs, cast_rounded(dg, dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + start + offs, cast_rounded(du, dup_ptr.dtype.element_ty), mask=mask)
+
+
+# The same over rows whose inputs sit a row stride apart (gate and up as halves of one fused
+# gate_up projection, `chunk(2, dim=-1)`): read in place, where the flat kernels would need
+# contiguous copies of both. A program covers BLOCK columns of one row; outputs are contiguous.
+@jit
+def _glu_forward_rows_kernel(gate_ptr, up_ptr, out_ptr, n_cols, gate_row, up_row, limit,
+                             ACT: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gate_ptr + row * gate_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * up_row + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _glu_forward_math(g, u, limit, ACT, CLAMP)
+    tl.store(out_ptr + row * n_cols + cols, cast_rounded(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _glu_backward_rows_kernel(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n_cols, dout_row, gate_row, up_row,
+                              limit, ACT: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dout = tl.load(dout_ptr + row * dout_row + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * gate_row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * up_row + cols, mask=mask, other=0.0).to(tl.float32)
+    dg, du = _glu_backward_math(dout, g, u, limit, ACT, CLAMP)
+    tl.store(dgate_ptr + row * n_cols + cols, cast_rounded(dg, dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + row * n_cols + cols, cast_rounded(du, dup_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,9 +149,36 @@ def _grid(n: int) -> tuple[int]:
     return (_launch.cdiv(n, BLOCK),)
 
 
+def _row_views(*ts: torch.Tensor) -> list[torch.Tensor] | None:
+    """Each tensor as (rows, columns) in place, where one of them is not contiguous and all are
+    evenly strided rows (the halves of a fused gate_up projection); None where every one is
+    contiguous (the flat kernels) or one has no such view (then copied contiguous)."""
+    if all(t.is_contiguous() for t in ts):
+        return None
+    n_cols = ts[0].shape[-1]
+    try:
+        views = [t.view(-1, n_cols) for t in ts]
+    except RuntimeError:  # rows not evenly strided
+        return None
+    return views if all(v.stride(1) == 1 or v.shape[1] == 1 for v in views) else None
+
+
+def _rows_launch(kernel, views, outs, limit, act):
+    rows, n_cols = views[0].shape
+    block = min(BLOCK, _launch.next_power_of_2(n_cols))
+    if rows and n_cols:
+        _launch.launch(kernel, (rows, _launch.cdiv(n_cols, block)), *views, *outs, n_cols,
+                       *(v.stride(0) for v in views), float(limit), ACT=act, CLAMP=limit > 0, BLOCK=block,
+                       num_warps=max(1, block // 256))
+
+
 def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float = 0.0) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
     out = _dispatch.empty_like(gate)
+    views = _row_views(gate, up)
+    if views is not None:
+        _rows_launch(_glu_forward_rows_kernel, views, (out,), limit, act)
+        return out
+    gate, up = gate.contiguous(), up.contiguous()
     n = gate.numel()
     if n:
         _launch.launch(_glu_forward_kernel, _grid(n), gate, up, out, n, float(limit), ACT=act,
@@ -115,8 +187,12 @@ def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float
 
 
 def _backward_triton(dout, gate, up, act: int, limit: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
     dgate, dup = _dispatch.empty_like(gate), _dispatch.empty_like(up)
+    views = _row_views(dout, gate, up)
+    if views is not None:
+        _rows_launch(_glu_backward_rows_kernel, views, (dgate, dup), limit, act)
+        return dgate, dup
+    dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
     n = gate.numel()
     if n:
         _launch.launch(_glu_backward_kernel, _grid(n), dout, gate, up, dgate, dup, n, float(limit), ACT=act,
