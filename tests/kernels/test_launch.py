@@ -70,6 +70,8 @@ def run_every_path(device, monkeypatch):
     torch.autograd.backward(accel_kernels.rope(q, k, cos, sin), [torch.ones_like(q), torch.ones_like(k)])
     gate, up = leaf(2, 30), leaf(2, 30)
     accel_kernels.swiglu(gate, up).sum().backward()
+    halves = leaf(2, 60).chunk(2, dim=-1)  # a fused gate_up projection's halves: the row kernels
+    torch.autograd.backward(accel_kernels.swiglu(*halves), torch.ones(2, 30, device=device))
     accel_kernels.geglu(gate, up, approximate="tanh").sum().backward()
     accel_kernels.relu_squared(up).sum().backward()
     labels = torch.tensor([1, 7, -100, 3], device=device)
