@@ -150,17 +150,15 @@ def _grid(n: int) -> tuple[int]:
 
 
 def _row_views(*ts: torch.Tensor) -> list[torch.Tensor] | None:
-    """Each tensor as (rows, columns) in place, where one of them is not contiguous and all are
-    evenly strided rows (the halves of a fused gate_up projection); None where every one is
-    contiguous (the flat kernels) or one has no such view (then copied contiguous)."""
-    if all(t.is_contiguous() for t in ts):
-        return None
+    """Each tensor as (rows, columns) in place, where all are evenly strided rows (the halves of a
+    fused gate_up projection); None where one has no such view (then copied contiguous)."""
     n_cols = ts[0].shape[-1]
+    if n_cols > 1 and any(t.stride(-1) != 1 for t in ts):  # e.g. .sum()'s expanded gradient
+        return None
     try:
-        views = [t.view(-1, n_cols) for t in ts]
+        return [t.view(-1, n_cols) for t in ts]
     except RuntimeError:  # rows not evenly strided
         return None
-    return views if all(v.stride(1) == 1 or v.shape[1] == 1 for v in views) else None
 
 
 def _rows_launch(kernel, views, outs, limit, act):
@@ -174,11 +172,12 @@ def _rows_launch(kernel, views, outs, limit, act):
 
 def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float = 0.0) -> torch.Tensor:
     out = _dispatch.empty_like(gate)
-    views = _row_views(gate, up)
-    if views is not None:
-        _rows_launch(_glu_forward_rows_kernel, views, (out,), limit, act)
-        return out
-    gate, up = gate.contiguous(), up.contiguous()
+    if not (gate.is_contiguous() and up.is_contiguous()):
+        views = _row_views(gate, up)
+        if views is not None:
+            _rows_launch(_glu_forward_rows_kernel, views, (out,), limit, act)
+            return out
+        gate, up = gate.contiguous(), up.contiguous()
     n = gate.numel()
     if n:
         _launch.launch(_glu_forward_kernel, _grid(n), gate, up, out, n, float(limit), ACT=act,
@@ -188,11 +187,12 @@ def _forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int, limit: float
 
 def _backward_triton(dout, gate, up, act: int, limit: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     dgate, dup = _dispatch.empty_like(gate), _dispatch.empty_like(up)
-    views = _row_views(dout, gate, up)
-    if views is not None:
-        _rows_launch(_glu_backward_rows_kernel, views, (dgate, dup), limit, act)
-        return dgate, dup
-    dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
+    if not (dout.is_contiguous() and gate.is_contiguous() and up.is_contiguous()):
+        views = _row_views(dout, gate, up)
+        if views is not None:
+            _rows_launch(_glu_backward_rows_kernel, views, (dgate, dup), limit, act)
+            return dgate, dup
+        dout, gate, up = dout.contiguous(), gate.contiguous(), up.contiguous()
     n = gate.numel()
     if n:
         _launch.launch(_glu_backward_kernel, _grid(n), dout, gate, up, dgate, dup, n, float(limit), ACT=act,

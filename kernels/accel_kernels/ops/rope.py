@@ -216,25 +216,21 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
-def _new(t: torch.Tensor, dtype: torch.dtype, swapped: bool) -> torch.Tensor:
+def _new(t: torch.Tensor, dtype: torch.dtype, swapped: bool, fake: bool = False) -> torch.Tensor:
     """An output of t's shape: contiguous, or (swapped) laid out with dims 1 and 2 swapped in
-    memory, a transposed view of a contiguous tensor (`rope`'s `swapped`)."""
-    if not swapped:
-        return _dispatch.empty_like(t, dtype=dtype)
-    b, d1, d2, d = t.shape
-    return _dispatch.empty((b, d2, d1, d), dtype=dtype, device=t.device).transpose(1, 2)
+    memory, a transposed view of a contiguous tensor (`rope`'s `swapped`). fake: for the fake
+    implementations (not the allocator the tests replace)."""
+    like = t.transpose(1, 2) if swapped else t
+    out = like.new_empty(like.shape, dtype=dtype) if fake else _dispatch.empty_like(like, dtype=dtype)
+    return out.transpose(1, 2) if swapped else out
 
 
 def _laid_out(r: torch.Tensor, swapped: bool) -> torch.Tensor:
     """The twin's result `r` in `_new`'s layout (the op's strides are its fake's): itself where it
-    has them, else a copy."""
-    want = _new(r, r.dtype, swapped) if r.stride() != _strides(r.shape, swapped) else None
-    return r if want is None else want.copy_(r)
-
-
-def _strides(shape, swapped: bool) -> tuple[int, ...]:
-    b, d1, d2, d = shape
-    return (d1 * d2 * d, d, d1 * d, 1) if swapped else (d1 * d2 * d, d2 * d, d, 1)
+    has it, else a copy."""
+    if (r.transpose(1, 2) if swapped else r).is_contiguous():
+        return r
+    return _new(r, r.dtype, swapped).copy_(r)
 
 
 def _forward_triton(q, k, cos, sin, unsqueeze_dim, form=0, swapped=False):
@@ -271,16 +267,9 @@ def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return _laid_out(q_out, swapped), _laid_out(k_out, swapped)
 
 
-def _fake_new(t: torch.Tensor, dtype: torch.dtype, swapped: bool) -> torch.Tensor:
-    if not swapped:
-        return t.new_empty(t.shape, dtype=dtype)
-    b, d1, d2, d = t.shape
-    return t.new_empty((b, d2, d1, d), dtype=dtype).transpose(1, 2)
-
-
 @_rope_op.register_fake
 def _(q, k, cos, sin, unsqueeze_dim, triton_path, form=0, swapped=False):
-    return _fake_new(q, _out_dtype(q, cos, sin), swapped), _fake_new(k, _out_dtype(k, cos, sin), swapped)
+    return _new(q, _out_dtype(q, cos, sin), swapped, True), _new(k, _out_dtype(k, cos, sin), swapped, True)
 
 
 @_library.custom_op("rope_backward")
@@ -307,7 +296,7 @@ def _rope_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, q: Optional[to
 @_rope_backward_op.register_fake
 def _(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, need_cos, need_sin, triton_path, form=0,
       swapped=False):
-    return (_fake_new(dq_out, q_dtype, swapped), _fake_new(dk_out, k_dtype, swapped),
+    return (_new(dq_out, q_dtype, swapped, True), _new(dk_out, k_dtype, swapped, True),
             cos.new_empty(cos.shape) if need_cos else _library.nothing(cos),
             sin.new_empty(sin.shape) if need_sin else _library.nothing(sin))
 
@@ -548,4 +537,4 @@ def _heads_transposed(t: torch.Tensor) -> bool:
     (B, S, H, D) projection, or a slice of a fused one): its strides decrease with dims 1 and 2
     swapped, and not as they are."""
     b, s1, s2, d = t.stride()
-    return b >= s2 >= s1 >= d and not (s1 >= s2)
+    return b >= s2 > s1 >= d
