@@ -119,3 +119,9 @@ def empty(shape, *, dtype: torch.dtype, device: torch.device | str) -> torch.Ten
 def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch.empty_like for kernel outputs; always contiguous."""
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def graph_released() -> bool:
+    """Inside a backward: whether the graph is freed behind it (no retain_graph, no create_graph),
+    so a saved tensor is read by no later backward."""
+    return not torch._C._autograd._get_current_graph_task_keep_graph()

@@ -134,11 +134,17 @@ class Op:
     def backward_call(self, ctx, *args):
         """The backward op called from a forward op's autograd formula: its implementation
         directly when the formula runs for the direct Function (`ctx.direct`), else the op."""
-        # (ctx.direct: the forward was eager on plain tensors; compiled autograd may trace this)
-        if getattr(ctx, "direct", False) and not torch.compiler.is_compiling():
+        if direct(ctx):
             with below_op():
                 return self.impl(*args)
         return getattr(torch.ops.accel_kernels, self.name)(*args)
+
+
+def direct(ctx) -> bool:
+    """Whether an autograd formula runs for the direct Function (the forward was eager on plain
+    tensors) and outside a trace (compiled autograd may trace the formula): then its backward may
+    call implementations directly, and may do what the op's schema could not declare."""
+    return getattr(ctx, "direct", False) and not torch.compiler.is_compiling()
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

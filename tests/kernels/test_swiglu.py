@@ -1,9 +1,11 @@
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import accel_kernels._dispatch as dispatch
-from _checks import rel_err
+from _checks import assert_close, rel_err
 from _glu_checks import check_against_float64, forward_backward, saved_bytes
 from _quick import matrix
 from accel_kernels import swiglu
@@ -83,6 +85,95 @@ def test_the_halves_of_a_fused_gate_up_are_read_in_place(device, dtype, act):
     with _launch.recording() as launched:
         check_against_float64(op, ref, gate, up, dout)
     assert set(launched) == {"_glu_forward_rows_kernel", "_glu_backward_rows_kernel"}, launched
+
+
+def _projections(device, keep=False):
+    """A swiglu of two fresh projections of x, as an MLP makes them (nothing but autograd holds
+    gate and up after the call unless keep): x, the weights, the output, the data pointers of gate
+    and up, the data pointers their gradients arrive in (filled by backward), and gate and up
+    themselves where kept."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 32, device=device, requires_grad=True)
+    w1, w2 = (torch.randn(32, 300, device=device).div(4).requires_grad_() for _ in range(2))
+    gate, up = x @ w1, x @ w2
+    ptrs, arrived = (gate.data_ptr(), up.data_ptr()), {}
+    gate.register_hook(lambda g: arrived.__setitem__("gate", g.data_ptr()))
+    up.register_hook(lambda g: arrived.__setitem__("up", g.data_ptr()))
+    out = swiglu(gate, up)
+    kept = (gate, up) if keep else ()
+    del gate, up
+    return (x, w1, w2), out, ptrs, arrived, kept
+
+
+def _weighted(out):
+    """(out * a fixed dense weight).sum(): a dense gradient reaches the op, as from a down
+    projection (`.sum()` alone hands it an expanded one, which takes the copying path)."""
+    return (out * torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view(out.shape)).sum()
+
+
+def _grads_equal_eager(leaves, loss):
+    torch.autograd.backward(loss)
+    got = [t.grad.clone() for t in leaves]
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    x, w1, w2 = ref_leaves
+    torch.autograd.backward(_weighted(eager(x @ w1, x @ w2)))
+    for what, g, r in zip(("x", "w1", "w2"), got, ref_leaves):
+        assert_close(g, r.grad, torch.float32, what=f"grad of {what}")
+
+
+def test_gradients_overwrite_gate_and_up_that_nothing_else_holds(device):
+    """The backward writes the gradients of gate and up over gate and up when the graph is freed
+    behind it and nothing else holds them (an MLP's two projections: 2 x tokens x intermediate
+    bytes fewer at the backward's peak). Red when the gradients get fresh tensors."""
+    leaves, out, ptrs, arrived, _ = _projections(device)
+    _grads_equal_eager(leaves, _weighted(out))
+    assert (arrived["gate"], arrived["up"]) == ptrs
+
+
+@pytest.mark.parametrize("holder", ["user", "retain_graph", "an earlier backward", "dispatch mode"])
+def test_gate_and_up_held_elsewhere_are_never_written(device, holder):
+    """Fresh gradient tensors whenever gate or up can still be read: the caller keeps them (a
+    forward hook's list), the graph is retained for a second backward, another node that runs
+    later saved gate (sin: its backward reads gate), or the op path runs (a dispatch mode). Each
+    red when the backward writes over them regardless."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    if holder == "an earlier backward":
+        torch.manual_seed(0)
+        x = torch.randn(6, 32, device=device, requires_grad=True)
+        w1, w2 = (torch.randn(32, 300, device=device).div(4).requires_grad_() for _ in range(2))
+        gate = x @ w1
+        side = gate.sin()  # made before swiglu: its backward runs after swiglu's and reads gate
+        loss = _weighted(swiglu(gate, x @ w2)) + side.sum()
+        del gate
+        torch.autograd.backward(loss)
+        ref = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
+        g = ref[0] @ ref[1]
+        torch.autograd.backward(_weighted(eager(g, ref[0] @ ref[2])) + g.sin().sum())
+        for what, t, r in zip(("x", "w1", "w2"), (x, w1, w2), ref):
+            assert_close(t.grad, r.grad, torch.float32, what=f"grad of {what}")
+        return
+    with (Passthrough() if holder == "dispatch mode" else contextlib.nullcontext()):
+        leaves, out, ptrs, arrived, kept = _projections(device, keep=holder == "user")
+        before = [t.clone() for t in kept]
+        if holder == "retain_graph":
+            _weighted(out).backward(retain_graph=True)
+            assert arrived["gate"] != ptrs[0] and arrived["up"] != ptrs[1]
+            first = [t.grad.clone() for t in leaves]
+            for t in leaves:
+                t.grad = None
+        _grads_equal_eager(leaves, _weighted(out))  # a retained graph's last backward may write over them
+    if holder != "retain_graph":
+        assert arrived["gate"] != ptrs[0] and arrived["up"] != ptrs[1]
+    for t, b in zip(kept, before):
+        assert torch.equal(t, b), "a tensor the caller holds was written"
+    if holder == "retain_graph":
+        for t, f in zip(leaves, first):
+            assert torch.equal(t.grad, f), "the second backward read overwritten gate and up"
 
 
 def test_plain_path_matches_triton_path(device, monkeypatch):
