@@ -100,6 +100,16 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, budget: int) -> int:
     return max(1, min(rows, n_rows))
 
 
+def fp32_gradient_matmuls(h: torch.Tensor) -> bool:
+    """Whether the gradient matmuls take the chunk's rounded gradient (and the weight) in fp32.
+
+    On CPU a bf16/fp16 matmul runs far slower than an fp32 one (measured at 320 tokens, vocab
+    32000, hidden 256, one thread: g @ W 28 s in bf16, 0.14 s in fp32 with the casts; g.T @ h
+    1.8 s vs 0.14 s), so there they do (as TRL's chunked head does off CUDA); a GPU keeps the
+    inputs' dtype. The logits matmul keeps the inputs' dtype everywhere."""
+    return h.device.type == "cpu" and h.dtype != torch.float32
+
+
 def weight_grad_by_blocks(vocab: int, hidden: int, triton_path: bool) -> bool:
     """Whether the weight's gradient does not fit an fp32 (V, H) sum over token chunks
     (WEIGHT_FP32_BYTES, TORCH_WEIGHT_FP32_BYTES): then it is summed in the weight's dtype in the
@@ -180,11 +190,7 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
     if n == 0:
         return grad_h, grad_w.zero_() if need_w else None, grad_b
     buf = _dispatch.empty((min(rows, n), vocab), dtype=h.dtype, device=h.device)
-    # On CPU a bf16/fp16 matmul runs far slower than an fp32 one (measured at 320 tokens, vocab
-    # 32000, hidden 256, one thread: g @ W 28 s in bf16, 0.14 s in fp32 with the casts; g.T @ h
-    # 1.8 s vs 0.14 s), so there the gradient matmuls take the chunk's rounded gradient in fp32
-    # (as TRL's chunked head does off CUDA). The logits matmul keeps the inputs' dtype.
-    wide = want_grad and h.device.type == "cpu" and h.dtype != torch.float32
+    wide = want_grad and fp32_gradient_matmuls(h)
     w_mm = w.float() if wide and need_h else w
     w_t = w.t()
 
@@ -259,7 +265,7 @@ def _weight_pass(h, w, b, y, ignore_index, softcap, triton_path, lse, scale, nee
     scale = scale.reshape(-1).float().expand(n)
     y = y.long()
     backward_rows = _row_functions(True)[1] if triton_path else None
-    wide = h.device.type == "cpu" and h.dtype != torch.float32  # CPU: gradient matmuls in fp32
+    wide = fp32_gradient_matmuls(h)
     for v0 in range(0, vocab, cols):
         v1 = min(vocab, v0 + cols)
         # labels as columns of this block: -1 ignored, v1 - v0 (no column) outside the block
