@@ -260,8 +260,8 @@ def _backward(ctx, dout):
         # the gradients overwrite gate and up, which nothing can read after this backward (the
         # eager path only: an op's schema cannot declare it)
         with _library.below_op():
-            _backward_triton(dout, gate, up, ACTIVATIONS[activation], limit, into_inputs=True)
-        return gate, up, None, None, None
+            dgate, dup = _backward_triton(dout, gate, up, ACTIVATIONS[activation], limit, into_inputs=True)
+        return dgate, dup, None, None, None
     dgate, dup = _glu_backward_op.backward_call(ctx, dout, gate, up, activation, triton_path, limit)
     return dgate, dup, None, None, None
 
