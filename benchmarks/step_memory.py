@@ -79,47 +79,13 @@ def variant_settings(name: str):
 
 def peak_growth(model, batch) -> tuple[int, str]:
     """(bytes, the op that reached it) of one training step after a warm-up step: the peak of the
-    bytes held at once by the storages the step makes (each counted once, from the op that made
-    it until it is freed), as torch.cuda.max_memory_allocated counts a step's rise on a GPU.
-
-    Counted by a TorchDispatchMode over every op's outputs: never an op's own scratch (a CPU
-    matmul's bf16 packing buffers, which the profiler's memory events would count and a GPU's
-    cuBLAS does not make). Under a dispatch mode accel_kernels' public functions take the
-    custom-op path; here they keep the eager path users run (`_library._dispatch_modes` is
-    patched to see no mode), whose backward may write the GLU's gradients over its inputs."""
-    import weakref
-
-    import torch
-    import torch.utils._pytree as pytree
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    bytes held at once by the storages the step makes (`accel_kernels.bench.memory.LiveBytes`:
+    op outputs, never an op's own scratch). Under a dispatch mode accel_kernels' public
+    functions take the custom-op path; here they keep the eager path users run
+    (`_library._dispatch_modes` is patched to see no mode), whose backward may write the GLU's
+    gradients over its inputs."""
     from accel_kernels import _library
-
-    class Live(TorchDispatchMode):
-        def __init__(self, before):
-            super().__init__()
-            self.live = self.peak = 0
-            self.at = ""
-            self.counted: dict = {}
-            self.before = {t.untyped_storage().data_ptr() for t in before}
-
-        def _freed(self, key, size):
-            self.live -= size
-            self.counted.pop(key, None)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    key, size = storage.data_ptr(), storage.nbytes()
-                    if size and key not in self.counted and key not in self.before:
-                        self.counted[key] = size
-                        self.live += size
-                        if self.live > self.peak:
-                            self.peak, self.at = self.live, str(func)
-                        weakref.finalize(storage, self._freed, key, size)
-            return out
+    from accel_kernels.bench.memory import LiveBytes
 
     def step():
         model(**batch).loss.backward()
@@ -129,7 +95,7 @@ def peak_growth(model, batch) -> tuple[int, str]:
     saved = _library._dispatch_modes
     _library._dispatch_modes = lambda: 0
     try:
-        with Live([*model.parameters(), *model.buffers(), *batch.values()]) as live:
+        with LiveBytes([*model.parameters(), *model.buffers(), *batch.values()]) as live:
             model(**batch).loss.backward()
     finally:
         _library._dispatch_modes = saved

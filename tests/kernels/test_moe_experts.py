@@ -6,18 +6,15 @@ the saved bytes, and the Triton path really running (its launches counted).
 """
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import accel_kernels._launch as launch
 import accel_kernels.ops.moe_experts as moe_module
 from _checks import assert_close, rel_err
 from accel_kernels import moe_experts
+from accel_kernels.bench.memory import LiveBytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,34 +413,6 @@ def test_saves_only_x_routing_and_the_sort(device):
     assert stock > 3 * ours
 
 
-class LiveBytes(TorchDispatchMode):
-    """The most bytes of tensor storage alive at once among those the ops under it allocate
-    (storages of the tensors in `before` are not counted)."""
-
-    def __init__(self, before=()):
-        super().__init__()
-        self.live = self.peak = 0
-        self.counted = {}
-        self.before = {t.untyped_storage().data_ptr() for t in before if t is not None}
-
-    def _freed(self, key, size):
-        self.live -= size
-        self.counted.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-                if size and key not in self.counted and key not in self.before:
-                    self.counted[key] = size
-                    self.live += size
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._freed, key, size)
-        return out
-
-
 def lora_backward_call(T=256, H=96, I=32, E=8, K=4, r=8):
     """(backward args, inputs) of one twin backward with LoRA on both projections, the base frozen
     (PEFT's case): args = (dout, hidden, weights, order, offsets, params, needs)."""
@@ -473,6 +442,7 @@ def test_the_twin_backward_holds_h_dgu_and_two_row_products_at_once():
     rows = T * K
     design = 4 * (rows * I + rows * 2 * I + 2 * rows * H + T * H)  # fp32
     assert held.peak <= 1.1 * design, (held.peak, design)  # 10%: the LoRA intermediates, the sort's int64 copies
+    assert held.peak >= 4 * rows * 2 * I, held.peak  # dgu at least: the count sees the backward's tensors
 
 
 # --------------------------------------------------------------------------------------------

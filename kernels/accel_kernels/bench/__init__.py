@@ -9,6 +9,7 @@ One module per job:
     report.py      every derived figure (ratios, bandwidth) computed once into the records; the
                    tables, the CPU summary and the JSON read those same records
     cli.py         the command line (`__main__.py` runs it)
+    memory.py      LiveBytes: the peak of the storages ops make, on any device (tests, step_memory.py)
 
 Method and figures: BENCHMARKS.md at the repository root.
 """
