@@ -121,7 +121,12 @@ def empty_like(t: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Te
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
 
 
+# private autograd API (torch 2.11 and 2.13 have it); where a torch lacks it, graph_released says
+# False and what depends on it takes the path that holds for a retained graph
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
 def graph_released() -> bool:
     """Inside a backward: whether the graph is freed behind it (no retain_graph, no create_graph),
-    so a saved tensor is read by no later backward."""
-    return not torch._C._autograd._get_current_graph_task_keep_graph()
+    so a saved tensor is read by no later backward. False where torch cannot say."""
+    return _keep_graph is not None and not _keep_graph()

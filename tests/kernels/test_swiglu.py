@@ -176,6 +176,22 @@ def test_gate_and_up_held_elsewhere_are_never_written(device, holder):
             assert torch.equal(t.grad, f), "the second backward read overwritten gate and up"
 
 
+@pytest.mark.parametrize("missing", ["keep_graph", "use counts"])
+def test_a_torch_without_the_private_counts_gets_fresh_gradients(device, monkeypatch, missing):
+    """The in-place backward rests on private torch API (the graph task's keep_graph, the
+    TensorImpl's and the storage's use counts); a torch without it takes the fresh-gradient path
+    and trains as before, never raising. Red when a missing function is called."""
+    from accel_kernels.ops import _glu
+
+    if missing == "keep_graph":
+        monkeypatch.setattr(dispatch, "_keep_graph", None)
+    else:
+        monkeypatch.setattr(_glu, "_storage_owners", None)
+    leaves, out, ptrs, arrived, _ = _projections(device)
+    _grads_equal_eager(leaves, _weighted(out))
+    assert arrived["gate"] != ptrs[0] and arrived["up"] != ptrs[1]
+
+
 def test_plain_path_matches_triton_path(device, monkeypatch):
     gate, up, dout = (torch.randn(4, 777, device=device) for _ in range(3))
     allocations = []

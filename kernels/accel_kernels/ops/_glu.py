@@ -275,9 +275,17 @@ def _spent(t: torch.Tensor) -> bool:
     getrefcount's argument, plus the one its TensorImpl keeps while C++ shares it (PyObject
     preservation): a user's reference (a forward hook's list, a variable) adds one. Measured on
     torch 2.11 and 2.13 (tests/kernels/test_swiglu.py)."""
+    if _storage_owners is None:
+        return False
     owners = t._use_count()
     return (owners <= 2 and t._base is None and sys.getrefcount(t) <= 2 + owners
-            and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2)
+            and _storage_owners(t.untyped_storage()._cdata) <= 2)
+
+
+# private API (torch 2.11 and 2.13 have both); where a torch lacks either, `_spent` says False and
+# the gradients get fresh tensors
+_storage_owners = (getattr(torch._C, "_storage_Use_Count", None) if hasattr(torch.Tensor, "_use_count")
+                   else None)
 
 
 _glu_op.register_autograd(_backward, setup_context=_setup_context)
