@@ -7,8 +7,9 @@ The GPU end-to-end benchmark's step (`benchmarks/e2e.py`: Llama-3.2-1B's shape, 
 tokens, a full fine-tune step, peak growth = max_memory_allocated during the step less what was
 allocated before it) with hidden, intermediate, vocabulary, heads x head_dim and sequence each
 divided by 32 (16 layers kept), so every activation, weight and logits tensor is 1/1024 of its
-full-scale size, and the fused loss's byte budgets (`CHUNK_BYTES`, `WEIGHT_FP32_BYTES`,
-`TILE_BYTES`) with them: the same chunks, blocks and choices at 1/1024 of the bytes. The GPU
+full-scale size, and the byte budgets (the fused loss's `CHUNK_BYTES`, `WEIGHT_FP32_BYTES`,
+`TILE_BYTES`, the norms' `RECOMPUTE_MIN_BYTES`) with them: the same chunks, blocks and choices at
+1/1024 of the bytes. The GPU
 path's host code runs with every Triton launch stubbed out (`overhead.launches_stubbed`): the
 allocations, views, saved tensors and frees of the GPU path, no kernel math (the values are
 garbage; the bytes are not). The CPU-only fp32 gradient matmuls of the fused loss are switched off
@@ -24,7 +25,8 @@ measured stock step (docs/benchmarks.md): the model gives 25,883 MiB where the G
 Variants: stock; accel-patch as it ships; accel-patch with the fused loss's weight gradient summed
 in bf16 over the forward's chunks (`WEIGHT_DTYPE_SUM_CHUNKS` = 8: one logits matmul fewer);
 accel-patch with the GLU's gradients in fresh tensors (the backward before it wrote them over
-gate and up).
+gate and up); accel-patch with the norms' outputs saved by the projections as autograd saves them
+(before they were kept as the norm calls and recomputed in backward).
 """
 from __future__ import annotations
 
@@ -59,22 +61,26 @@ def variant_settings(name: str):
     """The module settings of one variant (the fused loss's budgets / SCALE**2 in all of them)."""
     from accel_kernels.ops import _glu
     from accel_kernels.ops import fused_linear_cross_entropy as flce
+    from accel_kernels.ops import rms_norm
 
     saved = (flce.CHUNK_BYTES, flce.WEIGHT_FP32_BYTES, flce.TILE_BYTES, flce.WEIGHT_DTYPE_SUM_CHUNKS,
-             flce.fp32_gradient_matmuls, _glu._spent)
+             flce.fp32_gradient_matmuls, _glu._spent, rms_norm.RECOMPUTE_OUTPUTS, rms_norm.RECOMPUTE_MIN_BYTES)
     flce.CHUNK_BYTES //= SCALE ** 2
     flce.WEIGHT_FP32_BYTES //= SCALE ** 2
     flce.TILE_BYTES //= SCALE ** 2
+    rms_norm.RECOMPUTE_MIN_BYTES //= SCALE ** 2
     flce.fp32_gradient_matmuls = lambda h: False
     if name == "accel-patch, weight gradient summed in bf16":
         flce.WEIGHT_DTYPE_SUM_CHUNKS = 8
     if name == "accel-patch, GLU gradients in fresh tensors":
         _glu._spent = lambda t: False
+    if name == "accel-patch, norm outputs kept":
+        rms_norm.RECOMPUTE_OUTPUTS = False
     try:
         yield
     finally:
         (flce.CHUNK_BYTES, flce.WEIGHT_FP32_BYTES, flce.TILE_BYTES, flce.WEIGHT_DTYPE_SUM_CHUNKS,
-         flce.fp32_gradient_matmuls, _glu._spent) = saved
+         flce.fp32_gradient_matmuls, _glu._spent, rms_norm.RECOMPUTE_OUTPUTS, rms_norm.RECOMPUTE_MIN_BYTES) = saved
 
 
 def peak_growth(model, batch) -> tuple[int, str]:
@@ -104,7 +110,7 @@ def peak_growth(model, batch) -> tuple[int, str]:
 
 
 VARIANTS = ("stock", "accel-patch", "accel-patch, weight gradient summed in bf16",
-            "accel-patch, GLU gradients in fresh tensors")
+            "accel-patch, GLU gradients in fresh tensors", "accel-patch, norm outputs kept")
 
 
 def main(argv=None) -> int:

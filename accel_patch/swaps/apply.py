@@ -95,7 +95,7 @@ KINDS = (
     SiteKind((experts.OP,), "experts", False, experts.SITE_ATTR, sites.INNER_ATTR),
     SiteKind((norms.OP,), "norm", False, None, sites.INNER_ATTR),
     SiteKind((norms.LAYER_NORM_OP,), "layer_norm", False, None, sites.INNER_ATTR),
-    SiteKind((mlp.OP,), "glu", False, None, sites.INNER_ATTR),
+    SiteKind((mlp.OP,), "glu", False, mlp.COUNTER_ATTR, sites.INNER_ATTR),
     SiteKind((rope.OP,), "rope", False, rope.SITE_ATTR, sites.INNER_ATTR),
     SiteKind(lora.OPS, "lora", True, lora.SITE_ATTR, lora.INNER_ATTR),
     SiteKind((tiled_mlp.OP,), "tiled", True, tiled_mlp.SITE_ATTR, tiled_mlp.INNER_ATTR),
@@ -326,8 +326,11 @@ class _Walk:
         act_fn = mlp.activation(module)
         # the limits it names change the function within a class: part of the verdict's key
         structure = (names, type(act_fn), getattr(act_fn, "approximate", None), tuple(sorted(set(probe.limits(module)))))
+        swaps = self.new
         self.probe_and_swap(where, mlp.OP, module, structure,
                             lambda: mlp.probe_verdict(module, self.dtype, names, act), mlp.forward_for)
+        if self.new > swaps:  # where the forward counts its norm recomputes (restore deletes it)
+            self.state.set(module, mlp.COUNTER_ATTR, norms.RecomputeCounter(self.state.calls))
 
     def rope(self, where, module, ops=(rope.OP,)) -> None:
         never = rope.never_rotates(module, self.builds_no_positions(where))

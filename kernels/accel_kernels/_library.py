@@ -83,6 +83,7 @@ class Op:
         # the positions whose schema type is a tensor (or an optional one): the ones checked per call
         self._tensor_positions = tuple(i for i, p in enumerate(params) if "Tensor" in str(p.annotation))
         self._apply = None
+        self.node_type = None
         self.__doc__ = impl.__doc__
 
     def register_fake(self, fn):
@@ -108,6 +109,8 @@ class Op:
         # wrappers (3 us), neither of which a call from `__call__` has (`__call__` sends functorch
         # to the op)
         self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+        # the type of the autograd node a direct call makes (its ctx): what `grad_fn` of an output is
+        self.node_type = function._backward_cls
 
     def _eager(self, args: tuple) -> bool:
         """Whether this call may go around the op: not compiling, no TorchDispatchMode or functorch

@@ -1,6 +1,7 @@
 import gc
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -10,3 +11,14 @@ def released():
     collection costs ~0.3 s here: only the tests that count holders ask for it.)"""
     gc.collect()
     yield
+
+
+@pytest.fixture
+def gloo_group(tmp_path, monkeypatch):
+    """A one-process gloo group (FSDP2's fully_shard runs on it, on CPU)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -99,14 +99,15 @@ def test_swapped_attention_and_fused_gate_up_mlp_copy_no_more_than_stock():
         assert copied["swapped"][0] <= copied["stock"][0] and copied["swapped"][1] <= copied["stock"][1], (family, copied)
 
 
-@pytest.mark.slow  # 5 s: a 16-layer model stepped six times, three of them under a dispatch mode
-def test_step_memory_model_peak_is_at_most_0_41_of_stocks_and_the_glu_writes_over_its_inputs():
+@pytest.mark.slow  # 6 s: a 16-layer model stepped eight times, four of them under a dispatch mode
+def test_step_memory_model_peak_is_at_most_0_37_of_stocks_the_glu_writes_over_its_inputs_and_norms_recompute():
     """benchmarks/step_memory.py's model of the GPU e2e step (Llama-3.2-1B's shape / 32, the GPU
-    path's host code with launches stubbed): the swapped step's peak growth stays at most 0.41x of
-    stock's (0.399x at this test's writing: 10,327 against 25,883 MiB at full scale; Liger's measured
+    path's host code with launches stubbed): the swapped step's peak growth stays at most 0.37x of
+    stock's (0.359x at this test's writing: 9,303 against 25,883 MiB at full scale; Liger's measured
     ratio on the H200 was 0.396x), and below the same step with the GLU's gradients in fresh
-    tensors (10,455). Red when a change keeps more at the step's peak, or when the GLU's backward
-    allocates its gradients again."""
+    tensors (9,431) and with the norms' outputs saved by the projections (10,327). Red when a
+    change keeps more at the step's peak, when the GLU's backward allocates its gradients again, or
+    when the projections save the norms' outputs again."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         import overhead
@@ -117,10 +118,11 @@ def test_step_memory_model_peak_is_at_most_0_41_of_stocks_and_the_glu_writes_ove
     swapped = copy.deepcopy(base)
     swap_kernels(swapped)
     peaks = {}
-    for name in ("stock", "accel-patch", "accel-patch, GLU gradients in fresh tensors"):
+    for name in ("stock", "accel-patch", "accel-patch, GLU gradients in fresh tensors", "accel-patch, norm outputs kept"):
         model = (base if name == "stock" else swapped).train()
         with step_memory.variant_settings(name), \
                 (contextlib.nullcontext() if name == "stock" else overhead.launches_stubbed()):
             peaks[name] = step_memory.peak_growth(model, batch)[0]
-    assert peaks["accel-patch"] <= 0.41 * peaks["stock"], peaks
+    assert peaks["accel-patch"] <= 0.37 * peaks["stock"], peaks
     assert peaks["accel-patch"] < peaks["accel-patch, GLU gradients in fresh tensors"], peaks
+    assert peaks["accel-patch"] < peaks["accel-patch, norm outputs kept"], peaks

@@ -24,8 +24,12 @@ from collections import namedtuple
 import torch
 
 from .. import families, probe, sites
+from . import norms
 
 OP = "glu"
+#: On a swapped MLP: what its forward counts the input norm's recomputes with (a
+#: norms.RecomputeCounter of the model's call table).
+COUNTER_ATTR = "_accel_patch_glu_norm_counter"
 
 
 class GluPlan(namedtuple("GluPlan", "names act order limit", defaults=(None,))):
@@ -256,7 +260,9 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
                 x = sites.the_input(args, kwargs)
                 if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
                     return sites.call_inner(self, *args, **kwargs)
-                return getattr(self, down_name)(relu_squared(getattr(self, up_name)(x)))
+                with norms.recompute_scope(x, self.__dict__.get(COUNTER_ATTR)):  # up keeps the norm's call
+                    up = getattr(self, up_name)(x)
+                return getattr(self, down_name)(relu_squared(up))
         elif len(names) == 3:
             gate_name, up_name, down_name = names
 
@@ -264,8 +270,10 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
                 x = sites.the_input(args, kwargs)
                 if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
                     return sites.call_inner(self, *args, **kwargs)
-                gate = getattr(self, gate_name)(x)  # gate before up, as stock: same RNG order for dropout
-                up = getattr(self, up_name)(x)
+                # both keep the norm's call instead of x (norms.recompute_scope)
+                with norms.recompute_scope(x, self.__dict__.get(COUNTER_ATTR)):
+                    gate = getattr(self, gate_name)(x)  # gate before up, as stock: same RNG order for dropout
+                    up = getattr(self, up_name)(x)
                 return getattr(self, down_name)(glu(act, gate, up, plan.limit))
         else:
             fused_name, down_name = names
@@ -275,7 +283,9 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
                 x = sites.the_input(args, kwargs)
                 if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
                     return sites.call_inner(self, *args, **kwargs)
-                first, second = getattr(self, fused_name)(x).chunk(2, dim=-1)
+                with norms.recompute_scope(x, self.__dict__.get(COUNTER_ATTR)):  # keeps the norm's call
+                    projected = getattr(self, fused_name)(x)
+                first, second = projected.chunk(2, dim=-1)
                 gate, up = (first, second) if gate_first else (second, first)
                 return getattr(self, down_name)(glu(act, gate, up, plan.limit))
 

@@ -41,6 +41,8 @@ the plain-torch twin computes the same function, only slower than the stock modu
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 from collections import namedtuple
 
@@ -50,6 +52,9 @@ from .. import families, probe, sites
 
 OP = "rms_norm"
 LAYER_NORM_OP = "layer_norm"
+#: A norm output recomputed in backward for the projections that saved it (`recompute_scope`),
+#: counted under OP in the model's call table.
+RECOMPUTED = "fused (output recomputed in backward)"
 
 #: A candidate's form: its epsilon attribute, whether it has a weight, for the gated form the
 #: names of its two inputs (None for one input), and the groups a gated norm normalizes over
@@ -376,3 +381,39 @@ def layer_norm_forward_for(form: LayerNormForm):
 
         _layer_norm_forwards[form] = forward
     return _layer_norm_forwards[form]
+
+
+def recompute_scope(x, counter):
+    """The context the modules that consume `x` run in, in a swapped forward (an attention's
+    projections, an MLP's gate and up): where x is a swapped norm's output, the projections keep the
+    norm call instead of x, and their backward computes it again
+    (`accel_kernels.ops.rms_norm.outputs_recomputed`; docs/kernels.md); elsewhere a context that
+    does nothing. `counter()` (None: nothing) is called for each recompute (a `RecomputeCounter`, a
+    site's method)."""
+    if torch.compiler.is_compiling():  # the compiler decides what a graph saves
+        return _NO_SCOPE
+    scope = _outputs_recomputed()(x, counter)
+    return _NO_SCOPE if scope is None else scope
+
+
+_NO_SCOPE = contextlib.nullcontext()
+
+
+class RecomputeCounter:
+    """Counts one recompute as RECOMPUTED under OP in a model's call table (`calls`, which a state
+    that absorbs this one's points elsewhere: `SwapState.absorb`)."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: dict) -> None:
+        self.calls = calls
+
+    def __call__(self) -> None:
+        sites.count_into(self.calls, OP, RECOMPUTED)
+
+
+@functools.cache
+def _outputs_recomputed():
+    from accel_kernels.ops.rms_norm import outputs_recomputed
+
+    return outputs_recomputed

@@ -81,6 +81,7 @@ from collections import namedtuple
 import torch
 
 from .. import families, probe, sites
+from . import norms
 
 OP = "rope"
 #: A call's outcomes (the model's calls["rope"]; report.outcome_kind reads them).
@@ -99,6 +100,10 @@ class Site:
 
     def __init__(self, calls, name: str) -> None:
         self.calls, self.name = calls, name
+
+    def norm_recomputed(self) -> None:
+        """One recompute of the input norm's output in backward (norms.recompute_scope)."""
+        sites.count_into(self.calls, norms.OP, norms.RECOMPUTED)
 
     def count(self, outcome: str) -> None:
         sites.count_into(self.calls, OP, outcome)
@@ -810,7 +815,10 @@ def forward_for(key: tuple[str, str]):
             outer = "" if eager else _traced_take(key)
             counter.depth += 1
             try:
-                out = sites.call_inner(self, *args, **kwargs)
+                # the projections keep the input norm's call instead of its output (norms.recompute_scope)
+                with norms.recompute_scope(args[0] if args else kwargs.get("hidden_states"),
+                                           None if site is None else site.norm_recomputed):
+                    out = sites.call_inner(self, *args, **kwargs)
             finally:
                 counter.depth -= 1
             if site is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import report, sites
-from ..layers import mlp
+from ..layers import mlp, norms
 from .functions import GLU_KERNEL, GLU_TORCH, TORCH_ACTS, fused_linears, fused_mlp
 from .plans import MLP_OP, O_OP, QKV_OP, projection
 
@@ -55,6 +55,10 @@ class Site:
 
     def count(self, op: str, outcome: str) -> None:
         sites.count_into(self.calls, op, outcome)
+
+    def norm_recomputed(self) -> None:
+        """One recompute of the input norm's output in backward (norms.recompute_scope)."""
+        sites.count_into(self.calls, norms.OP, norms.RECOMPUTED)
 
 
 def torch_act_matches(act_fn, act: str) -> bool:
@@ -145,7 +149,8 @@ def mlp_forward(self, *args, **kwargs):
         return call_inner(self, *args, **kwargs)
     _count(site, MLP_OP, FUSED)
     projs, adapters = found
-    return fused_mlp(x, projs, adapters, act, order == "gate_up", path)
+    with norms.recompute_scope(x, site.norm_recomputed):  # the function saves x: the norm's call instead
+        return fused_mlp(x, projs, adapters, act, order == "gate_up", path)
 
 
 class _Served:

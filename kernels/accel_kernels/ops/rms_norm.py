@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -551,6 +552,135 @@ def _backward(ctx, dy, _drstd):
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# A norm's output saved as the call that made it
+# --------------------------------------------------------------------------------------------
+#
+# The projections after a norm (q, k and v after the input norm; gate and up after the one before
+# the MLP) save its output for their weights' gradients: (tokens, hidden) per norm, which the
+# norm's own backward does not need (it keeps x and rstd). Inside `outputs_recomputed`'s scope a
+# saved output of an eager kernel call is kept as that call (its autograd node, which holds x, the
+# weight and the options) and computed again, once for all of its consumers, when the first of
+# them runs its backward: one more forward kernel per norm and step (x read, y written) against y
+# held from the forward until the backward reaches the layer. The kernel is deterministic, so the
+# recomputed y is the forward's bit for bit.
+
+#: Off: norm outputs are saved as autograd saves them (benchmarks/step_memory.py's variant).
+RECOMPUTE_OUTPUTS = True
+#: Smaller outputs are saved as they are: the bytes kept are few, and at the token counts that
+#: make them (under 2048 tokens at hidden 2048 in bf16, 1024 at 4096) a step's GPU work per layer
+#: is short enough that the hooks' host work (tens of microseconds a layer) may be what it waits
+#: on. 8 MiB.
+RECOMPUTE_MIN_BYTES = 8 << 20
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+class _Output:
+    """One norm output saved in a scope: the node that made it, the output (weakly: to tell a
+    write into it, which autograd does not check for a tensor its hooks saved), how many saved
+    tensors read it, and while a backward reads them, the recomputed tensor (dropped when the last
+    has it)."""
+
+    __slots__ = ("node", "output", "users", "left", "value", "on_recompute")
+
+    def __init__(self, node, output, on_recompute):
+        self.node, self.output, self.on_recompute = node, weakref.ref(output), on_recompute
+        self.users, self.left, self.value = 0, 0, None
+
+    def get(self) -> torch.Tensor:
+        output = self.output()
+        if output is not None and output._version != 0:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: an rms_norm output of shape {list(output.shape)} is at version {output._version}; "
+                f"expected version 0 instead. (accel_kernels kept it for backward as the norm call that made "
+                f"it, to compute it again: it must not be written after the layers that read it.)")
+        if self.value is None:
+            # autograd's own checks: raises as the norm's backward would if x or the weight was
+            # modified in place or the graph was freed
+            x, weight, _rstd, _gate = self.node.saved_tensors
+            eps, offset, casting, _triton_path, _activation = self.node.options
+            self.value, _ = _forward_triton(x, weight, eps, offset, casting)
+            self.left = self.users
+            if self.on_recompute is not None:
+                self.on_recompute()
+        value = self.value
+        self.left -= 1
+        if self.left <= 0:  # every consumer has read it (a retained graph's next backward recomputes)
+            self.value = None
+        return value
+
+
+class _Saved:
+    """What a consumer's saved tensor holds instead of the output: the call, and the saved tensor's
+    geometry over the output (None: the output itself)."""
+
+    __slots__ = ("output", "geometry")
+
+    def __init__(self, output, geometry):
+        self.output, self.geometry = output, geometry
+
+
+class _Scope:
+    """The saved-tensor hooks of one scope (`outputs_recomputed`)."""
+
+    __slots__ = ("outputs", "on_recompute")
+
+    def __init__(self, on_recompute):
+        self.outputs, self.on_recompute = {}, on_recompute
+
+    def pack(self, t):
+        base = t._base
+        y = t if base is None else base
+        node = y.grad_fn
+        # output 0 (not rstd, which the norm saves itself) of an ungated kernel call, unmodified,
+        # read whole or through a view of the same dtype
+        if (type(node) is not _NODE or y.output_nr != 0 or not node.options[3] or node.options[4]
+                or y._version != 0 or t.dtype != y.dtype):
+            return t
+        output = self.outputs.get(id(node))
+        if output is None:
+            output = self.outputs[id(node)] = _Output(node, y, self.on_recompute)
+        output.users += 1
+        return _Saved(output, None if t is y else (t.size(), t.stride(), t.storage_offset()))
+
+    @staticmethod
+    def unpack(saved):
+        if type(saved) is not _Saved:
+            return saved
+        value = saved.output.get()
+        return value if saved.geometry is None else value.as_strided(*saved.geometry)
+
+    def __enter__(self):
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        return self
+
+    def __exit__(self, *exc):
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        self.outputs = {}  # the saved tensors keep their _Output; a later scope starts afresh
+        return False
+
+
+def outputs_recomputed(x: torch.Tensor, on_recompute=None):
+    """A context manager for the modules that consume `x` (an attention's or an MLP's projections),
+    or None where there is nothing to gain or it cannot apply (no grad, compiling). Inside it, every tensor autograd
+    saves that is `x` or a view of it, where x is the output of an eager rms_norm kernel call
+    (ungated, on the Triton path), is saved as that call and recomputed when a backward first needs
+    it (section comment above); `on_recompute()` is called for each recompute. None: x is no such
+    output; `RECOMPUTE_OUTPUTS` is off; x is under `RECOMPUTE_MIN_BYTES`; saved-tensor hooks are active already (gradient
+    checkpointing's, `save_on_cpu`, a user's: theirs decide what is kept); or torch has no way to
+    tell (a private function missing)."""
+    if (torch.compiler.is_compiling() or type(getattr(x, "grad_fn", None)) is not _NODE or not RECOMPUTE_OUTPUTS
+            or x.nbytes < RECOMPUTE_MIN_BYTES or _top_hooks is None or _top_hooks(False) is not None
+            or not torch.is_grad_enabled()):
+        return None
+    return _Scope(on_recompute)
+
+
+_NODE = _rms_norm_op.node_type
 
 
 # --------------------------------------------------------------------------------------------

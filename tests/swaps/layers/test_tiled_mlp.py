@@ -378,16 +378,6 @@ def test_trl_activation_offloading_gives_the_stock_losses(forced, no_triton, mon
     assert calls(swapped)["tiled_mlp"] == {tiled_mlp.TILED: stock.config.num_hidden_layers}
 
 
-@pytest.fixture
-def gloo_group(tmp_path, monkeypatch):
-    import torch.distributed as dist
-
-    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_fsdp2_layers_tile_with_the_untiled_gradients(forced, no_triton, gloo_group):
     """fully_shard per layer (one process, gloo): inside a unit's forward and backward the parameters

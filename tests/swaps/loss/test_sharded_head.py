@@ -82,16 +82,6 @@ def test_the_fused_loss_never_reads_a_weight_whose_storage_was_freed():
 
 # --- FSDP2 (fully_shard) on a one-process gloo group -------------------------------------------
 
-@pytest.fixture
-def gloo_group(tmp_path, monkeypatch):
-    import torch.distributed as dist
-
-    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def shard(model, head_unit):
     """Each layer, then the model (the head in the root's unit); `head_unit` "tail": [final norm,
     lm_head] kept unsharded after forward, as accelerate 1.15 carves it; "own": lm_head alone, FSDP2's
