@@ -22,7 +22,10 @@ has a process of its own (forked in a dry run: benchmarks/_children.py). Each bu
 from a config (random weights, nothing downloaded) and one batch, runs `--warmup` steps, then times
 `--steps` forward+backward steps (the optimizer step is the same for all and is left out). "swapped" is the default swap (`swap_kernels(model)`): without gradient checkpointing it
 does not tile the MLP; "swapped+tiled" names every op (`ops=OPS`), so the tiled MLP runs too: its
-own column, never mixed into the others.
+own column, never mixed into the others. "swapped+kept": the default swap with the norms' outputs
+saved by the projections as autograd saves them (`accel_kernels.ops.rms_norm.RECOMPUTE_OUTPUTS`
+off), beside "swapped", which keeps the norm calls and recomputes them in backward: what that
+trade costs and saves, side by side.
 
 - loss and gradient norm of the first step (the same weights and tokens in every variant): every
   variant is judged against its baseline's; a swapped variant whose loss or gradient norm differs
@@ -134,6 +137,9 @@ def one_variant(variant: str, device: str, warmup: int, steps: int, shape_name: 
     report = None
     if "swapped" in variant:  # "+tiled": every op named, so the tiled MLP runs without checkpointing
         report = accel_patch.swap_kernels(model, OPS if "+tiled" in variant else None).summary()
+        from accel_kernels.ops import rms_norm
+
+        rms_norm.RECOMPUTE_OUTPUTS = "+kept" not in variant  # set for each variant: one process runs several
     model.train()
     if "compile" in variant:
         model = torch.compile(model, backend=COMPILE_BACKEND)  # the warm-up steps pay for the compilation
@@ -182,6 +188,8 @@ def one_variant(variant: str, device: str, warmup: int, steps: int, shape_name: 
     step_s = statistics.median(times)
     result = dict(variant=variant, step_s=step_s, tokens_per_s=shape["batch"] * shape["seq"] / step_s,
                   peak_growth_mib=growth, steps=steps, swap=report, **first)
+    if report is not None:  # what the swapped ops decided per call over every step (the norms' recomputes)
+        result["calls"] = {op: dict(o) for op, o in accel_patch.report(model).calls.items()}
     if profile:
         import _profile
 
@@ -290,9 +298,11 @@ def main(argv=None) -> int:
         if device == "cuda" or args.dry_run:
             variants += ["stock+lora", "swapped+lora", "swapped+tiled+lora"]
     bad = [v for v in variants if v.split("+")[0] not in ("stock", "swapped", "liger")
-           or not set(v.split("+")[1:]) <= {"tiled", "lora", "compile"}]
+           or not set(v.split("+")[1:]) <= {"tiled", "lora", "compile", "kept"}
+           or ("kept" in v.split("+") and not v.startswith("swapped"))]
     if bad:
-        p.error(f"unknown variant(s) {bad}: stock, swapped, swapped+tiled or liger, each also +lora or +compile")
+        p.error(f"unknown variant(s) {bad}: stock, swapped, swapped+tiled, swapped+kept or liger, "
+                "each also +lora or +compile")
     targets = TARGETS[shape_name]
     results = dict(date=datetime.datetime.now().astimezone().isoformat(), machine=machine, device=device,
                    dry_run=args.dry_run, shape=shape, torch=torch.__version__, triton=triton.__version__,

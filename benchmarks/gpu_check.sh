@@ -26,8 +26,8 @@
 #   kernel-tests  75 s (~35)  tests/kernels -m "not slow" on CUDA tensors, real kernels, pytest -n 8 (32 s measured)
 #   gpu-tests     45 s (~20)  the CUDA-only tests: fused LoRA's dropout against PEFT's on CUDA, the tiled MLP under
 #                             checkpoint offloading (tests/swaps/lora/test_lora_dropout.py, tests/swaps/layers/test_tiled_mlp.py -k cuda)
-#   e2e          150 s (~80)  the Llama-3.2-1B-shape step, bf16, 4 x 2048 tokens, one process: full fine-tune stock,
-#                             accel-patch, Liger; LoRA r=16 all-linear stock PEFT, accel-patch, Liger + PEFT; each
+#   e2e          150 s (~90)  the Llama-3.2-1B-shape step, bf16, 4 x 2048 tokens, one process: full fine-tune stock,
+#                             accel-patch, accel-patch with the norms' outputs kept (+kept), Liger; LoRA r=16 all-linear stock PEFT, accel-patch, Liger + PEFT; each
 #                             judged by its first loss and gradient norm against stock's; plus torch.profiler of
 #                             one accel-patch and one Liger step ($OUT/profile.json)
 #   lora         100 s (~55)  LoRA as adapter users train it (bf16 autocast, dropout 0.05): stock PEFT, Liger +
@@ -47,7 +47,7 @@
 #   trl-post     150 s        TRL's DPO and GRPO heads with LoRA, stock vs accel-patch, where trl is
 # A step starts only if its limit ends inside BUDGET_S, else with what is left if that is at least
 # MIN_STEP_S (60 s): every benchmark writes its JSON after each variant, so a step cut by its limit
-# keeps what finished. The estimates through moe-checkpointed add up to ~620 s, more than BUDGET_S: the
+# keeps what finished. The estimates through moe-checkpointed add up to ~630 s, more than BUDGET_S: the
 # steps through moe fit where the compile step's cold cache is quicker than its estimate, and what is
 # cut or not started (rc 124 or 125 in the summary) leads the second call's STEPS, before lora-compile.
 # Others: lora-small (the lora step at 1 x 512 tokens, 80 s), long
@@ -111,7 +111,7 @@ add kernel-tests    75  "TRITON_INTERPRET=0 ACCEL_TEST_DEVICE=cuda $T -n 8 -m 'n
                         "$T -n 2 -m 'not slow' --collect-only tests/kernels"
 add gpu-tests       45  "TRITON_INTERPRET=0 $T $GPU_TESTS" \
                         "$T --collect-only $GPU_TESTS"
-E2E_VARIANTS=stock,swapped,liger,stock+lora,swapped+lora,liger+lora
+E2E_VARIANTS=stock,swapped,swapped+kept,liger,stock+lora,swapped+lora,liger+lora
 add e2e            150  '$PY benchmarks/e2e.py --device cuda --warmup 2 --steps 5 --variants '$E2E_VARIANTS' --profile "$OUT/profile.json" --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/e2e.py --dry-run --variants '$E2E_VARIANTS' --profile "$OUT/profile.json" --json "$OUT/$STEP.json"'
 LORA_VARIANTS='"stock,liger,swapped today,fused LoRA"'
