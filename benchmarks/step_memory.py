@@ -22,11 +22,14 @@ sizes), cuBLAS workspaces and the kernels' own scratch (none in ours). Checked a
 measured stock step (docs/benchmarks.md): the model gives 25,883 MiB where the GPU measured
 25,738 (2026-12-04, BENCHMARKS.md).
 
-Variants: stock; accel-patch as it ships; accel-patch with the fused loss's weight gradient summed
+Variants of the full fine-tune: stock; accel-patch as it ships; accel-patch with the fused loss's weight gradient summed
 in bf16 over the forward's chunks (`WEIGHT_DTYPE_SUM_CHUNKS` = 8: one logits matmul fewer);
 accel-patch with the GLU's gradients in fresh tensors (the backward before it wrote them over
 gate and up); accel-patch with the norms' outputs saved by the projections as autograd saves them
-(before they were kept as the norm calls and recomputed in backward).
+(before they were kept as the norm calls and recomputed in backward). Then the e2e LoRA step
+(PEFT r=16 on every linear layer, no dropout; `LORA_RANK` says how the rank scales): stock PEFT,
+accel-patch, and accel-patch with the norms' outputs saved as autograd saves them. Checked against
+the H200's measured stock PEFT step: 32,010 MiB modelled, 31,810 measured.
 """
 from __future__ import annotations
 
@@ -111,6 +114,21 @@ def peak_growth(model, batch) -> tuple[int, str]:
 
 VARIANTS = ("stock", "accel-patch", "accel-patch, weight gradient summed in bf16",
             "accel-patch, GLU gradients in fresh tensors", "accel-patch, norm outputs kept")
+#: The e2e LoRA step's variants (r=16 all-linear, lora_alpha 32, no dropout, as benchmarks/e2e.py)
+LORA_VARIANTS = ("stock + LoRA", "accel-patch + LoRA", "accel-patch + LoRA, norm outputs kept")
+#: LoRA's rank at this scale: 16 / 32 is no rank, so 1. The r-wide tensors (tokens x r, a few MiB
+#: in all at full scale) read twice their full-scale share; everything else scales as above.
+LORA_RANK = 1
+
+
+def with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    import torch
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+                                            target_modules="all-linear"))
 
 
 def main(argv=None) -> int:
@@ -136,9 +154,15 @@ def main(argv=None) -> int:
     print("Llama-3.2-1B step (bf16, 4 x 2048 tokens, full fine-tune) at 1/32 of every dimension; "
           "peak growth x 1024, MiB")
     rows = []
-    for name in VARIANTS:
-        model = base if name == "stock" else swapped
-        with variant_settings(name), (contextlib.nullcontext() if name == "stock" else launches_stubbed()):
+    models = {"stock": base, "accel-patch": swapped}
+    for name in VARIANTS + LORA_VARIANTS:
+        if name == "stock + LoRA":
+            print(f"the e2e LoRA step: r=16 all-linear, no dropout (rank {LORA_RANK} at this scale)")
+            models = {"stock": with_lora(copy.deepcopy(base)).train(), "accel-patch": with_lora(swapped).train()}
+        stock = name.startswith("stock")
+        model = models["stock" if stock else "accel-patch"]
+        setting = name.replace(" + LoRA", "")
+        with variant_settings(setting), (contextlib.nullcontext() if stock else launches_stubbed()):
             peak, where = peak_growth(model, batch)
         rows.append(dict(variant=name, peak_growth_mib=round(peak * SCALE ** 2 / 2 ** 20), at=where))
         print(f"  {name:45s} {rows[-1]['peak_growth_mib']:7,d}   at {where}")
