@@ -175,6 +175,21 @@ def test_stands_aside_where_it_cannot_apply(device, monkeypatch):
     assert module.outputs_recomputed(y) is None
 
 
+@pytest.mark.parametrize("release", ["storage freed", "zero-3 parameter"])
+def test_stands_aside_where_the_weight_may_be_gone_by_the_backward(device, release):
+    """An FSDP unit of the norm alone frees its gathered weight after the norm's forward; ZeRO-3
+    releases a parameter after each module's forward: the recompute could not read it."""
+    x, w, a, _ = _inputs(device)
+    weight = torch.nn.Parameter(w.detach().clone())
+    if release == "zero-3 parameter":
+        weight.ds_id = 0  # what DeepSpeed marks its partitioned parameters with
+    y = rms_norm(x, weight)
+    if release == "storage freed":
+        assert module.outputs_recomputed(y) is not None
+        weight.untyped_storage().resize_(0)
+    assert module.outputs_recomputed(y) is None
+
+
 @pytest.mark.parametrize("call", ["gated", "twin"])
 def test_outputs_the_kernel_cannot_recompute_are_saved_as_they_are(device, monkeypatch, call):
     count = []
