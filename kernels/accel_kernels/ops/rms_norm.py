@@ -666,25 +666,27 @@ class _Scope:
 
 def outputs_recomputed(x: torch.Tensor, on_recompute=None):
     """A context manager for the modules that consume `x` (an attention's or an MLP's projections),
-    or None where there is nothing to gain or it cannot apply (no grad, compiling). Inside it, every tensor autograd
-    saves that is `x` or a view of it, where x is the output of an eager rms_norm kernel call
-    (ungated, on the Triton path), is saved as that call and recomputed when a backward first needs
-    it (section comment above); `on_recompute()` is called for each recompute. None: x is no such
-    output; `RECOMPUTE_OUTPUTS` is off; x is under `RECOMPUTE_MIN_BYTES`; the norm's weight is no
-    longer there (an FSDP unit of the norm alone, resharded after its forward: the storage freed) or
-    may not be when the consumers' backward runs (a DeepSpeed ZeRO-3 parameter, released after each
-    module's forward and gathered again only for that module's backward). A weight still there
-    when its consumers run is in their FSDP unit (or one around it), which gathers it again before
-    any of their backward; saved-tensor hooks are active already (gradient
-    checkpointing's, `save_on_cpu`, a user's: theirs decide what is kept); or torch has no way to
-    tell (a private function missing)."""
+    or None. Inside it, every tensor autograd saves that is `x` or a view of it, where x is the
+    output of an eager rms_norm kernel call (ungated, on the Triton path), is saved as that call
+    and recomputed when a backward first needs it (section comment above); `on_recompute()` is
+    called for each recompute.
+
+    None, where there is nothing to gain or it cannot apply: x is no such output; grad is off;
+    compiling (the compiler decides what a graph saves); `RECOMPUTE_OUTPUTS` is off; x is under
+    `RECOMPUTE_MIN_BYTES`; saved-tensor hooks are active already (non-reentrant checkpointing's,
+    `save_on_cpu`, a user's: theirs decide what is kept); torch lacks the private function that
+    tells; or the norm's weight may be gone when the consumers' backward runs: a DeepSpeed ZeRO-3
+    parameter (released after each module's forward, gathered again only for that module's own
+    backward), or a weight whose storage was freed since the norm ran (an FSDP unit of the norm
+    alone, resharded after its forward). A weight still there when its consumers run is in their
+    FSDP unit, or one around it, which gathers it again before any of their backward."""
     if (torch.compiler.is_compiling() or type(getattr(x, "grad_fn", None)) is not _NODE or not RECOMPUTE_OUTPUTS
             or x.nbytes < RECOMPUTE_MIN_BYTES or _top_hooks is None or _top_hooks(False) is not None
             or not torch.is_grad_enabled()):
         return None
     weight = x.grad_fn.saved_tensors[1]
     if weight is not None and (hasattr(weight, "ds_id") or weight.untyped_storage().nbytes() < weight.nbytes):
-        return None  # released since the norm ran (below)
+        return None  # may be released before the consumers' backward (docstring)
     return _Scope(on_recompute)
 
 
