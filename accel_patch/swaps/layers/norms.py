@@ -383,16 +383,17 @@ def layer_norm_forward_for(form: LayerNormForm):
     return _layer_norm_forwards[form]
 
 
-def recompute_scope(x, counter):
+def recompute_scope(x, counter, saved_as_is: bool = False):
     """The context the modules that consume `x` run in, in a swapped forward (an attention's
     projections, an MLP's gate and up): where x is a swapped norm's output, the projections keep the
     norm call instead of x, and their backward computes it again
     (`accel_kernels.ops.rms_norm.outputs_recomputed`; docs/kernels.md); elsewhere a context that
     does nothing. `counter()` (None: nothing) is called for each recompute (a `RecomputeCounter`, a
-    site's method)."""
+    site's method). `saved_as_is`: the consumers save x itself under autocast too (the fused LoRA
+    functions; a plain linear layer saves its autocast cast of x, so there the scope stands aside)."""
     if torch.compiler.is_compiling():  # the compiler decides what a graph saves
         return _NO_SCOPE
-    scope = _outputs_recomputed()(x, counter)
+    scope = _outputs_recomputed()(x, counter, saved_as_is)
     return _NO_SCOPE if scope is None else scope
 
 

@@ -149,7 +149,8 @@ def mlp_forward(self, *args, **kwargs):
         return call_inner(self, *args, **kwargs)
     _count(site, MLP_OP, FUSED)
     projs, adapters = found
-    with norms.recompute_scope(x, site.norm_recomputed):  # the function saves x: the norm's call instead
+    # the function saves x, under autocast too: the norm's call instead
+    with norms.recompute_scope(x, site.norm_recomputed, saved_as_is=True):
         return fused_mlp(x, projs, adapters, act, order == "gate_up", path)
 
 
@@ -238,7 +239,11 @@ def attention_forward(self, *args, **kwargs):
     inputs, out = site.names
     if not _any_lora_layer(self, (*inputs, out) if out is not None else inputs):
         return call_inner(self, *args, **kwargs)
-    with _Bound(site, self):
+    # the fused groups save their input as it is, under autocast too: the input norm's call instead
+    # (the swapped attention forward beneath, whose scope would stand aside under autocast, then
+    # finds this one open and opens none)
+    with _Bound(site, self), norms.recompute_scope(args[0] if args else kwargs.get("hidden_states"),
+                                                   site.norm_recomputed, saved_as_is=True):
         return call_inner(self, *args, **kwargs)
 
 

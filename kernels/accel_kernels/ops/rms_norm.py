@@ -664,7 +664,7 @@ class _Scope:
         return False
 
 
-def outputs_recomputed(x: torch.Tensor, on_recompute=None):
+def outputs_recomputed(x: torch.Tensor, on_recompute=None, saved_as_is: bool = False):
     """A context manager for the modules that consume `x` (an attention's or an MLP's projections),
     or None. Inside it, every tensor autograd saves that is `x` or a view of it, where x is the
     output of an eager rms_norm kernel call (ungated, on the Triton path), is saved as that call
@@ -672,6 +672,8 @@ def outputs_recomputed(x: torch.Tensor, on_recompute=None):
     called for each recompute.
 
     None, where there is nothing to gain or it cannot apply: x is no such output; grad is off;
+    autocast is on in another dtype than x's, so the consumers save their casts of x, not x,
+    unless the caller says they save x as it is (`saved_as_is`: accel-patch's fused LoRA functions);
     compiling (the compiler decides what a graph saves); `RECOMPUTE_OUTPUTS` is off; x is under
     `RECOMPUTE_MIN_BYTES`; saved-tensor hooks are active already (non-reentrant checkpointing's,
     `save_on_cpu`, a user's: theirs decide what is kept); torch lacks the private function that
@@ -684,7 +686,14 @@ def outputs_recomputed(x: torch.Tensor, on_recompute=None):
             or x.nbytes < RECOMPUTE_MIN_BYTES or _top_hooks is None or _top_hooks(False) is not None
             or not torch.is_grad_enabled()):
         return None
-    weight = x.grad_fn.saved_tensors[1]
+    if not saved_as_is:
+        autocast = _dispatch.autocast_state(x.device.type)
+        if autocast is not None and autocast[1] and autocast[2] != x.dtype:
+            return None
+    try:
+        weight = x.grad_fn.saved_tensors[1]
+    except RuntimeError:  # freed: a backward already ran through the norm (nothing to recompute from)
+        return None
     if weight is not None and (hasattr(weight, "ds_id") or weight.untyped_storage().nbytes() < weight.nbytes):
         return None  # may be released before the consumers' backward (docstring)
     return _Scope(on_recompute)

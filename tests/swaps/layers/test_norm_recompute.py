@@ -97,3 +97,19 @@ def test_under_fsdp2_the_recompute_reads_the_weight_unsharded_again(gloo_group, 
         fully_shard(layer)
     fully_shard(model)
     assert _step_both_ways(model, monkeypatch) == 2 * model.config.num_hidden_layers
+
+
+@pytest.mark.slow  # 2 s
+def test_under_autocast_only_the_fused_lora_functions_keep_the_call(monkeypatch):
+    """fp32 weights under bf16 autocast, as recipes train: a plain projection saves its bf16 cast of
+    the norm's output, so the full fine-tune's scopes stand aside (nothing to keep); the fused LoRA
+    groups save the output itself, dropout or not, and keep the call: the attention's (on top of
+    the swapped attention forward, whose scope stands aside there) and the MLP's."""
+    base = build("llama", torch.float32)
+    swap_kernels(base)
+    lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, init_lora_weights=False,
+                                                          target_modules="all-linear"))
+    for model, recomputes in ((base, 0), (lora, 2 * base.config.num_hidden_layers - 1)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            training_step(model, padded_batch())
+        assert _recomputes(model) == recomputes
