@@ -167,11 +167,14 @@ def _meta(shape, dtype) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _sized_for(target: Target):
-    """The host code as it sizes grids on `target` (it asks torch.cuda for the SM count)."""
-    from .ops import layer_norm, rms_norm
+    """The host code as it sizes grids and tiles on `target` (it asks torch.cuda for the SM count
+    and the shared memory a block may use)."""
+    from .ops import layer_norm, moe_experts, rms_norm
 
     modules = (rms_norm, layer_norm)
     real = [m._max_programs for m in modules]
+    real_shared = moe_experts._shared_memory
+    moe_experts._shared_memory = lambda device: target.shared_per_block
 
     def sized(module):
         def max_programs(device, num_warps):
@@ -185,6 +188,7 @@ def _sized_for(target: Target):
     finally:
         for module, fn in zip(modules, real):
             module._max_programs = fn
+        moe_experts._shared_memory = real_shared
 
 
 def _drive(model: Model, dtype: torch.dtype, tokens: int, rope_forms=None):
@@ -257,7 +261,8 @@ def _drive_layer_norm(width: int, dtype: torch.dtype, tokens: int):
 def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = True):
     """moe_experts' host functions at the model's shapes (meta tensors): full fine-tuning (every
     weight's gradient) and, with lora, split LoRA of rank MOE_LORA_RANK on PEFT's strided views
-    with float32 adapters under autocast to `dtype` (the base frozen), forward and backward."""
+    with float32 adapters under autocast to `dtype` (the base frozen), and for a half `dtype` a
+    full fine-tune of float32 weights and activations under autocast to it; forward and backward."""
     from .ops import moe_experts
 
     E, H, I, K = model.experts, model.hidden, model.intermediate, model.top_k
@@ -270,13 +275,20 @@ def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = Tr
     r = MOE_LORA_RANK
     adapters = _meta((r * E, H), torch.float32).view(E, r, H), _meta((2 * I, r, E), torch.float32).permute(2, 0, 1), \
         _meta((r * E, I), torch.float32).view(E, r, I), _meta((H, r, E), torch.float32).permute(2, 0, 1)
-    variants = [(None, (True,) * 6 + (False,) * 4)] + [(adapters, (True, True) + (False,) * 4 + (True,) * 4)] * lora
-    for adapter, needs in variants:
-        params = moe_experts._Params(gate_up, down, *biases, *(adapter or (None,) * 4), 2.0, model.transposed,
+    full, peft = (True,) * 6 + (False,) * 4, (True, True) + (False,) * 4 + (True,) * 4
+    variants = [(None, full, None)] + [(adapters, peft, None)] * lora
+    if lora and dtype != torch.float32:  # a full fine-tune of fp32 weights under autocast: 4-byte operands
+        variants.append((None, full, torch.float32))
+    for adapter, needs, master in variants:
+        tensors = (gate_up, down, *biases, hidden, grad)
+        if master is not None:
+            tensors = tuple(_meta(t.shape, master) if t is not None else None for t in tensors)
+        *weights_and_biases, x, g = tensors
+        params = moe_experts._Params(*weights_and_biases, *(adapter or (None,) * 4), 2.0, model.transposed,
                                      model.interleaved, act, 1.702, 7.0 if model.activation == "gpt_oss" else model.limit,
                                      dtype)
-        moe_experts._forward(hidden, weights, order, offsets, params, moe_experts._TritonOps)
-        moe_experts._backward(grad, hidden, weights, order, offsets, params, needs, moe_experts._TritonOps)
+        moe_experts._forward(x, weights, order, offsets, params, moe_experts._TritonOps)
+        moe_experts._backward(g, x, weights, order, offsets, params, needs, moe_experts._TritonOps)
 
 
 def _shape_of(launch: _launch.Launch) -> str:
@@ -508,7 +520,7 @@ def _configurations(quick: bool) -> dict:
         for model_name in QUICK_MOE_MODELS if quick else tuple(MOE_MODELS):
             for dtype_name in QUICK_DTYPES if quick else MOE_DTYPES:
                 for tokens in QUICK_TOKENS if quick else MOE_TOKENS:
-                    with _launch.capturing() as launches:
+                    with _sized_for(target), _launch.capturing() as launches:
                         _drive_moe(MOE_MODELS[model_name], DTYPES[dtype_name], tokens, lora=not quick)
                     _add_launches(found, launches, backend, target, f"{model_name}/{dtype_name}/{tokens}")
     return found

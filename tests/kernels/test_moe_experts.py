@@ -260,6 +260,70 @@ def test_low_precision_within_stock_error(device, dtype):
     check(*make(T=17, dtype=dtype, bias=True, device=device))
 
 
+def recorded_tiles(monkeypatch) -> list:
+    """The tile sizes each Triton call of moe_experts chose, in order (forward, then backward)."""
+    chosen = []
+    real = moe_module._tiles
+    monkeypatch.setattr(moe_module, "_tiles", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    return chosen
+
+
+def test_quick_large_tiles_match_float64(device, monkeypatch):
+    # a training step's shape in small: 2 experts of 72 rows in bf16 take the large tiles (128
+    # rows, 256 columns of the down GEMM, 64 + 64 of gate/up, 128 x 128 weight-gradient blocks),
+    # every dim off those blocks: H 288 (a second, partial column tile of the down GEMM and of
+    # dx's product), I 80 and 2I 160 (partial gate/up and weight-gradient blocks), 72 rows of a
+    # 128-row tile
+    chosen = recorded_tiles(monkeypatch)
+    check(*make(T=72, H=288, I=80, E=2, K=2, dtype=torch.bfloat16, bias=True, device=device))
+    assert chosen and all(t == moe_module.LARGE_TILES for t in chosen), chosen
+
+
+@pytest.mark.slow  # interpreted Triton: over 2 s
+def test_large_tiles_over_several_tiles_an_expert_with_lora(device, monkeypatch):
+    # experts of 133 rows on average, two of them over two 128-row tiles, the second partial; LoRA on
+    # both projections (the low-rank dot in the down GEMM's 128-column tiles)
+    T, H, I, E, K = 200, 320, 96, 3, 2
+    chosen = recorded_tiles(monkeypatch)
+    inputs = make(T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device=device)
+    counts = torch.bincount(inputs[1].flatten(), minlength=E)
+    assert (counts > 128).sum() == 2 and (counts % 128 != 0).all(), counts
+    leaves, lora = peft_lora(E, H, I, dtype=torch.bfloat16, device=device)
+    check(*inputs, lora_leaves=leaves, lora=lora, train=("hidden", "weights"))
+    assert chosen and all(t == moe_module.LARGE_TILES for t in chosen), chosen
+
+
+def test_the_tiles_follow_rows_per_expert_dtype_operands_and_shared_memory(monkeypatch):
+    bf16, fp32, cuda = torch.bfloat16, torch.float32, torch.device("cuda", 0)
+    tiles, large, small = moe_module._tiles, moe_module.LARGE_TILES, moe_module.SMALL_TILES
+    rows = 64 * moe_module.LARGE_TILES_MIN_ROWS  # 64 experts at the threshold
+    cpu = torch.device("cpu")
+    assert tiles(rows, 64, bf16, 2, cpu) == large
+    assert tiles(rows, 64, torch.float16, 2, cpu) == large
+    assert tiles(rows - 1, 64, bf16, 2, cpu) == small  # below: the mean (63) to its power of two, at most 64
+    assert tiles(8, 128, bf16, 2, cpu) == small._replace(block_m=16)  # a decode step
+    assert tiles(rows, 64, bf16, 4, cpu) == small  # fp32 weights or activations under autocast
+    assert tiles(rows, 64, fp32, 4, cpu) == small._replace(num_warps=moe_module.FP32_WARPS)
+    # on CUDA the stages the device's shared memory a block holds: sm_90, sm_80, a 99 KiB device
+    for shared, expected in ((227 << 10, large), (163 << 10, large._replace(num_stages=3)), (99 << 10, small)):
+        monkeypatch.setattr(moe_module, "_cuda_shared_memory", lambda index: shared)
+        assert tiles(rows, 64, bf16, 2, cuda) == expected, shared
+
+
+@pytest.mark.parametrize("master", [torch.bfloat16, torch.float32])
+def test_quick_the_call_s_widest_operand_picks_the_tiles(device, monkeypatch, master):
+    # 64 rows an expert under bf16 autocast: bf16 weights and hidden stream 2-byte tiles (large);
+    # fp32 ones (a full fine-tune of fp32 weights) stream 4-byte tiles, which at the large sizes
+    # would need 320 KiB of shared memory a block (small)
+    chosen = recorded_tiles(monkeypatch)
+    hidden, index, weights, gate_up, down, _, _ = make(T=64, H=16, I=16, E=2, K=2, device=device)
+    x, gu, d = (t.to(master).requires_grad_() for t in (hidden, gate_up, down))
+    moe_experts(x, index, weights, gu, d, autocast_dtype=torch.bfloat16).float().sum().backward()
+    expected = moe_module.LARGE_TILES if master == torch.bfloat16 else moe_module.SMALL_TILES
+    assert len(chosen) >= 2 and set(chosen) == {expected}, chosen  # the backward path's, forward's, backward's
+    assert x.grad is not None and gu.grad.dtype == master
+
+
 def test_float64_runs_the_twin(device):
     inputs = [t.double() if t is not None and t.is_floating_point() else t for t in make(device=device)]
     check(*inputs, expect_triton=False)
@@ -717,6 +781,12 @@ def test_the_backward_path_follows_the_choice_and_the_device(device, monkeypatch
     assert moe_module.backward_path(on_cuda(torch.float32), autocast_dtype=torch.bfloat16) == "grouped_mm"
     assert moe_module.backward_path(on_cuda(torch.bfloat16), lora=True) == "triton"
     assert moe_module.backward_path(on_cuda(torch.float32)) == "triton"
+    # the large tiles' Triton backward is the faster by the bytes model (docs/moe.md, "Tile sizes")
+    large, small = moe_module.LARGE_TILES, moe_module.SMALL_TILES
+    assert moe_module.backward_path(on_cuda(torch.bfloat16), tiles=large) == "triton"
+    assert moe_module.backward_path(on_cuda(torch.bfloat16), tiles=large._replace(num_stages=3)) == "triton"
+    assert moe_module.backward_path(on_cuda(torch.bfloat16), tiles=small) == "grouped_mm"
+    assert moe_module.backward_path(on_cuda(torch.bfloat16), "grouped_mm", tiles=large) == "grouped_mm"
     takes[torch.float16] = False
     assert moe_module.backward_path(on_cuda(torch.float16)) == "triton"
     assert moe_module.backward_path(on_cuda(torch.float16), "grouped_mm") == "grouped_mm"

@@ -60,8 +60,9 @@ SAVED = "saved gate/up"
 #: is made (at the swap: a bad value raises BadSwitch there and the walk refuses the site with it;
 #: through the experts interface, at the module's first call, which refuses the module likewise):
 #: "auto" (grouped_mm's GEMMs on an sm_90+ CUDA device where torch._grouped_mm takes the compute
-#: dtype, for calls without LoRA; else Triton's), "triton" or "grouped_mm" (forced). docs/moe.md
-#: ("Which backward") says why.
+#: dtype, for calls without LoRA whose experts hold few rows, where the Triton kernels take their
+#: small tiles; else Triton's), "triton" or "grouped_mm" (forced). docs/moe.md ("Which backward",
+#: "Tile sizes") says why.
 BACKWARD_SWITCH = "ACCEL_PATCH_EXPERTS_BACKWARD"
 #: The note of a call with grad whose backward runs its GEMMs through torch._grouped_mm (a call
 #: without it, on the Triton path, runs the all-Triton backward; on the twin, the twin's).
@@ -490,12 +491,20 @@ def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int, element: int, 
     return tiled_mlp.chunk_tokens(rule.hidden, rule.intermediate)
 
 
-def _backward_path(hidden, backward: str, autocast_dtype, lora) -> str:
-    """The op's own answer (accel_kernels' `backward_path`): the count says what the op runs."""
-    from accel_kernels.ops.moe_experts import backward_path
+def _backward_path(module, plan, hidden, index, backward: str, autocast_dtype, lora) -> str:
+    """The op's own answer for the whole call (accel_kernels' `backward_path`, by the tiles the
+    call takes): the count says what the op runs, and the call's chunks, if it is tiled, are each
+    given this answer, not "auto", so a chunk's fewer rows cannot choose another backward."""
+    from accel_kernels.ops.moe_experts import backward_path, call_tiles
 
+    tiles = None
+    if backward == "auto" and hidden.device.type == "cuda":  # what auto reads; on CUDA only
+        gate_up, down = (adapters.base(module, n) for n in plan.names)
+        if plan.routed is not None:  # as `run` calls the op: the experts with weights
+            gate_up = gate_up[:plan.routed]
+        tiles = call_tiles(hidden, index, gate_up, down, autocast_dtype)
     return backward_path(hidden, backward, autocast_dtype, lora is not None and any(
-        lora.get(name) is not None for name in ("gate_up", "down")))
+        lora.get(name) is not None for name in ("gate_up", "down")), tiles)
 
 
 def forward(self, *args, **kwargs):
@@ -530,7 +539,10 @@ def forward(self, *args, **kwargs):
     autocast_dtype = sites.autocast_dtype(hidden.device.type)
     save = save_gate_up(site, hidden)
     backward = site.backward
-    grouped = torch.is_grad_enabled() and _backward_path(hidden, backward, autocast_dtype, lora) == "grouped_mm"
+    path = _backward_path(self, plan, hidden, index, backward, autocast_dtype, lora)
+    if path != "twin":
+        backward = path
+    grouped = torch.is_grad_enabled() and path == "grouped_mm"
     element = (autocast_dtype or hidden.dtype).itemsize
     chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1], element, grouped)
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save),

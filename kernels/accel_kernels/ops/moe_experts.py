@@ -93,8 +93,8 @@ elementwise op's vectorized body against its scalar tail; a GEMM by its operands
 window changes the tensors' lengths (docs/moe.md).
 On the Triton path the backward's GEMMs and weight gradients can run through torch._grouped_mm
 instead (`backward`, `backward_path`, `_GroupedOps`: by default on sm_90+ CUDA devices in
-bf16/fp16 without LoRA), the GLU backward staying fused; docs/moe.md ("Which backward") models
-both backwards' FLOPs and bytes.
+bf16/fp16 without LoRA where the call takes the small tiles), the GLU backward staying fused;
+docs/moe.md ("Which backward", "Tile sizes") models both backwards' FLOPs and bytes.
 """
 from __future__ import annotations
 
@@ -406,11 +406,28 @@ def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return order, offsets
 
 
-# Launch configuration. GEMM tiles of BLOCK_M sorted rows: 64 (a power of two between 16 and 64
-# near the mean rows per expert, so decode and tiny test shapes do not pad 64-row tiles);
-# BLOCK_N = BLOCK_K = 64 (32 for the gate/up kernel's K: two fp32 accumulators); 4 warps, 3
-# stages: at most 3 * (64 * 64 + 64 * 64) * 4 B = 96 KiB of shared memory for fp32 operands
-# (sm_80 allows 163 KiB). Checked by `python -m accel_kernels.codegen` at the MoE shapes.
+# Launch configuration, chosen per call (`_tiles`): two sets of tile sizes, by how many rows an
+# expert holds on average and by the operands' element size.
+#
+# Small tiles, where experts hold few rows (decode, small batches) or an operand is 4-byte (fp32
+# compute, fp32 weights or hidden under autocast): BLOCK_M a power of two from 16 to 64 near the
+# mean rows per expert (so decode and tiny test shapes do not pad 64-row tiles), GEMM tiles of
+# 64 x 64 (K steps of 64; 32 for the gate/up kernel's two fp32 accumulators), weight-gradient
+# blocks of 64 x 64 reduced 32 rows a step; 4 warps (8 for fp32 compute), 3 stages: at most
+# 3 * (64 * 64 + 64 * 64) * 4 B = 96 KiB of shared memory for fp32 operands (sm_80 allows 163 KiB).
+#
+# Large tiles, where every operand the GEMMs stream is 2-byte and an expert holds at least
+# LARGE_TILES_MIN_ROWS rows on average (a training step: Qwen3-30B-A3B at 4096 tokens holds 256):
+# 128 rows x 256 columns for the plain GEMM, 128 rows x 64 gate and 64 up columns for the gate/up
+# kernel, 128 x 128 weight-gradient blocks reduced 64 rows a step; 8 warps, and as many pipeline
+# stages, up to 4, as the device's shared memory a block holds at LARGE_STAGE_BYTES a stage (the
+# plain GEMM's (128 * 64 + 64 * 256) * 2 B, the largest): 4 on sm_90 (227 KiB), 3 on sm_80
+# (163 KiB); a device that holds fewer than 3 takes the small tiles. A 64 x 64 tile loads 2 x 64
+# bf16 per 2 x 64 x 64 FLOPs a K step, 32 FLOP/B of traffic from L2 to the SM; 128 x 256 does 85
+# FLOP/B, 128 x 128 (gate/up, weight gradients) 64: at the Qwen3-30B-A3B step the GEMMs' L2
+# traffic falls from 27 to 14 GB in the backward, padding included (docs/moe.md, "Tile sizes").
+# Checked by `python -m accel_kernels.codegen` at the MoE shapes (registers, spills, shared
+# memory per target).
 NUM_WARPS = 4
 NUM_STAGES = 3
 BLOCK_N = 64
@@ -424,7 +441,60 @@ GATE_UP_BACKWARD_INTERLEAVED_WARPS = 8
 # fp32 operands ("ieee" dots, fp32 tiles in registers) spill 88-6012 B at 4 warps on sm_80/sm_90a
 # at every MoE shape of the audit; 8 warps split each tile over twice the threads
 FP32_WARPS = 8
+#: mean sorted rows per expert from which a call with 2-byte operands takes the large tiles
+LARGE_TILES_MIN_ROWS = 64
 _CT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class Tiles(namedtuple("Tiles", "block_m gemm_n lora_gemm_n gemm_k gate_up_n gate_up_k grad_m grad_n grad_k "
+                               "num_warps num_stages")):
+    """One call's tile sizes: block_m sorted rows a GEMM tile (the tile list's unit); the plain
+    GEMM's gemm_n output columns (lora_gemm_n where it adds a low-rank product, which holds a
+    second accumulator) and gemm_k K step; the gate/up kernel's gate_up_n columns of gate and of
+    up (half that in gpt-oss's interleaved backward) and its K step; the weight gradient's
+    [grad_n, grad_k] block and its grad_m-row reduction step; the warps and pipeline stages of
+    every GEMM launch."""
+
+
+SMALL_TILES = Tiles(64, BLOCK_N, BLOCK_N, BLOCK_K, BLOCK_N, GATE_UP_BLOCK_K, WEIGHT_GRAD_BLOCK_M, BLOCK_N, BLOCK_K,
+                    NUM_WARPS, NUM_STAGES)
+LARGE_TILES = Tiles(128, 256, 128, 64, 64, 64, 64, 128, 128, 8, 4)
+LARGE_STAGE_BYTES = (128 * 64 + 64 * 256) * 2
+
+
+def _tiles(rows: int, experts: int, ct: torch.dtype, operand_bytes: int, device: torch.device) -> Tiles:
+    """The tile sizes of a call with `rows` sorted rows over `experts` in compute dtype ct, whose
+    widest streamed operand has `operand_bytes` bytes an element, on `device` (see the launch
+    configuration)."""
+    if ct != torch.float32 and operand_bytes <= 2 and rows // max(1, experts) >= LARGE_TILES_MIN_ROWS:
+        shared = _shared_memory(device)
+        stages = LARGE_TILES.num_stages if shared is None else min(LARGE_TILES.num_stages, shared // LARGE_STAGE_BYTES)
+        if stages >= 3:
+            return LARGE_TILES._replace(num_stages=stages)
+    return SMALL_TILES._replace(block_m=_block_m(rows, experts),
+                                num_warps=FP32_WARPS if ct == torch.float32 else NUM_WARPS)
+
+
+def _shared_memory(device: torch.device) -> Optional[int]:
+    """The bytes of shared memory a block may use on a CUDA device; None off CUDA (the
+    interpreter, which has no such limit)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_shared_memory(torch.cuda.current_device() if device.index is None else device.index)
+
+
+_SHARED: dict = {}
+
+
+def _cuda_shared_memory(index: int) -> int:
+    """Read once per device; while torch.compile traces (the site's choice of backward) a device
+    not read yet counts as none (small tiles), since nothing is asked of a device then."""
+    if index not in _SHARED:
+        if torch.compiler.is_compiling():
+            return 0
+        props = torch.cuda.get_device_properties(index)
+        _SHARED[index] = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+    return _SHARED[index]
 
 
 def _block_m(rows: int, experts: int) -> int:
@@ -435,9 +505,9 @@ def _block(n: int, most: int) -> int:
     return max(16, min(most, _launch.next_power_of_2(n)))
 
 
-def _meta(ct: torch.dtype) -> dict:
+def _meta(ct: torch.dtype, tiles: Tiles) -> dict:
     return dict(CT=_CT[ct], PRECISION="ieee" if ct == torch.float32 else "tf32",
-                num_warps=FP32_WARPS if ct == torch.float32 else NUM_WARPS, num_stages=NUM_STAGES)
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def _rank_block(rank: int) -> int:
@@ -450,7 +520,7 @@ class _Routing:
     E for a program without one). No host synchronisation: the grid is the bound
     cdiv(rows, BLOCK_M) + E on the number of tiles."""
 
-    def __init__(self, order, offsets, top_k_weights, experts):
+    def __init__(self, order, offsets, top_k_weights, experts, ct, operand_bytes):
         T, K = top_k_weights.shape
         self.rows, self.top_k, self.experts = T * K, K, experts
         self.order, self.offsets = order, offsets
@@ -459,7 +529,8 @@ class _Routing:
         # position[slot]: the sorted row of each (token, slot) pair
         self.position = torch.empty_like(order).scatter_(
             0, order.long(), torch.arange(self.rows, dtype=torch.int32, device=order.device))
-        self.block_m = _block_m(self.rows, experts)
+        self.tiles = _tiles(self.rows, experts, ct, operand_bytes, order.device)
+        self.block_m = self.tiles.block_m
         counts = offsets.diff()
         tiles = torch.div(counts + (self.block_m - 1), self.block_m, rounding_mode="floor")
         ends = torch.cumsum(tiles, 0)
@@ -479,7 +550,7 @@ def _gemm(a, r: _Routing, w, out_cols: int, ct, *, gather=False, bias=None, scal
     out = _dispatch.empty((r.rows, out_cols), dtype=ct, device=a.device)
     la, lb = lora if lora is not None else (a, w)
     rank = la.shape[1] if lora is not None else 1
-    block_n = _block(out_cols, BLOCK_N)
+    block_n = _block(out_cols, r.tiles.gemm_n if lora is None else r.tiles.lora_gemm_n)
     grid = (r.grid_m, _launch.cdiv(out_cols, block_n))
     _launch.launch(
         _moe_gemm_kernel, grid, a, r.tokens, w, bias if bias is not None else w,
@@ -489,7 +560,8 @@ def _gemm(a, r: _Routing, w, out_cols: int, ct, *, gather=False, bias=None, scal
         *(bias.stride() if bias is not None else (0, 0)), la.stride(0), la.stride(1),
         *(lb.stride() if lora is not None else (0, 0, 0)), out.stride(0), out.stride(1), float(lora_scale),
         GATHER=gather, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, LORA=lora is not None,
-        R=_rank_block(rank), BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(a.shape[1], BLOCK_K), **_meta(ct))
+        R=_rank_block(rank), BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(a.shape[1], r.tiles.gemm_k),
+        **_meta(ct, r.tiles))
     return out
 
 
@@ -499,9 +571,9 @@ def _gate_up(hidden, r: _Routing, p: "_Params", xa, *, dh=None) -> tuple:
     I, H = p.intermediate, hidden.shape[1]
     w = p.in_out(p.gate_up)
     h = _dispatch.empty((r.rows, I), dtype=p.ct, device=hidden.device)
-    block_n = _block(I, BLOCK_N)
-    n_blocks = _launch.cdiv(I, block_n)
     forward = dh is None
+    block_n = _block(I, r.tiles.gate_up_n if forward or not p.interleaved else r.tiles.gate_up_n // 2)
+    n_blocks = _launch.cdiv(I, block_n)
     dgu = h if forward else _dispatch.empty((r.rows, 2 * I), dtype=p.ct, device=hidden.device)
     dw = h if forward else _dispatch.empty((n_blocks, r.rows), dtype=torch.float32, device=hidden.device)
     bias = p.gate_up_bias
@@ -518,8 +590,10 @@ def _gate_up(hidden, r: _Routing, p: "_Params", xa, *, dh=None) -> tuple:
         h.stride(0), dh.stride(0) if dh is not None else 0, dgu.stride(0), dw.stride(0) if not forward else 0,
         float(p.scaling), float(p.alpha), float(p.limit),
         ACT=p.act, CLAMP=p.clamp, FORWARD=forward, HAS_BIAS=bias is not None, LORA=xa is not None, R=_rank_block(rank),
-        BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(H, GATE_UP_BLOCK_K),
-        **dict(_meta(p.ct), **({} if forward or not p.interleaved else {"num_warps": GATE_UP_BACKWARD_INTERLEAVED_WARPS})))
+        BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(H, r.tiles.gate_up_k),
+        **dict(_meta(p.ct, r.tiles),
+               **({} if forward or not p.interleaved else
+                  {"num_warps": max(r.tiles.num_warps, GATE_UP_BACKWARD_INTERLEAVED_WARPS)})))
     return (h,) if forward else (h, dgu, dw)
 
 
@@ -531,14 +605,15 @@ def _weight_grad(a, b, r: _Routing, like: torch.Tensor, layout: tuple[int, int],
     out = _dispatch.empty(like.shape, dtype=like.dtype, device=a.device)
     N, K = a.shape[1], b.shape[1]
     bias = _dispatch.empty(bias_like.shape, dtype=bias_like.dtype, device=a.device) if bias_like is not None else None
-    block_n, block_k = _block(N, BLOCK_N), _block(K, BLOCK_K)
+    block_n, block_k = _block(N, r.tiles.grad_n), _block(K, r.tiles.grad_k)
     grid = (_launch.cdiv(N, block_n) * _launch.cdiv(K, block_k), r.experts)
     _launch.launch(
         _moe_weight_grad_kernel, grid, a, r.tokens, b, r.tokens, scale if scale is not None else r.weights, out,
         bias if bias is not None else out, r.offsets, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(layout[0]), out.stride(layout[1]), *(bias.stride() if bias is not None else (0, 0)),
         float(out_scale), GATHER_A=gather_a, GATHER_B=gather_b, HAS_SCALE=scale is not None,
-        BIAS_GRAD=bias is not None, BLOCK_M=WEIGHT_GRAD_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **_meta(ct))
+        BIAS_GRAD=bias is not None, BLOCK_M=r.tiles.grad_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        **_meta(ct, r.tiles))
     return out, bias
 
 
@@ -564,11 +639,16 @@ _GRADS = ("hidden", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bi
 _Needs = namedtuple("_Needs", _GRADS)
 
 
-def _ops(path, order, offsets, top_k_weights, p):
+def _ops(path, order, offsets, top_k_weights, p, *streamed):
     """The primitives of one call: `path`'s (_TritonOps or _TorchOps); a call without tokens runs
-    the twin (no launch has rows)."""
+    the twin (no launch has rows). `streamed`: the activations the GEMMs read besides the weights
+    (hidden, and the upstream gradient in backward), whose widest dtype with the weights' picks
+    the Triton path's tiles."""
     if path is _TritonOps and top_k_weights.shape[0] == 0:
         path = _TorchOps
+    if isinstance(path, type) and issubclass(path, _TritonOps):
+        widest = max(t.element_size() for t in (p.gate_up, p.down, *streamed))
+        return path(order, offsets, top_k_weights, p, widest)
     return path(order, offsets, top_k_weights, p)
 
 
@@ -576,7 +656,7 @@ def _forward(hidden, top_k_weights, order, offsets, p, path, save: bool = False)
     """(out [T, H] in hidden's dtype, the fp32 gate/up pre-activations [T*K, 2I] of the sorted rows
     where `save` asks and the path keeps them (the twin), else None)."""
     T = hidden.shape[0]
-    ops = _ops(path, order, offsets, top_k_weights, p)
+    ops = _ops(path, order, offsets, top_k_weights, p, hidden)
     xa = ops.gemm(hidden, p.gate_up_lora_a.transpose(1, 2), gather=True) if p.gate_up_lora_a is not None else None
     h, saved = ops.gate_up(hidden, xa, save)
     del xa
@@ -595,7 +675,7 @@ def _backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, path, s
     gathered operand) at a time; x and g are gathered where a product reads them, never kept."""
     needs = _Needs(*needs)
     T, K = top_k_weights.shape
-    ops = _ops(path, order, offsets, top_k_weights, p)
+    ops = _ops(path, order, offsets, top_k_weights, p, hidden, grad_out)
     grads = dict.fromkeys(_GRADS)
     # dh = g down_e^T (+ s (g B_e) A_e): the upstream gradient at act(gate, up), before the routing weight
     g_b = down_lora = None
@@ -650,8 +730,8 @@ class _TritonOps:
 
     acc = torch.float32
 
-    def __init__(self, order, offsets, top_k_weights, p):
-        self.p, self.r = p, _Routing(order, offsets, top_k_weights, p.num_experts)
+    def __init__(self, order, offsets, top_k_weights, p, operand_bytes=2):
+        self.p, self.r = p, _Routing(order, offsets, top_k_weights, p.num_experts, p.ct, operand_bytes)
 
     def gemm(self, a, w, *, gather=False, bias=None, scaled=False, lora=None):
         """[rows, out] in ct: each sorted row of `a` (a[token] when gather) times its expert's w
@@ -733,8 +813,8 @@ class _GroupedOps(_TritonOps):
     of experts without rows, whose weight-gradient blocks are zeroed (Hopper's grouped_mm writes
     zeros there, sm_100's has been reported not to)."""
 
-    def __init__(self, order, offsets, top_k_weights, p):
-        super().__init__(order, offsets, top_k_weights, p)
+    def __init__(self, order, offsets, top_k_weights, p, operand_bytes=2):
+        super().__init__(order, offsets, top_k_weights, p, operand_bytes)
         self.ends = offsets[1:].contiguous()
         self._empty = None
 
@@ -1404,22 +1484,37 @@ def _grouped_mm_takes(device: torch.device, ct: torch.dtype) -> bool:
     return _TAKES[key]
 
 
+def call_tiles(hidden: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               autocast_dtype: torch.dtype | None = None) -> Tiles:
+    """The tile sizes a Triton call of the op on these inputs takes (its forward's; the backward's
+    where the upstream gradient has hidden's dtype)."""
+    widest = max(t.element_size() for t in (hidden, gate_up, down))
+    return _tiles(top_k_index.numel(), gate_up.shape[0], _compute_dtype(hidden, autocast_dtype), widest, hidden.device)
+
+
+def large(tiles: Tiles) -> bool:
+    """Whether `tiles` are the large tiles (at whatever stage count the device took)."""
+    return tiles._replace(num_stages=LARGE_TILES.num_stages) == LARGE_TILES
+
+
 def backward_path(hidden: torch.Tensor, backward: str = "auto", autocast_dtype: torch.dtype | None = None,
-                  lora: bool = False) -> str:
+                  lora: bool = False, tiles: Tiles | None = None) -> str:
     """Which backward a call of the op on `hidden` runs: "twin" (the plain-torch twin: off the
     Triton path), "triton" or "grouped_mm" (the Triton path's backward with its GEMMs and weight
     gradients through torch._grouped_mm, `_GroupedOps`). `backward` as the op takes it: "auto" is
     grouped_mm on a CUDA device of compute capability 9.0+ where grouped_mm takes the compute
-    dtype (bf16, fp16: tried once, `_grouped_mm_takes`) and the call has no LoRA (`lora`: every
+    dtype (bf16, fp16: tried once, `_grouped_mm_takes`), the call has no LoRA (`lora`: every
     product of LoRA's backward carries or is a low-rank term, which stay Triton launches there:
-    its grouped_mm backward would be the Triton one), else triton; "grouped_mm" forces it on
-    any Triton path (under Triton's interpreter too: the tests' mixed path), "triton" forbids it.
-    The site counts what this says."""
+    its grouped_mm backward would be the Triton one) and it takes the small tiles (`tiles`, from
+    `call_tiles`: with the large ones the Triton backward is the faster by the bytes model of
+    docs/moe.md, "Tile sizes"), else triton; "grouped_mm" forces it on any Triton path (under
+    Triton's interpreter too: the tests' mixed path), "triton" forbids it. The site counts what
+    this says."""
     if not _dispatch.use_triton(hidden) or hidden.dtype == torch.float64:
         return "twin"
     if backward == "grouped_mm":
         return "grouped_mm"
-    if backward == "triton" or hidden.device.type != "cuda" or lora:
+    if backward == "triton" or hidden.device.type != "cuda" or lora or (tiles is not None and large(tiles)):
         return "triton"
     ct = _compute_dtype(hidden, autocast_dtype)
     return "grouped_mm" if ct in GROUPED_AUTO_DTYPES and _grouped_mm_takes(hidden.device, ct) else "triton"
@@ -1451,7 +1546,8 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     plain-torch twin only; the Triton path always recomputes. backward: on the Triton path, which
     backward runs: "triton" (every GEMM a Triton launch), "grouped_mm" (the GEMMs and weight
     gradients through torch._grouped_mm, the GLU backward still fused) or "auto" (grouped_mm on a
-    CUDA device where it takes the compute dtype, else triton): `backward_path` says which.
+    CUDA device where it takes the compute dtype and the call takes the small tiles, else
+    triton): `backward_path` says which.
     The module docstring says which casts happen and what is saved for backward.
 
     Differentiable in hidden, top_k_weights, gate_up, down, the biases and the LoRA tensors (each
@@ -1464,7 +1560,9 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                   interleaved, activation, alpha, limit, lora, autocast_dtype, backward)
     inter = down.shape[1] if transposed else down.shape[2]
     *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
-    path = backward_path(hidden, backward, autocast_dtype, any(t is not None for t in adapters))
+    tiles = call_tiles(hidden, top_k_index, gate_up, down, autocast_dtype) if backward == "auto" and \
+        hidden.device.type == "cuda" else None  # what auto reads; on CUDA only
+    path = backward_path(hidden, backward, autocast_dtype, any(t is not None for t in adapters), tiles)
     triton_path = path != "twin"
     return _moe_experts_op(
         hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, scaling, transposed,

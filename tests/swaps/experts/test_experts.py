@@ -298,6 +298,38 @@ def test_a_checkpointed_call_on_the_triton_path_tiles_only_above_the_memory_budg
     assert experts.site._tiling(module, site, hidden, 2, 4, False) == 64
 
 
+def test_a_tiled_call_runs_each_chunk_with_the_backward_chosen_for_the_whole_call(monkeypatch):
+    """auto's choice of backward depends on the call's tiles, so on its rows per expert: the site
+    chooses once for the whole call (what it counts) and hands that choice, not "auto", to each
+    chunk of a tiled call, whose fewer rows could choose otherwise."""
+    import accel_kernels.ops.moe_experts as op
+
+    on_the_twin(monkeypatch)
+    module, site, model = _tiling_site(monkeypatch)
+    site.requested = True  # tiled_mlp named: the twin tiles too, in chunks of 64 tokens
+    real = op.backward_path
+    # a stand-in for a GPU's auto: grouped_mm where the call is large, triton where it is small
+    monkeypatch.setattr(op, "backward_path", lambda hidden, backward="auto", *a: backward if backward != "auto" else (
+        "grouped_mm" if hidden.shape[0] > 64 else "triton"))
+    run, given = experts.site.run, []
+
+    def spy(*args):  # run(module, plan, hidden, index, weights, lora, autocast_dtype, save, backward)
+        given.append(args[8])
+        monkeypatch.setattr(op, "backward_path", real)  # the chunk itself runs the twin
+        try:
+            return run(*args[:8], "auto")
+        finally:
+            monkeypatch.setattr(op, "backward_path", fake)
+
+    fake = op.backward_path
+    monkeypatch.setattr(experts.site, "run", spy)
+    hidden = torch.randn(200, model.config.hidden_size, requires_grad=True)
+    index, weights = experts.site.routes(200, 2, 4, "cpu")
+    module(hidden, index, weights).sum().backward()
+    assert given == ["grouped_mm"] * 4, given  # 4 chunks of at most 64 tokens
+    assert experts_calls(model) == {"fused (tiled, grouped_mm backward)": 1}, experts_calls(model)
+
+
 def test_the_budget_weighs_a_call_in_its_compute_dtype(monkeypatch):
     """The forward hands the rule the bytes of the dtype the op computes in: autocast's, else
     hidden's (a bf16 autocast call holds half what a float32 one does)."""
