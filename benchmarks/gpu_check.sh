@@ -36,7 +36,8 @@
 #                             vocabulary pass (the default) against the fp32 sum over token chunks, the bf16 sum
 #                             over the forward's 8 chunks (WEIGHT_DTYPE_SUM_CHUNKS=8), and Liger's
 #   moe-op        60 s (~30)  the experts op alone at Qwen3-30B-A3B's shape, forward and backward timed apart, each
-#                             backward (Triton, grouped_mm, auto) against transformers' grouped_mm path
+#                             backward (Triton, grouped_mm, auto) against transformers' grouped_mm path, and
+#                             the Triton and grouped_mm backwards again with the op's small tiles forced
 #   e2e-compile  240 s (~160) stock + torch.compile and accel-patch + torch.compile (Inductor, cold cache), full
 #   bench        120 s (~70)  python -m accel_kernels.bench --quick: each op against eager and Liger, host-inclusive
 #                             and device (profiler) times, % of copy bandwidth

@@ -9,7 +9,9 @@ Each variant: the median of --repeats timings of --steps forwards, then of --ste
 backward (torch.autograd.grad into fresh tensors, so no .grad accumulation is timed); backward =
 the difference. "ours <b>" is moe_experts(..., backward=b); each such line also says what its
 backward launched (the Triton weight-gradient kernel or not, torch._grouped_mm calls), and the
-last line what auto picks here (`backward_path`). On a CPU (tiny shapes, the op's
+last line what auto picks here (`backward_path`). "small tiles": the same call with the op's
+small tiles forced (`LARGE_TILES_MIN_ROWS` out of reach), the launch configuration it took before
+the large tiles (docs/moe.md, "Tile sizes"). On a CPU (tiny shapes, the op's
 plain-torch twin for every variant) it only checks that the script runs.
 """
 from __future__ import annotations
@@ -64,8 +66,12 @@ def main(argv=None) -> int:
     variants = {"grouped_mm (transformers)": lambda: _eager_moe(x, index, weights, gate_up, down)}
     for backward in ("triton", "grouped_mm", "auto"):
         variants[f"ours {backward}"] = (lambda b: lambda: moe_experts(x, index, weights, gate_up, down, backward=b))(backward)
+    for backward in ("triton", "grouped_mm"):  # the small tiles everywhere: what the large ones changed
+        variants[f"ours {backward}, small tiles"] = variants[f"ours {backward}"]
     rows = []
+    large_from = op.LARGE_TILES_MIN_ROWS
     for name, fn in variants.items():
+        op.LARGE_TILES_MIN_ROWS = float("inf") if name.endswith("small tiles") else large_from
         forward = ms(fn)
         both = ms(lambda: torch.autograd.grad(fn(), inputs, grad))
         ran = ""
@@ -79,6 +85,7 @@ def main(argv=None) -> int:
             finally:
                 torch._grouped_mm = real
             ran = f"  ran: {len(calls)} grouped_mm, {launched.count('_moe_weight_grad_kernel')} Triton weight grads"
+        op.LARGE_TILES_MIN_ROWS = large_from
         rows.append(dict(variant=name, forward_ms=forward, backward_ms=both - forward, total_ms=both, ran=ran.strip()))
         print(f"{name:27s} forward {forward:7.3f} ms  backward {both - forward:7.3f} ms  both {both:7.3f} ms{ran}",
               flush=True)
@@ -87,11 +94,13 @@ def main(argv=None) -> int:
         print(f"{r['variant']} / grouped_mm: forward {r['forward_ms'] / base['forward_ms']:.2f}x, backward "
               f"{r['backward_ms'] / base['backward_ms']:.2f}x, both {r['total_ms'] / base['total_ms']:.2f}x")
     auto = op.backward_path(x, "auto")
+    tiles = op._tiles(T * K, E, dtype, x.element_size(), x.device)
+    print(f"tiles here: {'large' if tiles == op.LARGE_TILES._replace(num_stages=tiles.num_stages) else 'small'} {tiles}")
     print(f"auto here: {auto} (device {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(shape=dict(tokens=T, hidden=H, intermediate=I, experts=E, top_k=K, dtype=str(dtype)),
-                           auto=auto, rows=rows), f, indent=1)
+                           auto=auto, tiles=tiles._asdict(), rows=rows), f, indent=1)
     return 0
 
 

@@ -233,10 +233,14 @@ def test_the_summary_judges_each_variant_against_the_user_s_alternative(tmp_path
          "pct_copy": 20.0, "dev_pct_copy": 80.0, "time_vs_eager": 0.5, "time_vs_liger": 0.9},
         {"op": "swiglu", "impl": "accel_kernels", "status": "ok", "fb_ms": 0.2, "dev_fb_ms": 0.1, "fb_mib": 1.0,
          "pct_copy": 20.0, "dev_pct_copy": 40.0, "time_vs_eager": 0.5, "time_vs_liger": 1.1}]}
-    for name, data in (("e2e", e2e), ("bench", bench)):
+    moe_op = {"auto": "triton", "tiles": {"block_m": 128}, "rows": [
+        {"variant": "grouped_mm (transformers)", "forward_ms": 1.8, "backward_ms": 2.4, "total_ms": 4.2},
+        {"variant": "ours auto", "forward_ms": 0.6, "backward_ms": 2.6, "total_ms": 3.2},
+        {"variant": "ours triton, small tiles", "forward_ms": 1.4, "backward_ms": 3.8, "total_ms": 5.2}]}
+    for name, data in (("e2e", e2e), ("bench", bench), ("moe-op", moe_op)):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     module = summary()
-    module.main(["--out", str(tmp_path), "--steps", "e2e:0:80 bench:0:60 moe:125:0"])
+    module.main(["--out", str(tmp_path), "--steps", "e2e:0:80 bench:0:60 moe-op:0:30 moe:125:0"])
     rows = {(r[0], r[1]): r for r in module.ROWS}
     full = rows[("e2e full", "accel-patch")]
     assert full[4] == "1.40x" and "loss OK PASS >= 1.35x" in full[6] and "PASS vs Liger 1.08x" in full[6]
@@ -246,6 +250,9 @@ def test_the_summary_judges_each_variant_against_the_user_s_alternative(tmp_path
     assert "FAILED: RuntimeError: in-place view" in rows[("e2e LoRA", "Liger+lora")][6]
     assert "dev 80% copy PASS" in rows[("bench", "rms_norm")][6]
     assert "dev 40% copy MISS" in rows[("bench", "swiglu")][6]
+    auto = rows[("moe-op", "ours: auto")]
+    assert auto[4] == "0.76x" and "bwd 1.08x MISS <= 1.0x" in auto[6] and "both PASS <= 0.8x" in auto[6]
+    assert rows[("moe-op", "ours: triton, small tiles")][4] == "1.24x"
     assert "not started" in rows[("moe", "")][6]
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("moe") and "===== SUMMARY" in out
