@@ -145,7 +145,7 @@ add lora-compile   170  '$PY benchmarks/lora.py --device cuda --autocast bf16 --
                         '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --compile eager --variants "stock,fused LoRA" --json "$OUT/$STEP.json"'
 add check          120  '$PY -m accel_patch.cli check --json > "$OUT/$STEP.json"' \
                         '$PY -m accel_patch.cli check --json --parts launch > "$OUT/$STEP.json"'
-add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants grouped_mm,ours,ours-triton-bwd --json "$OUT/$STEP.json"' \
+add moe-block      180  '$PY benchmarks/moe.py --device cuda --block --variants grouped_mm,ours,ours-triton-bwd,ours-grouped-bwd --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/moe.py --dry-run --block --variants grouped_mm,ours --json "$OUT/$STEP.json"'
 add unit-tests     100  "TRITON_INTERPRET=0 $T -m 'not slow' tests --ignore=tests/kernels" \
                         "$T -m 'not slow' --collect-only tests --ignore=tests/kernels"

@@ -7,7 +7,7 @@ experts site (accel-patch's moe_experts op, `swap_kernels(ops="experts")`).
     python benchmarks/moe.py --dry-run         # the same code at tiny shapes on CPU, in seconds
     python benchmarks/moe.py --json moe.json   # the figures as JSON, rewritten after each variant
     python benchmarks/moe.py --modes lora      # only LoRA on the experts (or: full)
-    python benchmarks/moe.py --variants grouped_mm,ours   # some of eager, grouped_mm, batched_mm, ours, ours-triton-bwd, accel_patch
+    python benchmarks/moe.py --variants grouped_mm,ours   # some of eager, grouped_mm, batched_mm, ours, ours-triton-bwd, ours-grouped-bwd, accel_patch
     python benchmarks/moe.py --layers 1 --moe-intermediate 256   # another depth or expert width
     python benchmarks/moe.py --block           # one sparse MoE block alone (router and experts), no model around it
     python benchmarks/moe.py --rounds 3        # each variant's process three times, taking turns (CPU times)
@@ -22,7 +22,8 @@ CPU's speed drifts by tens of percent over minutes, which variants run one after
 carry into their ratio); the time is the median of the rounds' medians, the memory the first
 round's (the same in every round).
 "ours" swaps only the experts site, on the grouped_mm model, so the ratios are the experts' alone
-("ours-triton-bwd": the same with the op's all-Triton backward, ACCEL_PATCH_EXPERTS_BACKWARD=triton);
+("ours-triton-bwd", "ours-grouped-bwd": the same with the op's all-Triton backward or its grouped_mm
+one, ACCEL_PATCH_EXPERTS_BACKWARD=triton or grouped_mm, where "ours" runs auto's);
 "accel_patch" swaps every op on it (`swap_kernels(model)`, what `import accel_patch` does at load:
 the fused linear cross-entropy head, RMSNorm, RoPE and the LoRA sites beside the experts), the step a
 user gets.
@@ -67,11 +68,15 @@ SHAPES = {
                 batch=1, seq=64, dtype="float32"),
 }
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
-SWAPPED = {"ours": "experts", "ours-triton-bwd": "experts", "accel_patch": None}  # variant: the ops it swaps (None: every op)
-#: A variant's own environment: "ours-triton-bwd" is "ours" with the op's all-Triton backward
-#: (ACCEL_PATCH_EXPERTS_BACKWARD=triton), so one run times both backwards; the other variants run
-#: with that switch unset (auto: grouped_mm's GEMMs on an sm_90+ GPU in bf16, docs/moe.md).
-VARIANT_ENV = {"ours-triton-bwd": {"ACCEL_PATCH_EXPERTS_BACKWARD": "triton"}}
+SWAPPED = {"ours": "experts", "ours-triton-bwd": "experts", "ours-grouped-bwd": "experts",
+           "accel_patch": None}  # variant: the ops it swaps (None: every op)
+#: A variant's own environment: "ours-triton-bwd" and "ours-grouped-bwd" are "ours" with the op's
+#: all-Triton backward or its grouped_mm one forced (ACCEL_PATCH_EXPERTS_BACKWARD), so one run times
+#: each backward; the other variants run with that switch unset (auto: on an sm_90+ GPU in bf16,
+#: Triton where the call takes the large tiles, grouped_mm's GEMMs where it takes the small ones;
+#: docs/moe.md).
+VARIANT_ENV = {"ours-triton-bwd": {"ACCEL_PATCH_EXPERTS_BACKWARD": "triton"},
+               "ours-grouped-bwd": {"ACCEL_PATCH_EXPERTS_BACKWARD": "grouped_mm"}}
 VARIANTS = IMPLEMENTATIONS + tuple(SWAPPED)
 MODES = ("full", "lora")
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
