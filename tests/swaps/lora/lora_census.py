@@ -254,7 +254,9 @@ def summary(records) -> dict:
 
 SETTINGS = (("bf16 autocast, fp32 adapters, dropout 0.05", True, 0.05),
             ("pure bf16, fp32 adapters, dropout 0.05", False, 0.05),
-            ("bf16 autocast, fp32 adapters, no dropout", True, 0.0))
+            ("bf16 autocast, fp32 adapters, no dropout", True, 0.0),
+            # the GPU e2e benchmark's LoRA step (benchmarks/e2e.py: a bf16 model, r=16, no dropout)
+            ("pure bf16, fp32 adapters, no dropout", False, 0.0))
 
 
 def table(show_ops: bool = False, on_cuda_dropout: bool = False) -> str:

@@ -8,6 +8,9 @@ import pytest
 
 import lora_census as census
 
+# the counts run every call at Llama-1B widths on the CPU: 6-9 s for the module's fixtures
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def counted():
