@@ -276,7 +276,7 @@ def test_quick_large_tiles_match_float64(device, monkeypatch):
     # 128-row tile
     chosen = recorded_tiles(monkeypatch)
     check(*make(T=72, H=288, I=80, E=2, K=2, dtype=torch.bfloat16, bias=True, device=device))
-    assert chosen and all(t == moe_module.LARGE_TILES for t in chosen), chosen
+    assert chosen and all(moe_module.large(t) for t in chosen), chosen  # at the device's stages
 
 
 @pytest.mark.slow  # interpreted Triton: over 2 s
@@ -290,7 +290,7 @@ def test_large_tiles_over_several_tiles_an_expert_with_lora(device, monkeypatch)
     assert (counts == 136).all(), counts
     leaves, lora = peft_lora(E, H, I, dtype=torch.bfloat16, device=device)
     check(*inputs, lora_leaves=leaves, lora=lora, train=("hidden", "weights"))
-    assert chosen and all(t == moe_module.LARGE_TILES for t in chosen), chosen
+    assert chosen and all(moe_module.large(t) for t in chosen), chosen  # at the device's stages
 
 
 def test_the_tiles_follow_rows_per_expert_dtype_operands_and_shared_memory(monkeypatch):
@@ -319,8 +319,8 @@ def test_quick_the_call_s_widest_operand_picks_the_tiles(device, monkeypatch, ma
     hidden, index, weights, gate_up, down, _, _ = make(T=64, H=16, I=16, E=2, K=2, device=device)
     x, gu, d = (t.to(master).requires_grad_() for t in (hidden, gate_up, down))
     moe_experts(x, index, weights, gu, d, autocast_dtype=torch.bfloat16).float().sum().backward()
-    expected = moe_module.LARGE_TILES if master == torch.bfloat16 else moe_module.SMALL_TILES
-    assert len(chosen) >= 2 and set(chosen) == {expected}, chosen  # the backward path's, forward's, backward's
+    assert len(chosen) >= 2, chosen  # the forward's and the backward's (and on CUDA auto's, first)
+    assert all(moe_module.large(t) == (master == torch.bfloat16) for t in chosen), chosen
     assert x.grad is not None and gu.grad.dtype == master
 
 
