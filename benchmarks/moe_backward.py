@@ -68,7 +68,16 @@ def main(argv=None) -> int:
         variants[f"ours {backward}"] = (lambda b: lambda: moe_experts(x, index, weights, gate_up, down, backward=b))(backward)
     for backward in ("triton", "grouped_mm"):  # the small tiles everywhere: what the large ones changed
         variants[f"ours {backward}, small tiles"] = variants[f"ours {backward}"]
+    tiles = op.call_tiles(x, index, gate_up, down)
+    auto = op.backward_path(x, "auto", tiles=tiles)
     rows = []
+
+    def save():  # after every variant: a step cut at its time limit keeps what finished
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(shape=dict(tokens=T, hidden=H, intermediate=I, experts=E, top_k=K, dtype=str(dtype)),
+                               auto=auto, tiles=tiles._asdict(), rows=rows), f, indent=1)
+
     large_from = op.LARGE_TILES_MIN_ROWS
     for name, fn in variants.items():
         op.LARGE_TILES_MIN_ROWS = float("inf") if name.endswith("small tiles") else large_from
@@ -89,18 +98,13 @@ def main(argv=None) -> int:
         rows.append(dict(variant=name, forward_ms=forward, backward_ms=both - forward, total_ms=both, ran=ran.strip()))
         print(f"{name:27s} forward {forward:7.3f} ms  backward {both - forward:7.3f} ms  both {both:7.3f} ms{ran}",
               flush=True)
+        save()
     base = rows[0]
     for r in rows[1:]:
         print(f"{r['variant']} / grouped_mm: forward {r['forward_ms'] / base['forward_ms']:.2f}x, backward "
               f"{r['backward_ms'] / base['backward_ms']:.2f}x, both {r['total_ms'] / base['total_ms']:.2f}x")
-    auto = op.backward_path(x, "auto")
-    tiles = op._tiles(T * K, E, dtype, x.element_size(), x.device)
-    print(f"tiles here: {'large' if tiles == op.LARGE_TILES._replace(num_stages=tiles.num_stages) else 'small'} {tiles}")
+    print(f"tiles here: {'large' if op.large(tiles) else 'small'} {tiles}")
     print(f"auto here: {auto} (device {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(shape=dict(tokens=T, hidden=H, intermediate=I, experts=E, top_k=K, dtype=str(dtype)),
-                           auto=auto, tiles=tiles._asdict(), rows=rows), f, indent=1)
     return 0
 
 
