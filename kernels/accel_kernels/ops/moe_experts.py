@@ -466,8 +466,8 @@ def _tiles(rows: int, experts: int, ct: torch.dtype, operand_bytes: int, device:
     """The tile sizes of a call with `rows` sorted rows over `experts` in compute dtype ct, whose
     widest streamed operand has `operand_bytes` bytes an element, on `device` (see the launch
     configuration)."""
+    shared = _shared_memory(device)  # read (once) by any eager call, so a compiled one finds it
     if ct != torch.float32 and operand_bytes <= 2 and rows // max(1, experts) >= LARGE_TILES_MIN_ROWS:
-        shared = _shared_memory(device)
         stages = LARGE_TILES.num_stages if shared is None else min(LARGE_TILES.num_stages, shared // LARGE_STAGE_BYTES)
         if stages >= 3:
             return LARGE_TILES._replace(num_stages=stages)
@@ -487,8 +487,9 @@ _SHARED: dict = {}
 
 
 def _cuda_shared_memory(index: int) -> int:
-    """Read once per device; while torch.compile traces (the site's choice of backward) a device
-    not read yet counts as none (small tiles), since nothing is asked of a device then."""
+    """Read once per device, by the first eager call on it (the swap's probe is one); while
+    torch.compile traces (the site's choice of backward) a device not read yet counts as none
+    (small tiles): nothing is asked of a device then, and no cache is written."""
     if index not in _SHARED:
         if torch.compiler.is_compiling():
             return 0
