@@ -234,14 +234,17 @@ def moe_op(out, name):
     for r in rows:
         fig = f"fwd {r['forward_ms']:.2f} bwd {r['backward_ms']:.2f} ms"
         if r is base:
-            add(name, "grouped_mm", fig, "", "", "", "baseline")
+            add(name, "transformers", fig, "", "", "", "baseline (its grouped_mm path)")
             continue
         both = r["total_ms"] / base["total_ms"] if base and base["total_ms"] else None
         back = r["backward_ms"] / base["backward_ms"] if base and base["backward_ms"] > 0 else None
         verdict = f"bwd {x(back)}" + (f" {pf(None if back is None else back <= MOE_OP_BACKWARD)} <= {MOE_OP_BACKWARD}x; "
                                       f"both {pf(None if both is None else both <= MOE_OP)} <= {MOE_OP}x"
                                       if r["variant"] == "ours auto" else "")
-        add(name, r["variant"].replace("ours ", "ours: "), fig, "grouped_mm", x(both), "", verdict)
+        # the op's backward forced ("triton bwd", "grouped_mm bwd"; ", small": its small tiles forced) or auto's
+        v = r["variant"].removeprefix("ours ")
+        shown_as = v.replace(", small tiles", ", small") if v.endswith("small tiles") else v if v == "auto" else v + " bwd"
+        add(name, shown_as, fig, "transformers", x(both), "", verdict)
     if "tiles" in d:
         add(name, "tiles", f"block_m {d['tiles'].get('block_m')}", "", "", "", f"auto: {d.get('auto')}")
 
