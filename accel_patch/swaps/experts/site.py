@@ -260,11 +260,11 @@ def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_d
     """The op on one call of `module` (its stored tensors, never a parametrized value)."""
     from accel_kernels import moe_experts
 
-    gate_up, down = (adapters.base(module, n) for n in plan.names)
+    gate_up, down = _weights(module, plan)
     gu_bias, d_bias = (adapters.base(module, n) for n in plan.biases) if plan.biases else (None, None)
-    routed, total = plan.routed, gate_up.shape[0]
+    routed = plan.routed
     if routed is not None:  # the experts with weights; the op takes ids >= routed as "no expert"
-        gate_up = gate_up[:routed]
+        total = adapters.base(module, plan.names[0]).shape[0]
         gu_bias = gu_bias[:routed] if gu_bias is not None else None
         if lora is not None and lora.get("gate_up") is not None:
             lora = dict(lora, gate_up=tuple(t[:routed] for t in lora["gate_up"]))
@@ -277,6 +277,13 @@ def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_d
     # torch: autograd gives hidden's and the weights' gradients for those slots)
     zero = (index >= routed) & (index < total)
     return out + (hidden * (weights * zero).sum(-1, keepdim=True)).to(out.dtype)
+
+
+def _weights(module, plan: ExpertsPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up, down) as the op takes them: the module's stored tensors, gate_up cut to the
+    experts with weights where identity ("zero") experts follow them."""
+    gate_up, down = (adapters.base(module, n) for n in plan.names)
+    return (gate_up if plan.routed is None else gate_up[:plan.routed]), down
 
 
 def dense_routes(hidden: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -499,10 +506,7 @@ def _backward_path(module, plan, hidden, index, backward: str, autocast_dtype, l
 
     tiles = None
     if backward == "auto" and hidden.device.type == "cuda":  # what auto reads; on CUDA only
-        gate_up, down = (adapters.base(module, n) for n in plan.names)
-        if plan.routed is not None:  # as `run` calls the op: the experts with weights
-            gate_up = gate_up[:plan.routed]
-        tiles = call_tiles(hidden, index, gate_up, down, autocast_dtype)
+        tiles = call_tiles(hidden, index, *_weights(module, plan), autocast_dtype)
     return backward_path(hidden, backward, autocast_dtype, lora is not None and any(
         lora.get(name) is not None for name in ("gate_up", "down")), tiles)
 

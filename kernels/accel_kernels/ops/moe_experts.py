@@ -428,12 +428,7 @@ def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 # traffic falls from 27 to 14 GB in the backward, padding included (docs/moe.md, "Tile sizes").
 # Checked by `python -m accel_kernels.codegen` at the MoE shapes (registers, spills, shared
 # memory per target).
-NUM_WARPS = 4
-NUM_STAGES = 3
-BLOCK_N = 64
-BLOCK_K = 64
-GATE_UP_BLOCK_K = 32
-WEIGHT_GRAD_BLOCK_M = 32
+NUM_WARPS = 4  # the small tiles' (bf16/fp16) and the combine kernel's
 COMBINE_BLOCK_H = 1024
 # gpt-oss's interleaved gate/up: stride-2 weight columns and the GLU backward's epilogue spill at
 # 4 warps (255 registers, 112-352 B on sm_80/sm_90a at 4096 tokens); 8 warps hold them
@@ -456,10 +451,12 @@ class Tiles(namedtuple("Tiles", "block_m gemm_n lora_gemm_n gemm_k gate_up_n gat
     every GEMM launch."""
 
 
-SMALL_TILES = Tiles(64, BLOCK_N, BLOCK_N, BLOCK_K, BLOCK_N, GATE_UP_BLOCK_K, WEIGHT_GRAD_BLOCK_M, BLOCK_N, BLOCK_K,
-                    NUM_WARPS, NUM_STAGES)
-LARGE_TILES = Tiles(128, 256, 128, 64, 64, 64, 64, 128, 128, 8, 4)
-LARGE_STAGE_BYTES = (128 * 64 + 64 * 256) * 2
+SMALL_TILES = Tiles(block_m=64, gemm_n=64, lora_gemm_n=64, gemm_k=64, gate_up_n=64, gate_up_k=32, grad_m=32,
+                    grad_n=64, grad_k=64, num_warps=NUM_WARPS, num_stages=3)
+LARGE_TILES = Tiles(block_m=128, gemm_n=256, lora_gemm_n=128, gemm_k=64, gate_up_n=64, gate_up_k=64, grad_m=64,
+                    grad_n=128, grad_k=128, num_warps=8, num_stages=4)
+#: shared memory a stage of the large tiles' widest launch holds (the plain GEMM's bf16 operands)
+LARGE_STAGE_BYTES = (LARGE_TILES.block_m * LARGE_TILES.gemm_k + LARGE_TILES.gemm_k * LARGE_TILES.gemm_n) * 2
 
 
 def _tiles(rows: int, experts: int, ct: torch.dtype, operand_bytes: int, device: torch.device) -> Tiles:
@@ -533,13 +530,13 @@ class _Routing:
         self.tiles = _tiles(self.rows, experts, ct, operand_bytes, order.device)
         self.block_m = self.tiles.block_m
         counts = offsets.diff()
-        tiles = torch.div(counts + (self.block_m - 1), self.block_m, rounding_mode="floor")
-        ends = torch.cumsum(tiles, 0)
+        per_expert = torch.div(counts + (self.block_m - 1), self.block_m, rounding_mode="floor")  # tiles of each
+        ends = torch.cumsum(per_expert, 0)
         self.grid_m = _launch.cdiv(self.rows, self.block_m) + experts
         pid = torch.arange(self.grid_m, device=order.device, dtype=ends.dtype)
         expert = torch.searchsorted(ends, pid, right=True)
         clamped = expert.clamp(max=experts - 1)
-        self.tile_row = (offsets[:-1].long()[clamped] + (pid - (ends - tiles)[clamped]) * self.block_m).to(torch.int32)
+        self.tile_row = (offsets[:-1].long()[clamped] + (pid - (ends - per_expert)[clamped]) * self.block_m).to(torch.int32)
         self.tile_expert = expert.to(torch.int32)
 
 
