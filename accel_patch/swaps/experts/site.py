@@ -500,12 +500,12 @@ def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int, element: int, 
 
 def _backward_path(module, plan, hidden, index, backward: str, autocast_dtype, lora) -> str:
     """The op's own answer for the whole call (accel_kernels' `backward_path`, by the tiles the
-    call takes): the count says what the op runs, and the call's chunks, if it is tiled, are each
+    call takes; under torch.compile by auto's rule without them): the count says what the op runs, and the call's chunks, if it is tiled, are each
     given this answer, not "auto", so a chunk's fewer rows cannot choose another backward."""
     from accel_kernels.ops.moe_experts import backward_path, call_tiles
 
-    tiles = None
-    if backward == "auto" and hidden.device.type == "cuda":  # what auto reads; on CUDA only
+    tiles = None  # what auto reads, on CUDA only; not while torch.compile traces (nothing of it is traced)
+    if backward == "auto" and hidden.device.type == "cuda" and not sites.compiling():
         tiles = call_tiles(hidden, index, *_weights(module, plan), autocast_dtype)
     return backward_path(hidden, backward, autocast_dtype, lora is not None and any(
         lora.get(name) is not None for name in ("gate_up", "down")), tiles)

@@ -463,8 +463,8 @@ def _tiles(rows: int, experts: int, ct: torch.dtype, operand_bytes: int, device:
     """The tile sizes of a call with `rows` sorted rows over `experts` in compute dtype ct, whose
     widest streamed operand has `operand_bytes` bytes an element, on `device` (see the launch
     configuration)."""
-    shared = _shared_memory(device)  # read (once) by any eager call, so a compiled one finds it
     if ct != torch.float32 and operand_bytes <= 2 and rows // max(1, experts) >= LARGE_TILES_MIN_ROWS:
+        shared = _shared_memory(device)
         stages = LARGE_TILES.num_stages if shared is None else min(LARGE_TILES.num_stages, shared // LARGE_STAGE_BYTES)
         if stages >= 3:
             return LARGE_TILES._replace(num_stages=stages)
@@ -484,9 +484,8 @@ _SHARED: dict = {}
 
 
 def _cuda_shared_memory(index: int) -> int:
-    """Read once per device, by the first eager call on it (the swap's probe is one); while
-    torch.compile traces (the site's choice of backward) a device not read yet counts as none
-    (small tiles): nothing is asked of a device then, and no cache is written."""
+    """Read once per device; a device not read yet counts as none (small tiles) if asked while
+    torch.compile traces, when no cache is written (the site and the op do not ask then)."""
     if index not in _SHARED:
         if torch.compiler.is_compiling():
             return 0
@@ -1505,7 +1504,8 @@ def backward_path(hidden: torch.Tensor, backward: str = "auto", autocast_dtype: 
     product of LoRA's backward carries or is a low-rank term, which stay Triton launches there:
     its grouped_mm backward would be the Triton one) and it takes the small tiles (`tiles`, from
     `call_tiles`: with the large ones the Triton backward is the faster by the bytes model of
-    docs/moe.md, "Tile sizes"), else triton; "grouped_mm" forces it on any Triton path (under
+    docs/moe.md, "Tile sizes"; None, as its callers pass while torch.compile traces: not asked),
+    else triton; "grouped_mm" forces it on any Triton path (under
     Triton's interpreter too: the tests' mixed path), "triton" forbids it. The site counts what
     this says."""
     if not _dispatch.use_triton(hidden) or hidden.dtype == torch.float64:
@@ -1558,8 +1558,9 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                   interleaved, activation, alpha, limit, lora, autocast_dtype, backward)
     inter = down.shape[1] if transposed else down.shape[2]
     *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
+    # what auto reads, on CUDA only; not while torch.compile traces (auto's rule without the tiles)
     tiles = call_tiles(hidden, top_k_index, gate_up, down, autocast_dtype) if backward == "auto" and \
-        hidden.device.type == "cuda" else None  # what auto reads; on CUDA only
+        hidden.device.type == "cuda" and not torch.compiler.is_compiling() else None
     path = backward_path(hidden, backward, autocast_dtype, any(t is not None for t in adapters), tiles)
     triton_path = path != "twin"
     return _moe_experts_op(

@@ -330,6 +330,26 @@ def test_a_tiled_call_runs_each_chunk_with_the_backward_chosen_for_the_whole_cal
     assert experts_calls(model) == {"fused (tiled, grouped_mm backward)": 1}, experts_calls(model)
 
 
+def test_auto_reads_the_call_s_tiles_in_eager_and_nothing_of_them_while_compiling(monkeypatch):
+    """On a CUDA device (a stand-in here) the site asks the op which tiles the call takes and auto
+    follows them (large: Triton's backward); while torch.compile traces it asks nothing of them
+    (none of that is traced) and auto's rule without them stands (grouped_mm where it was tried)."""
+    import accel_kernels.ops.moe_experts as op
+
+    module, site, _ = _tiling_site(monkeypatch)
+    stand = type("Stand", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
+    monkeypatch.setattr(op._dispatch, "use_triton", lambda t: True)
+    monkeypatch.setattr(op, "_grouped_mm_takes", lambda device, ct: True)
+    asked = []
+    monkeypatch.setattr(op, "call_tiles", lambda *a: asked.append(a) or op.LARGE_TILES)
+    index = torch.zeros(8, 2, dtype=torch.long)
+    assert experts.site._backward_path(module, site.plan, stand, index, "auto", None, None) == "triton"
+    assert len(asked) == 1
+    monkeypatch.setattr(experts.site.sites, "compiling", lambda: True)
+    assert experts.site._backward_path(module, site.plan, stand, index, "auto", None, None) == "grouped_mm"
+    assert len(asked) == 1
+
+
 def test_the_budget_weighs_a_call_in_its_compute_dtype(monkeypatch):
     """The forward hands the rule the bytes of the dtype the op computes in: autocast's, else
     hidden's (a bf16 autocast call holds half what a float32 one does)."""
