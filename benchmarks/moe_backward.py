@@ -9,7 +9,9 @@ Each variant: the median of --repeats timings of --steps forwards, then of --ste
 backward (torch.autograd.grad into fresh tensors, so no .grad accumulation is timed); backward =
 the difference. "ours <b>" is moe_experts(..., backward=b); each such line also says what its
 backward launched (the Triton weight-gradient kernel or not, torch._grouped_mm calls), and the
-last line what auto picks here (`backward_path`). "small tiles": the same call with the op's
+last line what auto ran here: the faster backward as it timed them at its first call where
+the device's grouped_mm takes the dtype (`choose_backward`, its figures beside), else its rule
+(`backward_path`). "small tiles": the same call with the op's
 small tiles forced (`LARGE_TILES_MIN_ROWS` out of reach), the launch configuration it took before
 the large tiles (docs/moe.md, "Tile sizes"). On a CPU (tiny shapes, the op's
 plain-torch twin for every variant) it only checks that the script runs.
@@ -69,14 +71,22 @@ def main(argv=None) -> int:
     for backward in ("triton", "grouped_mm"):  # the small tiles everywhere: what the large ones changed
         variants[f"ours {backward}, small tiles"] = variants[f"ours {backward}"]
     tiles = op.call_tiles(x, index, gate_up, down)
-    auto = op.backward_path(x, "auto", tiles=tiles)
+    rule = op.backward_path(x, "auto", tiles=tiles)
     rows = []
+
+    def auto():
+        """(what auto ran: the timed answer once its first call timed the backwards, else the rule;
+        the Timing or None). This script's calls have one shape, so at most one timing."""
+        timed = list(op.timed_backwards().values())
+        return (timed[-1].path, timed[-1]) if timed else (rule, None)
 
     def save():  # after every variant: a step cut at its time limit keeps what finished
         if args.json:
+            path, timing = auto()
             with open(args.json, "w") as f:
                 json.dump(dict(shape=dict(tokens=T, hidden=H, intermediate=I, experts=E, top_k=K, dtype=str(dtype)),
-                               auto=auto, tiles=tiles._asdict(), rows=rows), f, indent=1)
+                               auto=path, rule=rule, timed=timing.ms if timing else None, tiles=tiles._asdict(),
+                               rows=rows), f, indent=1)
 
     large_from = op.LARGE_TILES_MIN_ROWS
     for name, fn in variants.items():
@@ -104,7 +114,9 @@ def main(argv=None) -> int:
         print(f"{r['variant']} / grouped_mm: forward {r['forward_ms'] / base['forward_ms']:.2f}x, backward "
               f"{r['backward_ms'] / base['backward_ms']:.2f}x, both {r['total_ms'] / base['total_ms']:.2f}x")
     print(f"tiles here: {'large' if op.large(tiles) else 'small'} {tiles}")
-    print(f"auto here: {auto} (device {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__})")
+    path, timing = auto()
+    how = timing.note() if timing else "its rule, untimed here"
+    print(f"auto here: {path} ({how}; device {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__})")
     return 0
 
 

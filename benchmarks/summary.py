@@ -246,7 +246,8 @@ def moe_op(out, name):
         shown_as = v.replace(", small tiles", ", small") if v.endswith("small tiles") else v if v == "auto" else v + " bwd"
         add(name, shown_as, fig, "transformers", x(both), "", verdict)
     if "tiles" in d:
-        add(name, "tiles", f"block_m {d['tiles'].get('block_m')}", "", "", "", f"auto: {d.get('auto')}")
+        add(name, "tiles", f"block_m {d['tiles'].get('block_m')}", "", "", "",
+            f"auto: {d.get('auto')}" + (", timed" if d.get("timed") else ", its rule"))
 
 
 def profile(out):

@@ -794,3 +794,166 @@ def test_the_backward_path_follows_the_choice_and_the_device(device, monkeypatch
     assert moe_module.backward_path(hidden, "grouped_mm") == "twin"
     with pytest.raises(ValueError, match="backward must be one of auto, triton, grouped_mm, got 'cutlass'"):
         moe_experts(*make(device=device), backward="cutlass")
+
+
+# --------------------------------------------------------------------------------------------
+# auto's backward, timed on the device
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def timed_here(monkeypatch):
+    """auto times its two backwards on this test's device too (the CPU runs both under the
+    interpreter), from an empty table; products as narrow as these shapes' go to grouped_mm."""
+    monkeypatch.setattr(moe_module, "TIMED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(moe_module, "_timed", {})
+    monkeypatch.setattr(moe_module, "GROUPED_MIN_WIDTH", 8)
+
+
+def slower(monkeypatch, slow: str, real: bool) -> list:
+    """`_backward_seconds` with the `slow` backward a second slower (real: each run as well, else
+    none runs); returns the backwards it was asked to time, in order."""
+    asked, inner = [], moe_module._backward_seconds
+
+    def seconds(path, *args, **kwargs):
+        asked.append(path)
+        return (inner(path, *args, **kwargs) if real else 1e-3) + (1.0 if path == slow else 0.0)
+
+    monkeypatch.setattr(moe_module, "_backward_seconds", seconds)
+    return asked
+
+
+def trained(T, device):
+    hidden, index, weights, gate_up, down, _, _ = make(T=T, H=16, I=8, dtype=torch.bfloat16, device=device)
+    return hidden.requires_grad_(), index, weights.requires_grad_(), gate_up.requires_grad_(), down.requires_grad_()
+
+
+def test_quick_auto_times_both_backwards_once_per_call_shape_and_runs_the_faster(device, monkeypatch, timed_here):
+    rounds = moe_module.TIMED_ROUNDS + 1  # one untimed run each (Triton's compile), then the rounds
+    for slow, T in (("triton", 8), ("grouped_mm", 20)):  # 16 and 40 sorted rows: two call shapes
+        asked = slower(monkeypatch, slow, real=False)
+        fast = "grouped_mm" if slow == "triton" else "triton"
+        with launch.recording() as launched:
+            moe_experts(*trained(T, device)).float().sum().backward()
+        assert asked == ["triton", "grouped_mm"] * rounds, asked
+        timing = moe_module.timed_backwards()[max(moe_module.timed_backwards(), key=lambda k: k[2])]
+        assert timing.path == fast and set(timing.ms) == {"triton", "grouped_mm"} and not timing.errors, timing
+        assert timing.ms[slow] > timing.ms[fast] + 999, timing  # milliseconds, the best of the rounds
+        assert ("_moe_weight_grad_kernel" in launched) == (fast == "triton"), launched
+        # other values of the same call shape (10 and 34 sorted rows: the same power of two): the answer kept
+        asked.clear()
+        with launch.recording() as launched:
+            moe_experts(*trained(T - 3, device)).float().sum().backward()
+        assert asked == [] and ("_moe_weight_grad_kernel" in launched) == (fast == "triton"), (asked, launched)
+    assert len(moe_module.timed_backwards()) == 2
+
+
+def test_quick_a_backward_that_raises_while_timed_is_left_out_and_said(monkeypatch):
+    runs = []
+
+    def seconds(path, *args, **kwargs):
+        runs.append(path)
+        if path in failing and runs.count(path) > failing[path]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+        return 1e-3 if path == "triton" else 1e-4
+
+    monkeypatch.setattr(moe_module, "_backward_seconds", seconds)
+    inputs = [torch.zeros(1)] * 7
+    failing = {"grouped_mm": 2}  # the faster, until it raises in the last round: left out all the same
+    timing = moe_module._time_backwards("grouped_mm", *inputs)
+    assert timing.path == "triton" and set(timing.ms) == {"triton"}, timing
+    assert timing.note() == ("backward timed: triton 1 ms, grouped_mm raised OutOfMemoryError: CUDA out of "
+                             "memory. Tried to allocate 2.00 GiB"), timing.note()
+    runs.clear()
+    failing = {"triton": 0, "grouped_mm": 0}  # both raise: the rule stands (and the call raises as it would have)
+    assert moe_module._time_backwards("grouped_mm", *inputs) == ("grouped_mm", {}, {
+        "triton": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "grouped_mm": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"})
+
+
+def test_quick_auto_times_only_where_a_side_run_is_safe_and_invisible(monkeypatch, timed_here):
+    """Where a call may not run the op's backwards on the side, auto's rule answers (Triton's on
+    the CPU) and nothing is timed: no grad, nothing to differentiate, a backward running (a
+    reentrant checkpoint's recompute), a TorchDispatchMode (a flop counter would count the side
+    runs), saved-tensor hooks disabled, LoRA or a forced backward (one candidate), torch.compile
+    tracing, the caller's may_time=False and a full table; a shape timed before keeps its answer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    timed = []
+    monkeypatch.setattr(moe_module, "_time_backwards", lambda rule, *a, **k: timed.append(1) or moe_module.Timing(
+        "grouped_mm", {"triton": 2.0, "grouped_mm": 1.0}, {}))
+    hidden, index, weights, gate_up, down = trained(8, "cpu")
+
+    def choose(x=hidden, **kwargs):
+        return moe_module.choose_backward(x, index, weights, gate_up, down, **kwargs)[0]
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.enable_grad():  # as a reentrant checkpoint's recompute runs
+                seen.append(choose())
+            return g
+
+    seen = []
+    with torch.no_grad():
+        assert choose() == "triton"
+    assert choose(hidden.detach(), lora=True) == "triton"
+    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen == ["triton"]
+    with Passing():
+        assert choose() == "triton"
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        assert choose() == "triton"
+    assert choose(backward="triton") == "triton" and choose(backward="grouped_mm") == "grouped_mm"
+    assert choose(may_time=False) == "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert choose() == "triton"
+    monkeypatch.undo()  # is_compiling back, and the fixture's settings with it: set them again
+    monkeypatch.setattr(moe_module, "TIMED_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(moe_module, "_timed", {})
+    monkeypatch.setattr(moe_module, "_time_backwards", lambda rule, *a, **k: timed.append(1) or moe_module.Timing(
+        "grouped_mm", {"triton": 2.0, "grouped_mm": 1.0}, {}))
+    assert timed == []
+    assert choose() == "grouped_mm" and timed == [1]  # timed: the faster
+    assert choose(may_time=False) == "grouped_mm" and timed == [1]  # the shape's answer kept, not timed again
+    monkeypatch.setattr(moe_module, "TIMED_SHAPES", 1)  # the table full: a new shape takes the rule
+    assert choose(torch.randn(64, 32, requires_grad=True)) == "triton" and timed == [1]
+
+
+@pytest.mark.slow  # interpreted Triton: the call and six side runs, about 4 s
+def test_auto_s_side_runs_leave_the_call_its_gradients_saves_and_random_state(device, monkeypatch, timed_here):
+    """The timed call's output and gradients are the chosen backward's bit for bit (the side runs
+    accumulate nothing), both backwards really ran on the side (Triton's weight-gradient kernel
+    and grouped_mm calls), the caller's saved-tensor hooks see the call's saves and no side run's,
+    and the global random state is as before."""
+    asked = slower(monkeypatch, "triton", real=True)  # grouped_mm the faster
+    inputs = make(T=16, H=32, I=16, E=4, K=2, dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device="cpu").manual_seed(3)  # one seeded stream: every device gets the same dout
+    dout = torch.randn(inputs[0].shape, generator=g, device="cpu").to(device, torch.bfloat16)  # g's stream
+
+    def hooked(backward):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+            fn = lambda h, *a, **k: moe_experts(h, *a, backward=backward, **k)  # noqa: E731
+            result = run_counting_grouped_mm(monkeypatch, lambda: run(fn, *inputs, dout=dout))
+        return result, packed
+
+    state = torch.get_rng_state()
+    ((got, got_g), launched, grouped), packed = hooked("auto")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert asked == ["triton", "grouped_mm"] * (moe_module.TIMED_ROUNDS + 1)
+    # the side's Triton backwards, two weight gradients (gate_up, down) each
+    assert launched.count("_moe_weight_grad_kernel") == 2 * (moe_module.TIMED_ROUNDS + 1), launched
+    ((want, want_g), _, want_grouped), want_packed = hooked("grouped_mm")
+    assert grouped == want_grouped * (moe_module.TIMED_ROUNDS + 2)  # the side runs' and the call's own
+    assert packed == want_packed
+    assert torch.equal(got, want) and got_g.keys() == want_g.keys()
+    assert all(torch.equal(got_g[k], want_g[k]) for k in want_g), [k for k in want_g if not torch.equal(got_g[k], want_g[k])]

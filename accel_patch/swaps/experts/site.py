@@ -260,30 +260,35 @@ def run(module, plan: ExpertsPlan, hidden, index, weights, lora=None, autocast_d
     """The op on one call of `module` (its stored tensors, never a parametrized value)."""
     from accel_kernels import moe_experts
 
-    gate_up, down = _weights(module, plan)
-    gu_bias, d_bias = (adapters.base(module, n) for n in plan.biases) if plan.biases else (None, None)
+    gate_up, down, gu_bias, d_bias = _tensors(module, plan)
     routed = plan.routed
-    if routed is not None:  # the experts with weights; the op takes ids >= routed as "no expert"
-        total = adapters.base(module, plan.names[0]).shape[0]
-        gu_bias = gu_bias[:routed] if gu_bias is not None else None
-        if lora is not None and lora.get("gate_up") is not None:
-            lora = dict(lora, gate_up=tuple(t[:routed] for t in lora["gate_up"]))
-    out = moe_experts(hidden, index, weights, gate_up, down, gu_bias, d_bias, transposed=plan.transposed,
-                      interleaved=plan.interleaved, activation=plan.activation, alpha=plan.alpha, limit=plan.limit,
-                      lora=lora, autocast_dtype=autocast_dtype, save_gate_up=save, backward=backward)
+    if routed is not None and lora is not None and lora.get("gate_up") is not None:
+        lora = dict(lora, gate_up=tuple(t[:routed] for t in lora["gate_up"]))
+    out = moe_experts(hidden, index, weights, gate_up, down, gu_bias, d_bias, lora=lora, autocast_dtype=autocast_dtype,
+                      save_gate_up=save, backward=backward, **_options(plan))
     if routed is None:
         return out
     # identity ("zero") experts: each returns its token, times the slot's routing weight (plain
     # torch: autograd gives hidden's and the weights' gradients for those slots)
-    zero = (index >= routed) & (index < total)
+    zero = (index >= routed) & (index < adapters.base(module, plan.names[0]).shape[0])
     return out + (hidden * (weights * zero).sum(-1, keepdim=True)).to(out.dtype)
 
 
-def _weights(module, plan: ExpertsPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up, down) as the op takes them: the module's stored tensors, gate_up cut to the
-    experts with weights where identity ("zero") experts follow them."""
+def _tensors(module, plan: ExpertsPlan) -> tuple:
+    """(gate_up, down, gate_up_bias, down_bias) as the op takes them: the module's stored tensors
+    (biases None without), gate_up and its bias cut to the experts with weights where identity
+    ("zero") experts follow them (the op takes ids >= routed as "no expert")."""
     gate_up, down = (adapters.base(module, n) for n in plan.names)
-    return (gate_up if plan.routed is None else gate_up[:plan.routed]), down
+    gu_bias, d_bias = (adapters.base(module, n) for n in plan.biases) if plan.biases else (None, None)
+    if plan.routed is not None:
+        gate_up = gate_up[:plan.routed]
+        gu_bias = gu_bias[:plan.routed] if gu_bias is not None else None
+    return gate_up, down, gu_bias, d_bias
+
+
+def _options(plan: ExpertsPlan) -> dict:
+    return dict(transposed=plan.transposed, interleaved=plan.interleaved, activation=plan.activation,
+                alpha=plan.alpha, limit=plan.limit)
 
 
 def dense_routes(hidden: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,7 +349,9 @@ def probe_verdict(module, act_dtype: torch.dtype, found):
                 for interleaved in orders:
                     for act, alpha, limit in acts:
                         plan = ExpertsPlan(style, names, biases, transposed, interleaved, act, alpha, limit, routed)
-                        out = run(module, plan, hidden, index, weights)
+                        # the forward is the same whichever backward follows: one named, auto
+                        # times nothing for the probe
+                        out = run(module, plan, hidden, index, weights, backward="triton")
                         err = float("inf") if out.dtype != ref.dtype else probe.rel_err(out, ref)
                         errors[plan] = max(errors.get(plan, 0.0), err)
     # a tie keeps the declared layout, then the unclamped reading
@@ -498,17 +505,21 @@ def _tiling(module, site: Site, hidden: torch.Tensor, top_k: int, element: int, 
     return tiled_mlp.chunk_tokens(rule.hidden, rule.intermediate)
 
 
-def _backward_path(module, plan, hidden, index, backward: str, autocast_dtype, lora) -> str:
-    """The op's own answer for the whole call (accel_kernels' `backward_path`, by the tiles the
-    call takes; under torch.compile by auto's rule without them): the count says what the op runs, and the call's chunks, if it is tiled, are each
-    given this answer, not "auto", so a chunk's fewer rows cannot choose another backward."""
-    from accel_kernels.ops.moe_experts import backward_path, call_tiles
+def _backward_path(module, plan, hidden, index, weights, backward: str, autocast_dtype, lora, may_time=True):
+    """(path, timing): the op's own answer for the whole call (accel_kernels' `choose_backward`: by
+    the tiles the call takes, or the faster of the two backwards where auto times them; under
+    torch.compile auto's rule without the tiles, nothing of either traced) and the Timing when this
+    call timed them (None otherwise). The count says what the op runs, and the call's chunks, if
+    it is tiled, are each given this answer, not "auto", so a chunk's fewer rows cannot choose
+    another backward. may_time False: a shape not timed yet takes the rule (a call that tiles is
+    not timed whole: it is tiled to hold less than that)."""
+    from accel_kernels.ops.moe_experts import backward_path, choose_backward
 
-    tiles = None  # what auto reads, on CUDA only; not while torch.compile traces (nothing of it is traced)
-    if backward == "auto" and hidden.device.type == "cuda" and not sites.compiling():
-        tiles = call_tiles(hidden, index, *_weights(module, plan), autocast_dtype)
-    return backward_path(hidden, backward, autocast_dtype, lora is not None and any(
-        lora.get(name) is not None for name in ("gate_up", "down")), tiles)
+    has_lora = lora is not None and any(lora.get(name) is not None for name in ("gate_up", "down"))
+    if sites.compiling():  # auto's rule without the tiles: nothing of them or of a timing is traced
+        return backward_path(hidden, backward, autocast_dtype, has_lora), None
+    return choose_backward(hidden, index, weights, *_tensors(module, plan), lora=has_lora,
+                           autocast_dtype=autocast_dtype, backward=backward, may_time=may_time, **_options(plan))
 
 
 def forward(self, *args, **kwargs):
@@ -543,14 +554,19 @@ def forward(self, *args, **kwargs):
     autocast_dtype = sites.autocast_dtype(hidden.device.type)
     save = save_gate_up(site, hidden)
     backward = site.backward
-    path = _backward_path(self, plan, hidden, index, backward, autocast_dtype, lora)
+    element = (autocast_dtype or hidden.dtype).itemsize
+    compiling = sites.compiling()
+    # whole whichever backward runs (the grouped_mm one holds more): auto may time it whole
+    whole = not compiling and _tiling(self, site, hidden, index.shape[-1], element, True) is None
+    path, timing = _backward_path(self, plan, hidden, index, weights, backward, autocast_dtype, lora, whole)
     if path != "twin":
         backward = path
     grouped = torch.is_grad_enabled() and path == "grouped_mm"
-    element = (autocast_dtype or hidden.dtype).itemsize
-    chunk = None if sites.compiling() else _tiling(self, site, hidden, index.shape[-1], element, grouped)
+    chunk = None if compiling or whole else _tiling(self, site, hidden, index.shape[-1], element, grouped)
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save),
                                    (GROUPED_BACKWARD, grouped)) if on]
+    if timing is not None:
+        notes.append(timing.note())
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:
         return run(self, plan, hidden, index, weights, lora, autocast_dtype, save, backward)

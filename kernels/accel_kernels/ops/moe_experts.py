@@ -92,14 +92,16 @@ bit on every host, since torch's CPU kernels round some elements by their place 
 elementwise op's vectorized body against its scalar tail; a GEMM by its operands' addresses) and a
 window changes the tensors' lengths (docs/moe.md).
 On the Triton path the backward's GEMMs and weight gradients can run through torch._grouped_mm
-instead (`backward`, `backward_path`, `_GroupedOps`: by default on sm_90+ CUDA devices in
-bf16/fp16 without LoRA where the call takes the small tiles), the GLU backward staying fused;
-docs/moe.md ("Which backward", "Tile sizes") models both backwards' FLOPs and bytes.
+instead (`backward`, `choose_backward`, `_GroupedOps`: by default on sm_90+ CUDA devices in
+bf16/fp16 without LoRA where timing the first call of its shape found it the faster), the GLU
+backward staying fused; docs/moe.md ("Which backward", "Tile sizes") models both backwards' FLOPs
+and bytes.
 """
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections import namedtuple
 from typing import Optional
 
@@ -1519,6 +1521,182 @@ def backward_path(hidden: torch.Tensor, backward: str = "auto", autocast_dtype: 
 
 
 # --------------------------------------------------------------------------------------------
+# auto's backward, timed on the device
+# --------------------------------------------------------------------------------------------
+#
+# `backward_path`'s rule follows a bytes model (docs/moe.md, "Tile sizes"). Where a call could run
+# either backward (a CUDA device where grouped_mm takes the compute dtype, no LoRA), the first
+# eager call of each call shape runs both backwards on that call's own inputs, times them, and
+# keeps the faster for every later call of that shape: a model that is wrong on some device or
+# shape costs one timing, not every step.
+
+#: The device types whose calls auto times (a CUDA device: where grouped_mm's backward is a
+#: candidate beside Triton's; tests add the CPU, where both run under Triton's interpreter).
+TIMED_DEVICE_TYPES = ("cuda",)
+#: How many call shapes keep a timed answer; a call of a further shape takes the rule.
+TIMED_SHAPES = 64
+#: Timed rounds per backward, after one untimed run each (Triton's compile): the best counts.
+TIMED_ROUNDS = 2
+_timed: dict = {}
+
+
+class Timing(namedtuple("Timing", "path ms errors")):
+    """What timing auto's backwards on one call shape found: the path kept, each backward's best
+    milliseconds ({path: ms}, the ones that ran) and what each that raised said ({path: message})."""
+
+    __slots__ = ()
+
+    def note(self) -> str:
+        """One line for a report: 'backward timed: triton 2.01 ms, grouped_mm 2.32 ms'."""
+        parts = [f"{p} {ms:.3g} ms" for p, ms in self.ms.items()]
+        parts += [f"{p} raised {message}" for p, message in self.errors.items()]
+        return "backward timed: " + ", ".join(parts)
+
+
+def timed_backwards() -> dict:
+    """{call shape: Timing} of every call shape auto timed in this process (a copy)."""
+    return dict(_timed)
+
+
+def choose_backward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, *, transposed: bool = False, interleaved: bool = False,
+                    activation: str = "silu", alpha: float = 1.702, limit: float = math.inf, lora: bool = False,
+                    autocast_dtype: torch.dtype | None = None, backward: str = "auto",
+                    may_time: bool = True) -> tuple[str, Timing | None]:
+    """(path, timing): the backward a call of the op with these arguments runs, as `backward_path`
+    names it, and the Timing when this call timed auto's two backwards (else None).
+
+    `backward_path`'s rule (by the call's tiles in eager on CUDA, without them while torch.compile
+    traces), except where auto could run either backward (`_timeable`: a CUDA device where
+    grouped_mm takes the compute dtype, no LoRA) in an eager call with grad: there the first call of
+    each call shape (`_shape_key`: the dtypes, the weights' shapes, the options, which inputs need a
+    gradient, and the sorted rows T*K rounded up to a power of two) runs both backwards on its own
+    inputs (`_time_backwards`) and every call of that shape runs the faster. Not timed, and the
+    rule stands: inside a backward (a reentrant checkpoint's recompute), while a CUDA graph is
+    captured, under a TorchDispatchMode or a functorch transform, with saved-tensor hooks disabled,
+    on tensor subclasses, past TIMED_SHAPES shapes, and where the caller says `may_time` False (a
+    shape timed before keeps its answer there)."""
+    eager = not torch.compiler.is_compiling()
+    tiles = call_tiles(hidden, top_k_index, gate_up, down, autocast_dtype) if (
+        backward == "auto" and eager and hidden.device.type == "cuda") else None
+    path = backward_path(hidden, backward, autocast_dtype, lora, tiles)
+    if backward != "auto" or lora or path == "twin" or not eager or not _timeable(hidden, autocast_dtype):
+        return path, None
+    inputs = (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias)
+    key = _shape_key(top_k_index, inputs, transposed, interleaved, activation, alpha, limit, autocast_dtype)
+    known = _timed.get(key)
+    if known is not None:
+        return known.path, None
+    if not may_time or len(_timed) >= TIMED_SHAPES or not _may_time(top_k_index, inputs):
+        return path, None
+    timing = _time_backwards(path, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                             transposed=transposed, interleaved=interleaved, activation=activation, alpha=alpha,
+                             limit=limit, autocast_dtype=autocast_dtype)
+    _timed[key] = timing
+    return timing.path, timing
+
+
+def _timeable(hidden: torch.Tensor, autocast_dtype: torch.dtype | None) -> bool:
+    """Whether auto could run either backward on hidden's device: a TIMED_DEVICE_TYPES device on
+    the Triton path, and on CUDA one where grouped_mm takes the compute dtype (sm_90+, bf16/fp16)."""
+    kind = hidden.device.type
+    if kind not in TIMED_DEVICE_TYPES or not _dispatch.use_triton(hidden) or hidden.dtype == torch.float64:
+        return False
+    if kind != "cuda":
+        return True
+    ct = _compute_dtype(hidden, autocast_dtype)
+    return ct in GROUPED_AUTO_DTYPES and _grouped_mm_takes(hidden.device, ct)
+
+
+def _shape_key(top_k_index, inputs, transposed, interleaved, activation, alpha, limit, autocast_dtype) -> tuple:
+    hidden = inputs[0]
+    described = tuple(None if t is None else (t.dtype, tuple(t.shape[1:]) if t is hidden or t is inputs[1] else
+                                              tuple(t.shape), t.requires_grad) for t in inputs)
+    return (str(hidden.device), autocast_dtype, _launch.next_power_of_2(max(1, top_k_index.numel())),
+            top_k_index.shape[1], described, transposed, interleaved, activation, float(alpha), float(limit))
+
+
+def _may_time(top_k_index, inputs) -> bool:
+    """Whether this call may run the op's backwards on the side: with grad, something to
+    differentiate, outside any backward, no CUDA graph being captured, nothing that would see the
+    side runs (a TorchDispatchMode, a functorch transform), plain tensors, saved-tensor hooks
+    enabled (the side runs push their own, so a checkpoint or offload around the call sees none of
+    their saves)."""
+    present = [t for t in inputs if t is not None]
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in present)
+            and torch._C._current_graph_task_id() == -1
+            and not (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing())
+            and not _library._dispatch_modes() and not _library._functorch_active()
+            and all(type(t) in _library._PLAIN for t in present + [top_k_index])
+            and torch._C._autograd._saved_tensors_hooks_is_enabled())
+
+
+def _time_backwards(rule: str, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                    **options) -> Timing:
+    """Both backwards of one call, timed: one untimed run each (Triton compiles its kernels there),
+    then TIMED_ROUNDS rounds alternating the two; each run a forward and a backward of the op on
+    detached views of the call's inputs (the same storage, no copy; the gradients of what needs
+    one, returned and dropped, never accumulated), its own saved-tensor hooks (a checkpoint or
+    offload around the call sees none of its saves) and an upstream gradient from its own
+    generator (the global RNG is not drawn from). The faster runs the call (the rule's on a tie); a
+    backward that raises (out of memory, say) is left out, and if both raise the rule stands."""
+    ms, errors = {}, {}
+    generator = torch.Generator(device=hidden.device).manual_seed(0)
+    paths = ("triton", "grouped_mm")
+    for round_ in range(TIMED_ROUNDS + 1):
+        for path in paths:
+            if path in errors:
+                continue
+            try:
+                seconds = _backward_seconds(path, generator, hidden, top_k_index, top_k_weights, gate_up, down,
+                                            gate_up_bias, down_bias, **options)
+            except Exception as error:  # noqa: BLE001 - left out of the choice, and said
+                errors[path] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+                ms.pop(path, None)
+                continue
+            if round_:
+                ms[path] = min(ms.get(path, math.inf), seconds * 1e3)
+    if not ms:
+        return Timing(rule, ms, errors)
+    best = min(ms.values())
+    return Timing(rule if ms.get(rule) == best else min(ms, key=ms.get), ms, errors)
+
+
+def _keep(t):
+    return t
+
+
+def _backward_seconds(path, generator, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                      **options) -> float:
+    """Seconds of one backward of the op on `path` (`_time_backwards`), the device synchronized
+    before and after it."""
+    def leaf(t):
+        return None if t is None else t.detach().requires_grad_(t.requires_grad)
+
+    x, w, gu, dn, gub, db = (leaf(t) for t in (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias))
+    wants = [t for t in (x, w, gu, dn, gub, db) if t is not None and t.requires_grad]
+    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep), torch.enable_grad():
+        out = moe_experts(x, top_k_index, w, gu, dn, gub, db, backward=path, **options)
+        dy = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32).to(out.dtype)
+        _synchronize(hidden.device)
+        start = _clock()
+        grads = torch.autograd.grad(out, wants, dy)
+        _synchronize(hidden.device)
+        seconds = _clock() - start
+    del out, grads
+    return seconds
+
+
+_clock = time.perf_counter
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
 # Entry
 # --------------------------------------------------------------------------------------------
 
@@ -1543,9 +1721,9 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     recomputing them there (one grouped GEMM less, for those bytes held until the backward): the
     plain-torch twin only; the Triton path always recomputes. backward: on the Triton path, which
     backward runs: "triton" (every GEMM a Triton launch), "grouped_mm" (the GEMMs and weight
-    gradients through torch._grouped_mm, the GLU backward still fused) or "auto" (grouped_mm on a
-    CUDA device where it takes the compute dtype and the call takes the small tiles, else
-    triton): `backward_path` says which.
+    gradients through torch._grouped_mm, the GLU backward still fused) or "auto" (where a CUDA
+    device's grouped_mm takes the compute dtype and the call has no LoRA, the faster of the two,
+    timed at the first eager call of each call shape; else Triton's): `choose_backward` says which.
     The module docstring says which casts happen and what is saved for backward.
 
     Differentiable in hidden, top_k_weights, gate_up, down, the biases and the LoRA tensors (each
@@ -1558,10 +1736,10 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
                   interleaved, activation, alpha, limit, lora, autocast_dtype, backward)
     inter = down.shape[1] if transposed else down.shape[2]
     *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
-    # what auto reads, on CUDA only; not while torch.compile traces (auto's rule without the tiles)
-    tiles = call_tiles(hidden, top_k_index, gate_up, down, autocast_dtype) if backward == "auto" and \
-        hidden.device.type == "cuda" and not torch.compiler.is_compiling() else None
-    path = backward_path(hidden, backward, autocast_dtype, any(t is not None for t in adapters), tiles)
+    path, _ = choose_backward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                              transposed=transposed, interleaved=interleaved, activation=activation, alpha=alpha,
+                              limit=limit, lora=any(t is not None for t in adapters), autocast_dtype=autocast_dtype,
+                              backward=backward)
     triton_path = path != "twin"
     return _moe_experts_op(
         hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, scaling, transposed,

@@ -340,13 +340,15 @@ def test_auto_reads_the_call_s_tiles_in_eager_and_nothing_of_them_while_compilin
     stand = type("Stand", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16})()
     monkeypatch.setattr(op._dispatch, "use_triton", lambda t: True)
     monkeypatch.setattr(op, "_grouped_mm_takes", lambda device, ct: True)
+    monkeypatch.setattr(op, "TIMED_DEVICE_TYPES", ())  # auto's rule, untimed (timing: the tests below)
     asked = []
     monkeypatch.setattr(op, "call_tiles", lambda *a: asked.append(a) or op.LARGE_TILES)
-    index = torch.zeros(8, 2, dtype=torch.long)
-    assert experts.site._backward_path(module, site.plan, stand, index, "auto", None, None) == "triton"
+    index, weights = torch.zeros(8, 2, dtype=torch.long), torch.ones(8, 2)
+    path = experts.site._backward_path
+    assert path(module, site.plan, stand, index, weights, "auto", None, None) == ("triton", None)
     assert len(asked) == 1
     monkeypatch.setattr(experts.site.sites, "compiling", lambda: True)
-    assert experts.site._backward_path(module, site.plan, stand, index, "auto", None, None) == "grouped_mm"
+    assert path(module, site.plan, stand, index, weights, "auto", None, None) == ("grouped_mm", None)
     assert len(asked) == 1
 
 
@@ -659,3 +661,34 @@ def test_the_twin_counts_no_grouped_mm_backward_whatever_the_switch(monkeypatch)
     swap_kernels(twin, ops="experts")
     training_step(twin, padded_batch())
     assert experts_calls(twin) == {"fused": len(experts_modules(twin))}
+
+
+@pytest.mark.slow  # interpreted Triton: two steps of each model, and one timing (six side runs), about 8 s
+def test_auto_times_the_first_call_of_a_shape_says_so_and_the_step_equals_stock(monkeypatch):
+    """Where auto times its two backwards (a GPU's; here the CPU's, both interpreted), the first
+    experts call of the step's shape times them and its count says so with the figures; every
+    other call (the second layer, the checkpoint's recomputes, the next step) runs the answer
+    without timing, and the swap's probe times nothing. The step equals stock's under
+    non-reentrant checkpointing (TRL's default): the side runs, inside the checkpointed forward,
+    save through their own hooks, not the checkpoint's."""
+    import accel_kernels.ops.moe_experts as op
+
+    monkeypatch.setattr(op, "TIMED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(op, "_timed", {})
+    monkeypatch.setattr(op, "GROUPED_MIN_WIDTH", 8)
+    asked, inner = [], op._backward_seconds
+    monkeypatch.setattr(op, "_backward_seconds", lambda path, *a, **k: asked.append(path) or (
+        inner(path, *a, **k) + (1.0 if path == "triton" else 0.0)))  # grouped_mm the faster
+    stock, twin, modules = swapped_pair("qwen3_moe")
+    for model in (stock, twin):
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    assert_step_equals(stock, twin)
+    assert asked == ["triton", "grouped_mm"] * (op.TIMED_ROUNDS + 1)
+    (timing,) = op.timed_backwards().values()
+    assert timing.path == "grouped_mm", timing
+    calls = experts_calls(twin)
+    timed = f"fused (grouped_mm backward, {timing.note()})"
+    n = 2 * len(modules)  # the layers' forwards and their recomputes
+    assert calls == {timed: 1, "fused (grouped_mm backward)": n - 1}, calls
+    assert_step_equals(stock, twin)
+    assert len(asked) == 2 * (op.TIMED_ROUNDS + 1) and experts_calls(twin)[timed] == 1
