@@ -53,6 +53,17 @@ def unguarded_outputs(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def untimed_experts_backward(monkeypatch):
+    """moe_experts' auto runs its rule, untimed: on a GPU (ACCEL_TEST_DEVICE=cuda) each bf16 test
+    would otherwise time both backwards at its own shape (six side runs, and the second backward's
+    compile, per test and worker), which tests the policy, not the kernels. The timing's own tests
+    turn it on (`timed_here` in test_moe_experts.py)."""
+    import accel_kernels.ops.moe_experts as moe
+
+    monkeypatch.setattr(moe, "TIMED_DEVICE_TYPES", ())
+
+
+@pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
     yield
