@@ -99,6 +99,7 @@ def test_a_bad_launcher_variable_fails_the_launch_row(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.audit  # 30-40 s: every family trained and every kernel interpreted, end to end; .ci/run's audit job
 def test_accel_patch_check_passes_here():
     from _env import child_env
 

@@ -63,3 +63,13 @@ def training_step(model, batch, **kwargs):
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def keeping_graphs(graphs: list, backend="aot_eager"):
+    """A torch.compile backend that appends each graph dynamo hands it to `graphs`, then compiles
+    it with `backend` (a name or a backend function): one trace gives both the compiled step and
+    its graphs (a `torch._dynamo.explain` before the compile would trace the model again)."""
+    import torch._dynamo
+
+    compile_with = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    return lambda gm, example_inputs: graphs.append(gm) or compile_with(gm, example_inputs)

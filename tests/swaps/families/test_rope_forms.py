@@ -17,6 +17,8 @@ import accel_patch
 from accel_patch.swaps import probe
 from accel_patch.swaps.layers import rope
 
+from _models import keeping_graphs
+
 transformers = pytest.importorskip("transformers")
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -284,10 +286,6 @@ def test_the_new_forms_compile_fullgraph_with_the_rope_kernel_in_the_graph(famil
     accel_patch.swap_kernels(model, ops=["rope"])
     per_class = _fused_classes(model)
     graphs = []
-
-    def keeping_the_graph(backend):  # the graphs dynamo hands its backend
-        return lambda gm, example_inputs: graphs.append(gm) or backend(gm, example_inputs)
-
     torch._dynamo.reset()
     try:
         # a fullgraph-compiled training step (fullgraph: no graph break, in stock or swapped): stock's
@@ -301,8 +299,8 @@ def test_the_new_forms_compile_fullgraph_with_the_rope_kernel_in_the_graph(famil
                     f"{str(exc).splitlines()[1][:160]}")
         torch._dynamo.reset()
         # without stock's step to compare with, the swapped forward is still traced whole (its graph run eagerly)
-        backend = torch._dynamo.lookup_backend("aot_eager") if skip is None else (lambda gm, _: gm.forward)
-        loss = torch.compile(model, fullgraph=True, backend=keeping_the_graph(backend))(input_ids=ids, labels=ids).loss
+        backend = keeping_graphs(graphs, "aot_eager" if skip is None else (lambda gm, _: gm.forward))
+        loss = torch.compile(model, fullgraph=True, backend=backend)(input_ids=ids, labels=ids).loss
         ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
         assert "accel_kernels.rope" in ops, sorted(o for o in ops if "accel" in o)
         # every swapped site's graph runs the kernel (nested ones too: V4's compressor and indexer)
