@@ -876,7 +876,8 @@ def test_quick_auto_times_only_where_a_side_run_is_safe_and_invisible(monkeypatc
     the CPU) and nothing is timed: no grad, nothing to differentiate, a backward running (a
     reentrant checkpoint's recompute), a TorchDispatchMode (a flop counter would count the side
     runs), saved-tensor hooks disabled, LoRA or a forced backward (one candidate), torch.compile
-    tracing, the caller's may_time=False and a full table; a shape timed before keeps its answer."""
+    or torch.jit tracing, the caller's may_time=False and a full table; a shape timed before keeps
+    its answer."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     timed = []
@@ -906,6 +907,8 @@ def test_quick_auto_times_only_where_a_side_run_is_safe_and_invisible(monkeypatc
     with torch.no_grad():
         assert choose() == "triton"
     assert choose(hidden.detach(), lora=True) == "triton"
+    frozen = [t.detach() for t in (hidden, index, weights, gate_up, down)]
+    assert moe_module.choose_backward(*frozen)[0] == "triton"  # nothing to differentiate
     InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
     assert seen == ["triton"]
     with Passing():
@@ -917,6 +920,9 @@ def test_quick_auto_times_only_where_a_side_run_is_safe_and_invisible(monkeypatc
     with monkeypatch.context() as tracing:
         tracing.setattr(torch.compiler, "is_compiling", lambda: True)
         assert choose() == "triton"
+    with monkeypatch.context() as tracing:
+        tracing.setattr(torch.jit, "is_tracing", lambda: True)
+        assert choose() == "triton"
     assert timed == []
     assert choose() == "grouped_mm" and timed == [1]  # timed: the faster
     assert choose(may_time=False) == "grouped_mm" and timed == [1]  # the shape's answer kept, not timed again
@@ -924,7 +930,7 @@ def test_quick_auto_times_only_where_a_side_run_is_safe_and_invisible(monkeypatc
     assert choose(torch.randn(64, 32, requires_grad=True)) == "triton" and timed == [1]
 
 
-@pytest.mark.slow  # interpreted Triton: the call and six side runs, about 4 s
+@pytest.mark.slow  # interpreted Triton: the call and six side runs, 2-3 s
 def test_auto_s_side_runs_leave_the_call_its_gradients_saves_and_random_state(device, monkeypatch, timed_here):
     """The timed call's output and gradients are the chosen backward's bit for bit (the side runs
     accumulate nothing), both backwards really ran on the side (Triton's weight-gradient kernel

@@ -1568,7 +1568,7 @@ def choose_backward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     names it, and the Timing when this call timed auto's two backwards (else None).
 
     `backward_path`'s rule (by the call's tiles in eager on CUDA, without them while torch.compile
-    traces), except where auto could run either backward (`_timeable`: a CUDA device where
+    or torch.jit traces), except where auto could run either backward (`_timeable`: a CUDA device where
     grouped_mm takes the compute dtype, no LoRA) in an eager call with grad: there the first call of
     each call shape (`_shape_key`: the dtypes, the weights' shapes, the options, which inputs need a
     gradient, and the sorted rows T*K rounded up to a power of two) runs both backwards on its own
@@ -1577,7 +1577,7 @@ def choose_backward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     captured, under a TorchDispatchMode or a functorch transform, with saved-tensor hooks disabled,
     on tensor subclasses, past TIMED_SHAPES shapes, and where the caller says `may_time` False (a
     shape timed before keeps its answer there)."""
-    eager = not torch.compiler.is_compiling()
+    eager = not torch.compiler.is_compiling() and not torch.jit.is_tracing()  # a side run would enter a trace
     tiles = call_tiles(hidden, top_k_index, gate_up, down, autocast_dtype) if (
         backward == "auto" and eager and hidden.device.type == "cuda") else None
     path = backward_path(hidden, backward, autocast_dtype, lora, tiles)
