@@ -115,7 +115,7 @@ def main(argv=None) -> int:
               f"{r['backward_ms'] / base['backward_ms']:.2f}x, both {r['total_ms'] / base['total_ms']:.2f}x")
     print(f"tiles here: {'large' if op.large(tiles) else 'small'} {tiles}")
     path, timing = auto()
-    how = timing.note() if timing else "its rule, untimed here"
+    how = timing.note(op.TIMED_NOTE) if timing else "its rule, untimed here"
     print(f"auto here: {path} ({how}; device {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__})")
     return 0
 

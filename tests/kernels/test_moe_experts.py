@@ -862,8 +862,9 @@ def test_quick_a_backward_that_raises_while_timed_is_left_out_and_said(monkeypat
     failing = {"grouped_mm": 2}  # the faster, until it raises in the last round: left out all the same
     timing = moe_module._time_backwards("grouped_mm", *inputs)
     assert timing.path == "triton" and set(timing.ms) == {"triton"}, timing
-    assert timing.note() == ("backward timed: triton 1 ms, grouped_mm raised OutOfMemoryError: CUDA out of "
-                             "memory. Tried to allocate 2.00 GiB"), timing.note()
+    assert timing.note(moe_module.TIMED_NOTE) == (
+        "backward timed: triton 1 ms, grouped_mm raised OutOfMemoryError: CUDA out of memory. Tried to allocate "
+        "2.00 GiB"), timing.note(moe_module.TIMED_NOTE)
     runs.clear()
     failing = {"triton": 0, "grouped_mm": 0}  # both raise: the rule stands (and the call raises as it would have)
     assert moe_module._time_backwards("grouped_mm", *inputs) == ("grouped_mm", {}, {

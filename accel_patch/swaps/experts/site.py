@@ -566,7 +566,9 @@ def forward(self, *args, **kwargs):
     notes = [note for note, on in (("LoRA", lora is not None), ("tiled", chunk is not None), (SAVED, save),
                                    (GROUPED_BACKWARD, grouped)) if on]
     if timing is not None:
-        notes.append(timing.note())
+        from accel_kernels.ops.moe_experts import TIMED_NOTE
+
+        notes.append(timing.note(TIMED_NOTE))
     sites.count(site, FUSED + (f" ({', '.join(notes)})" if notes else ""))
     if chunk is None or chunk >= hidden.shape[0]:
         return run(self, plan, hidden, index, weights, lora, autocast_dtype, save, backward)

@@ -101,13 +101,12 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections import namedtuple
 from typing import Optional
 
 import torch
 
-from .. import _dispatch, _launch, _library
+from .. import _dispatch, _launch, _library, _timing
 from .._triton import SOFTWARE_BF16_ROUNDING, cast_rounded, jit, tl
 from ._glu import _act_and_grad
 
@@ -1536,21 +1535,13 @@ TIMED_DEVICE_TYPES = ("cuda",)
 #: How many call shapes keep a timed answer; a call of a further shape takes the rule.
 TIMED_SHAPES = 64
 #: Timed rounds per backward, after one untimed run each (Triton's compile): the best counts.
-TIMED_ROUNDS = 2
+TIMED_ROUNDS = _timing.ROUNDS
 _timed: dict = {}
-
-
-class Timing(namedtuple("Timing", "path ms errors")):
-    """What timing auto's backwards on one call shape found: the path kept, each backward's best
-    milliseconds ({path: ms}, the ones that ran) and what each that raised said ({path: message})."""
-
-    __slots__ = ()
-
-    def note(self) -> str:
-        """One line for a report: 'backward timed: triton 2.01 ms, grouped_mm 2.32 ms'."""
-        parts = [f"{p} {ms:.3g} ms" for p, ms in self.ms.items()]
-        parts += [f"{p} raised {message}" for p, message in self.errors.items()]
-        return "backward timed: " + ", ".join(parts)
+#: What timing auto's backwards on one call shape found (accel_kernels._timing.Timing): the path
+#: kept, each backward's best milliseconds and what each that raised said.
+Timing = _timing.Timing
+#: The words before a timing's figures in a call's count.
+TIMED_NOTE = "backward timed"
 
 
 def timed_backwards() -> dict:
@@ -1618,18 +1609,8 @@ def _shape_key(top_k_index, inputs, transposed, interleaved, activation, alpha, 
 
 
 def _may_time(top_k_index, inputs) -> bool:
-    """Whether this call may run the op's backwards on the side: with grad, something to
-    differentiate, outside any backward, no CUDA graph being captured, nothing that would see the
-    side runs (a TorchDispatchMode, a functorch transform), plain tensors, saved-tensor hooks
-    enabled (the side runs push their own, so a checkpoint or offload around the call sees none of
-    their saves)."""
-    present = [t for t in inputs if t is not None]
-    return (torch.is_grad_enabled() and any(t.requires_grad for t in present)
-            and torch._C._current_graph_task_id() == -1
-            and not (inputs[0].is_cuda and torch.cuda.is_current_stream_capturing())
-            and not _library._dispatch_modes() and not _library._functorch_active()
-            and all(type(t) in _library._PLAIN for t in present + [top_k_index])
-            and torch._C._autograd._saved_tensors_hooks_is_enabled())
+    """Whether this call may run the op's backwards on the side (`_timing.side_runs_allowed`)."""
+    return _timing.side_runs_allowed(list(inputs) + [top_k_index], inputs[0].device)
 
 
 def _time_backwards(rule: str, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
@@ -1641,30 +1622,13 @@ def _time_backwards(rule: str, hidden, top_k_index, top_k_weights, gate_up, down
     offload around the call sees none of its saves) and an upstream gradient from its own
     generator (the global RNG is not drawn from). The faster runs the call (the rule's on a tie); a
     backward that raises (out of memory, say) is left out, and if both raise the rule stands."""
-    ms, errors = {}, {}
     generator = torch.Generator(device=hidden.device).manual_seed(0)
-    paths = ("triton", "grouped_mm")
-    for round_ in range(TIMED_ROUNDS + 1):
-        for path in paths:
-            if path in errors:
-                continue
-            try:
-                seconds = _backward_seconds(path, generator, hidden, top_k_index, top_k_weights, gate_up, down,
-                                            gate_up_bias, down_bias, **options)
-            except Exception as error:  # noqa: BLE001 - left out of the choice, and said
-                errors[path] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
-                ms.pop(path, None)
-                continue
-            if round_:
-                ms[path] = min(ms.get(path, math.inf), seconds * 1e3)
-    if not ms:
-        return Timing(rule, ms, errors)
-    best = min(ms.values())
-    return Timing(rule if ms.get(rule) == best else min(ms, key=ms.get), ms, errors)
 
+    def run(path):
+        return lambda: _backward_seconds(path, generator, hidden, top_k_index, top_k_weights, gate_up, down,
+                                         gate_up_bias, down_bias, **options)
 
-def _keep(t):
-    return t
+    return _timing.best({path: run(path) for path in ("triton", "grouped_mm")}, rule, TIMED_ROUNDS)
 
 
 def _backward_seconds(path, generator, hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
@@ -1676,24 +1640,16 @@ def _backward_seconds(path, generator, hidden, top_k_index, top_k_weights, gate_
 
     x, w, gu, dn, gub, db = (leaf(t) for t in (hidden, top_k_weights, gate_up, down, gate_up_bias, down_bias))
     wants = [t for t in (x, w, gu, dn, gub, db) if t is not None and t.requires_grad]
-    with torch.autograd.graph.saved_tensors_hooks(_keep, _keep), torch.enable_grad():
+    with _timing.own_saves():
         out = moe_experts(x, top_k_index, w, gu, dn, gub, db, backward=path, **options)
         dy = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32).to(out.dtype)
-        _synchronize(hidden.device)
-        start = _clock()
+        _timing.synchronize(hidden.device)
+        start = _timing.clock()
         grads = torch.autograd.grad(out, wants, dy, allow_unused=True)
-        _synchronize(hidden.device)
-        seconds = _clock() - start
+        _timing.synchronize(hidden.device)
+        seconds = _timing.clock() - start
     del out, grads
     return seconds
-
-
-_clock = time.perf_counter
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------

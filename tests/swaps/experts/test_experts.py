@@ -685,7 +685,7 @@ def test_auto_times_the_first_call_of_a_shape_says_so_and_the_step_equals_stock(
     (timing,) = op.timed_backwards().values()
     assert timing.path == "grouped_mm", timing
     calls = experts_calls(twin)
-    timed = f"fused (grouped_mm backward, {timing.note()})"
+    timed = f"fused (grouped_mm backward, {timing.note(op.TIMED_NOTE)})"
     n = 2 * len(modules)  # the layers' forwards and their recomputes
     assert calls == {timed: 1, "fused (grouped_mm backward)": n - 1}, calls
     assert_step_equals(stock, twin)
