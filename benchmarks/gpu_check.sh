@@ -10,7 +10,7 @@
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # The second call, if the lease has 5 minutes left:
 #   run(command='STEPS="lora-small lora-compile long" BUDGET_S=290 bash benchmarks/gpu_check.sh', carry=[".whl"], timeout_s=300)
-#   (lora-small: the LoRA step at 1 x 512 tokens, stock PEFT / without the LoRA ops / fused, ~40 s: whether
+#   (lora-small: the LoRA step at 1 x 512 tokens, stock PEFT / without the LoRA ops / fused (timed against PEFT per call shape) / fused untimed, ~50 s: whether
 #   fused LoRA's host work shows where a call's device work is short; lora-compile: stock PEFT and fused
 #   LoRA under Inductor, one process, ~150 s; long: 16k and 32k tokens with gradient checkpointing, cut
 #   to what is left, each length's figures kept as it ends)
@@ -139,8 +139,8 @@ add long           150  '$PY benchmarks/long_context.py --device cuda --no-longe
                         '$PY benchmarks/long_context.py --dry-run --json "$OUT/$STEP.json"'
 add rank-sync      120  '$PY benchmarks/rank_sync.py --device cuda --repeats 5 --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/rank_sync.py --dry-run --json "$OUT/$STEP.json"'
-add lora-small      80  '$PY benchmarks/lora.py --device cuda --small --autocast bf16 --dropout 0.05 --warmup 3 --steps 10 --variants "stock,swapped today,fused LoRA" --json "$OUT/$STEP.json"' \
-                        '$PY benchmarks/lora.py --dry-run --small --autocast bf16 --dropout 0.05 --variants "stock,swapped today,fused LoRA" --json "$OUT/$STEP.json"'
+add lora-small      80  '$PY benchmarks/lora.py --device cuda --small --autocast bf16 --dropout 0.05 --warmup 3 --steps 10 --variants "stock,swapped today,fused LoRA,fused LoRA untimed" --json "$OUT/$STEP.json"' \
+                        '$PY benchmarks/lora.py --dry-run --small --autocast bf16 --dropout 0.05 --variants "stock,swapped today,fused LoRA,fused LoRA untimed" --json "$OUT/$STEP.json"'
 add lora-compile   170  '$PY benchmarks/lora.py --device cuda --autocast bf16 --dropout 0.05 --compile inductor --warmup 2 --steps 3 --variants "stock,fused LoRA" --json "$OUT/$STEP.json"' \
                         '$PY benchmarks/lora.py --dry-run --autocast bf16 --dropout 0.05 --compile eager --variants "stock,fused LoRA" --json "$OUT/$STEP.json"'
 add check          120  '$PY -m accel_patch.cli check --json > "$OUT/$STEP.json"' \

@@ -1,6 +1,8 @@
 """One LoRA r=16 training step (q, k, v, o, gate, up, down adapted): stock PEFT, swapped today (the
 kernel ops and the fused loss, without the LoRA ops: the same step without fused LoRA), swapped
-with fused LoRA, fused LoRA with the tiled MLP (its own column: "fused LoRA" never includes it),
+with fused LoRA (on a GPU each LoRA call shape timed against PEFT's forward, the faster run: the
+default), fused LoRA untimed (every reproducible call fused: ACCEL_PATCH_LORA_PATH=fused), fused
+LoRA with the tiled MLP (its own column: "fused LoRA" never includes it),
 and Liger Kernel + PEFT ("liger": `apply_liger_kernel_to_llama()` before the model is built).
 
     python benchmarks/lora.py                  # CPU: hidden 1024, inter 2816, 4 layers, vocab 32000, 2048 tokens, fp32
@@ -85,13 +87,16 @@ SHAPES = {
 # enough that the host's may show: fused LoRA against PEFT's layers there decides whether a per-call
 # fall-back at few tokens would pay (docs/lora.md, "The per-call rule").
 SHAPES["cuda-small"] = dict(SHAPES["cuda"], batch=1, seq=512)
-VARIANTS = ("stock", "liger", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
+VARIANTS = ("stock", "liger", "swapped today", "fused LoRA", "fused LoRA untimed", "fused LoRA + tiled MLP")
 DEFAULT_VARIANTS = ("stock", "swapped today", "fused LoRA", "fused LoRA + tiled MLP")
 TODAY_OPS = "rms_norm,rope,glu,fused_linear_cross_entropy"
 #: The ops each swapped variant names (the tiled MLP only in its own variant).
 VARIANT_OPS = {"swapped today": TODAY_OPS,
                "fused LoRA": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o",
+               "fused LoRA untimed": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o",
                "fused LoRA + tiled MLP": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o,tiled_mlp"}
+#: The switch "fused LoRA untimed" sets while its sites are made (accel_patch/swaps/lora/timing.py).
+UNTIMED_SWITCH = "ACCEL_PATCH_LORA_PATH"
 #: Largest relative difference of a swapped variant's first-step loss from stock's, by the step's
 #: compute dtype (dropout: a sanity bound, see the docstring).
 LOSS_BOUND = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-4, "dropout": 0.2}
@@ -179,7 +184,19 @@ def prepared(variant: str, shape_name: str, device: str, qlora: bool, checkpoint
     model = get_peft_model(model, LoraConfig(**{**LORA, "lora_dropout": run.dropout}))
     report = None
     if variant in VARIANT_OPS:
-        report = accel_patch.swap_kernels(model, VARIANT_OPS[variant])
+        # "fused LoRA" times each LoRA call shape against PEFT's forward on a GPU and runs the faster;
+        # "fused LoRA untimed" runs every reproducible call fused (the switch is read as the sites are made)
+        untimed = variant == "fused LoRA untimed"
+        before = os.environ.get(UNTIMED_SWITCH)
+        if untimed:
+            os.environ[UNTIMED_SWITCH] = "fused"
+        try:
+            report = accel_patch.swap_kernels(model, VARIANT_OPS[variant])
+        finally:
+            if untimed and before is None:
+                os.environ.pop(UNTIMED_SWITCH, None)
+            elif untimed:
+                os.environ[UNTIMED_SWITCH] = before
     model.train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["config"]["vocab_size"], (shape["batch"], shape["seq"]), generator=gen).to(device)
@@ -520,6 +537,13 @@ def main(argv=None) -> int:
             verdicts.update(tiled_memory_ratio=tiled_memory, tiled_time_ratio=tiled_time)
             print(f"fused LoRA + tiled MLP / fused LoRA: peak growth {shown(tiled_memory)}, time {tiled_time:.2f}x "
                   "(no checkpointing here: the tiled MLP's recompute is one more MLP forward)")
+        untimed = measured.get("fused LoRA untimed")
+        if untimed:
+            t = fused["step_s"] / untimed["step_s"]
+            verdicts.update(untimed_time_ratio=t)
+            print(f"fused LoRA / fused LoRA untimed: time {t:.2f}x, peak growth "
+                  f"{shown(ratio(fused['peak_growth_mib'], untimed['peak_growth_mib']))} (what timing each call shape "
+                  "against PEFT's forward changed)")
         print(f"fused LoRA calls: {fused['calls']}")
     results.update(verdicts, correct=ok)
     save()

@@ -136,7 +136,8 @@ def e2e(out, name):
 
 
 LORA_NAMES = {"stock": "stock PEFT", "liger": "Liger+PEFT", "swapped today": "a-p w/o LoRA ops",
-              "fused LoRA": "a-p fused LoRA", "fused LoRA + tiled MLP": "a-p fused+tiled"}
+              "fused LoRA": "a-p fused LoRA", "fused LoRA untimed": "a-p fused, untimed",
+              "fused LoRA + tiled MLP": "a-p fused+tiled"}
 
 
 def lora(out, name):

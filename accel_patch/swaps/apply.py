@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core import switches
 from . import experts, lora, probe, sites
 from .experts import interface as experts_interface
 from .layers import mixers, mlp, norms, rope, tiled_mlp
@@ -245,7 +246,12 @@ class _Walk:
             for op in ops:
                 self.refuse(where, op, verdict)
             return
-        func, site = forward(verdict)
+        try:
+            func, site = forward(verdict)
+        except switches.BadSwitch as exc:  # ACCEL_PATCH_LORA_PATH, read as the site is made
+            for op in ops:
+                self.refuse(where, op, f"BadSwitch: {exc}")
+            return
         lora.install(self.state, module, sites.signed(func, type(module), ops[0]), site)
         self.counted(ops)
 

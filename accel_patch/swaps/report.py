@@ -21,10 +21,11 @@ SUCCESSES = ("fused", "tiled")
 #: The tiled MLP pays only for long sequences in training (swaps/layers/tiled_mlp.py): a short sequence, a
 #: call without grad or in eval mode runs the forward beneath by design, and so does a call that is
 #: not checkpointed ("not checkpointed") unless the op was asked for by name. A LoRA site at a decode
-#: step (a few tokens, no grad: generation) runs PEFT's forward, the faster path there (lora/sites.py).
+#: step (a few tokens, no grad: generation) runs PEFT's forward, the faster path there (lora/sites.py),
+#: and so does a LoRA call of a shape where PEFT's forward was timed faster (lora/timing.py).
 BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
              "stood aside: no Triton",
-             "short sequence", "no grad", "eval mode", "not checkpointed", "decode shape")
+             "short sequence", "no grad", "eval mode", "not checkpointed", "decode shape", "faster unfused")
 #: The fused loss's op name (sites.LOSS_OP; this module imports no torch).
 LOSS_OP = "fused_linear_cross_entropy"
 #: Prefix of an outcome counted while torch.compile traces a site (once per compiled graph, not per

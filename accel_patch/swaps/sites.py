@@ -17,6 +17,7 @@ table and in multiprocessing's pickler; every other method pickles exactly as be
 """
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import ctypes
 import functools
@@ -317,9 +318,27 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
 
 
 def count_into(calls: dict, op: str, outcome: str) -> None:
-    """One call of `op` with `outcome` in a model's call table (SwapState.calls)."""
+    """One call of `op` with `outcome` in a model's call table (SwapState.calls); nothing inside
+    `uncounted` (a side run that times a choice is not a call of the model)."""
+    if _uncounted:
+        return
     per_op = calls.setdefault(op, {})
     per_op[outcome] = per_op.get(outcome, 0) + 1
+
+
+_uncounted = 0
+
+
+@contextlib.contextmanager
+def uncounted():
+    """No call is counted inside: the side runs that time a choice run the sites beneath them (a
+    fall-back's forward, a GLU swap), and they are not calls of the model (swaps/lora/timing.py)."""
+    global _uncounted
+    _uncounted += 1
+    try:
+        yield
+    finally:
+        _uncounted -= 1
 
 
 def count(site, outcome: str, *before) -> None:

@@ -4,6 +4,16 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def untimed_lora(monkeypatch):
+    """The LoRA sites run fused, untimed: on a GPU each test would otherwise time the fused function
+    against PEFT's forward at its own shapes and might run PEFT's, so its counts and its rounding
+    would depend on the device's speed. The timing's own tests turn it on (test_lora_timing.py)."""
+    from accel_patch.swaps.lora import timing
+
+    monkeypatch.setattr(timing, "TIMED_DEVICE_TYPES", ())
+
+
 @pytest.fixture
 def released():
     """Swapped models of earlier tests are collected, so the RoPE interceptions they held are

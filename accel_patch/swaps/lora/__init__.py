@@ -31,7 +31,9 @@ computed: the functions are custom ops (`accel_patch_lora::linears`, `::mlp`) th
 autocast dtype captured at the call and the dropout masks drawn as PEFT draws them (functions.py). A call with no active adapter
 runs what was there before (the `glu` kernel forward when that op was swapped too, else stock).
 A decode step (at most `sites.DECODE_ROWS` tokens without grad: generation) runs PEFT's forward,
-faster there, counted.
+faster there, counted. On a CUDA device the first call of each call shape times the fused function
+against PEFT's forward and that shape runs the faster, counted (timing.py; ACCEL_PATCH_LORA_PATH=fused
+keeps every call fused, untimed).
 
 Under torch.compile the sites are traced with the model (sites.py): no graph break, the fused ops
 in the graph, the plan's reads as guards; a call is counted once per trace, as "compiled: <outcome>"
@@ -43,7 +45,8 @@ function whenever an adapter is active, and the `glu` forward beneath it otherwi
 forward is not swapped again.
 
 One file per job: plans.py (which calls the fused path computes; candidates), functions.py (the
-math and its autograd), probe.py (verification at swap time), sites.py (the swapped forwards).
+math and its autograd), probe.py (verification at swap time), sites.py (the swapped forwards),
+timing.py (fused or PEFT's forward, timed per call shape).
 These modules import the shared machinery of swaps/ (sites, probe, report, families) and
 layers/mlp.py (the GLU its MLP builds on), never the loss's room.
 """

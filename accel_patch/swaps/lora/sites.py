@@ -17,6 +17,7 @@ import torch
 
 from .. import report, sites
 from ..layers import mlp, norms
+from . import timing
 from .functions import GLU_KERNEL, GLU_TORCH, TORCH_ACTS, fused_linears, fused_mlp
 from .plans import MLP_OP, O_OP, QKV_OP, projection
 
@@ -47,11 +48,15 @@ class Site:
     """What a LoRA site's forward reads at call time: its ops, projection names, the GLU plan of an
     MLP, and the call counts it adds to (the model's SwapState.calls). For an MLP, `torch_glu`
     says whether the module's own activation is `functions.TORCH_ACTS[act]` bit for bit (checked
-    once, at swap time), so the fused function may compute act(gate) * up as the module does."""
+    once, at swap time), so the fused function may compute act(gate) * up as the module does.
+    `timed`: whether its calls may be timed against PEFT's forward (timing.py), read from
+    ACCEL_PATCH_LORA_PATH when the site is made (a bad value raises BadSwitch there, and the swap
+    refuses the site with it)."""
 
     def __init__(self, ops, names, glu_plan, calls, act_fn=None) -> None:
         self.ops, self.names, self.glu_plan, self.calls = set(ops), names, glu_plan, calls
         self.torch_glu = glu_plan is not None and act_fn is not None and torch_act_matches(act_fn, glu_plan.act)
+        self.timed = timing.path_mode() == "auto"
 
     def count(self, op: str, outcome: str) -> None:
         sites.count_into(self.calls, op, outcome)
@@ -147,11 +152,25 @@ def mlp_forward(self, *args, **kwargs):
     if path is None:
         _count(site, MLP_OP, OWN_ACTIVATION)
         return call_inner(self, *args, **kwargs)
-    _count(site, MLP_OP, FUSED)
     projs, adapters = found
+    gate_first = order == "gate_up"
+    chosen, timed = timing.choose(
+        site.timed, MLP_OP, x, projs, adapters,
+        lambda v: (fused_mlp(v, projs, adapters, act, gate_first, path),),
+        lambda v: (call_inner(self, *_replaced(args, x, v), **_replaced(kwargs, x, v)),), (act, gate_first, path))
+    _count(site, MLP_OP, timing.outcome(chosen, timed))
+    if chosen != FUSED:
+        return call_inner(self, *args, **kwargs)
     # the function saves x, under autocast too: the norm's call instead
     with norms.recompute_scope(x, site.norm_recomputed, saved_as_is=True):
-        return fused_mlp(x, projs, adapters, act, order == "gate_up", path)
+        return fused_mlp(x, projs, adapters, act, gate_first, path)
+
+
+def _replaced(values, old, new):
+    """args (a tuple) or kwargs (a dict) with the tensor `old` replaced by `new`."""
+    if isinstance(values, dict):
+        return {k: new if v is old else v for k, v in values.items()}
+    return tuple(new if v is old else v for v in values)
 
 
 class _Served:
@@ -197,18 +216,27 @@ class _Bound:
         x = args[0]
         if name in self.stash and self.stash_x is x:
             return self.stash.pop(name)
+        if self.decided.get(group) == timing.FASTER_UNFUSED:  # the group's first projection timed it
+            return child(x)
         if x.dim() > 0 and _decode_shape(x):
             if self.decided.get(group) != DECODE:  # count a group once per call
                 self.decided[group] = DECODE
                 _count(self.site, op, DECODE)
             return child(x)
-        found = _plan([self.children[n] for n in group], x)
+        children = [self.children[n] for n in group]
+        found = _plan(children, x)
         if isinstance(found, str):
             if self.decided.get(group) != found:  # count a group once per call
                 self.decided[group] = found
                 _count(self.site, op, _outcome(found))
             return child(x)
-        _count(self.site, op, FUSED)
+        chosen, timed = timing.choose(self.site.timed, op, x, *found, lambda v: fused_linears(v, *found),
+                                      lambda v: tuple(c(v) for c in children))
+        if chosen != FUSED:  # counted once per call: the group's other projections return above
+            self.decided[group] = timing.FASTER_UNFUSED
+            _count(self.site, op, timing.outcome(chosen, timed))
+            return child(x)
+        _count(self.site, op, timing.outcome(chosen, timed))
         outs = fused_linears(x, *found)
         self.stash = {n: o for n, o in zip(group, outs) if n != name}
         self.stash_x = x
