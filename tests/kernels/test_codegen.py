@@ -84,18 +84,6 @@ def test_whole_matrix_compiles_within_budgets():
     print("\n" + codegen.table(records))
 
 
-@pytest.mark.slow  # a compile per configuration
-def test_layer_norm_compiles_within_budgets_at_every_width_dtype_and_token_count():
-    # the whole matrix's layer_norm share: the indexer's 128-wide k_norm, a hidden-width norm, and
-    # rows wider than one block (the dot pass); trained and frozen weight and bias
-    records = codegen.run(quick=False, kernels="_layer_norm")
-    names = {"_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel", "_layer_norm_bwd_dot_kernel"}
-    _check_matrix(records, names)
-    assert {m.split("/")[0] for r in records for m in r["models"]} == set(codegen.LAYER_NORM_MODELS)
-    assert {r["dtype"] for r in records} == set(codegen.DTYPES)
-    print("\n" + codegen.table(records))
-
-
 def test_budgets_and_occupancy():
     assert [codegen.register_budget(w) for w in (1, 4, 8, 16, 32)] == [255, 255, 255, 128, 64]
     h100 = codegen.TARGETS["sm_90"]
