@@ -152,6 +152,16 @@ def test_under_non_reentrant_checkpointing_the_recompute_runs_the_timed_answer(t
         assert sum(outcomes.values()) == 4 and outcomes[timing.FASTER_UNFUSED + " (timed)"] == 3, outcomes
 
 
+@pytest.mark.slow
+def test_a_group_with_an_unadapted_projection_times_both_paths(timed_here):
+    """q/v-only LoRA (a common recipe): k has no adapter, so on the first layer's input, which needs
+    no gradient, PEFT's k output has nothing to differentiate; both paths are still timed."""
+    twin = peft_model(build("llama"), "swap-then-peft", lora_dropout=DROPOUT, target_modules=["q_proj", "v_proj"])
+    seeded_step(twin)
+    timed = timing.timed_calls()
+    assert len(timed) == 2 and all(set(t.ms) == {"fused", "peft"} and not t.errors for t in timed.values()), timed
+
+
 # --- the gates, on `choose` itself: a tiny group (one projection) and stand-in paths ------------
 
 def group(requires_grad=True):
