@@ -44,19 +44,21 @@ class Timing(namedtuple("Timing", "path ms errors")):
         return f"{what}: " + ", ".join(parts)
 
 
-def side_runs_allowed(tensors, device: torch.device) -> bool:
+def side_runs_allowed(tensors, device: torch.device, graded=()) -> bool:
     """Whether a call on these tensors (None allowed) may run candidates on the side: with grad,
     something among them to differentiate, outside any backward (a reentrant checkpoint's
     recompute), no CUDA graph being captured, nothing that would see the side runs (a
     TorchDispatchMode, e.g. a FLOP counter; a functorch transform), plain tensors only, saved-tensor
-    hooks enabled (the side runs push their own), and no hook on a tensor that `torch.autograd.grad`
-    would fire (a gradient hook on a leaf runs for a gradient that is only returned)."""
+    hooks enabled (the side runs push their own). `graded`: those of them whose gradients the side
+    runs take themselves (not through detached views): none may carry a gradient hook, which
+    `torch.autograd.grad` fires for a gradient it only returns."""
     present = [t for t in tensors if t is not None]
     return (torch.is_grad_enabled() and any(t.requires_grad for t in present)
             and torch._C._current_graph_task_id() == -1
             and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
             and not _library._dispatch_modes() and not _library._functorch_active()
-            and all(type(t) in _library._PLAIN and not t._backward_hooks for t in present)
+            and all(type(t) in _library._PLAIN for t in present)
+            and not any(t._backward_hooks for t in graded)
             and torch._C._autograd._saved_tensors_hooks_is_enabled())
 
 

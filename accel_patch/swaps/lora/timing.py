@@ -87,7 +87,8 @@ def choose(timed: bool, op: str, x: torch.Tensor, projs, adapters, fused, peft, 
     known = _timed.get(key)
     if known is not None:
         return known.path, None
-    if len(_timed) >= TIMED_SHAPES or _global_module_hooks() or not _timing.side_runs_allowed([x, *adapters], x.device):
+    if (len(_timed) >= TIMED_SHAPES or _global_module_hooks()
+            or not _timing.side_runs_allowed([x, *adapters], x.device, adapters)):
         return FUSED, None
     timing = _time(x, adapters, fused, peft)
     _timed[key] = timing
