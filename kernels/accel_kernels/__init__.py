@@ -18,6 +18,8 @@ Layout: a dotted path means one thing. `accel_kernels.<op>` is the function;
                      custom_op and not triton_op is written there)
     _dispatch.py     Triton or twin for a tensor (use_triton, interpreting), shared input checks,
                      the output allocator tests poison
+    _timing.py       two ways of computing one call timed on the device on its own inputs, the
+                     faster kept (the experts' backward; accel_patch's fused LoRA against PEFT)
     bench/           python -m accel_kernels.bench
     codegen.py       python -m accel_kernels.codegen: the launches at real model shapes compiled
                      for sm_80 / sm_90a without a GPU, within register, spill and shared budgets
