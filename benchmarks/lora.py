@@ -95,8 +95,6 @@ VARIANT_OPS = {"swapped today": TODAY_OPS,
                "fused LoRA": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o",
                "fused LoRA untimed": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o",
                "fused LoRA + tiled MLP": "rms_norm,rope,glu,fused_linear_cross_entropy,lora_mlp,lora_qkv,lora_o,tiled_mlp"}
-#: The switch "fused LoRA untimed" sets while its sites are made (accel_patch/swaps/lora/timing.py).
-UNTIMED_SWITCH = "ACCEL_PATCH_LORA_PATH"
 #: Largest relative difference of a swapped variant's first-step loss from stock's, by the step's
 #: compute dtype (dropout: a sanity bound, see the docstring).
 LOSS_BOUND = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-4, "dropout": 0.2}
@@ -186,17 +184,13 @@ def prepared(variant: str, shape_name: str, device: str, qlora: bool, checkpoint
     if variant in VARIANT_OPS:
         # "fused LoRA" times each LoRA call shape against PEFT's forward on a GPU and runs the faster;
         # "fused LoRA untimed" runs every reproducible call fused (the switch is read as the sites are made)
-        untimed = variant == "fused LoRA untimed"
-        before = os.environ.get(UNTIMED_SWITCH)
-        if untimed:
-            os.environ[UNTIMED_SWITCH] = "fused"
-        try:
+        from unittest import mock
+
+        from accel_patch.swaps.lora.timing import PATH_SWITCH
+
+        untimed = {PATH_SWITCH: "fused"} if variant == "fused LoRA untimed" else {}
+        with mock.patch.dict(os.environ, untimed):
             report = accel_patch.swap_kernels(model, VARIANT_OPS[variant])
-        finally:
-            if untimed and before is None:
-                os.environ.pop(UNTIMED_SWITCH, None)
-            elif untimed:
-                os.environ[UNTIMED_SWITCH] = before
     model.train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["config"]["vocab_size"], (shape["batch"], shape["seq"]), generator=gen).to(device)
