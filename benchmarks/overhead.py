@@ -149,6 +149,7 @@ def launches_stubbed():
 
 
 FLOOR = "floor: an empty autograd.Function"
+CHAIN = 16  # calls in a chain with one backward (`host_rows`' chain column)
 
 
 def host_rows(repeats: int, inner: int) -> list[dict]:
@@ -178,6 +179,26 @@ def host_rows(repeats: int, inner: int) -> list[dict]:
         def backward(ctx, grad):
             return torch.empty_like(grad), torch.empty_like(wn)
 
+    # In a chain: CHAIN calls, each taking the last one's output, and one backward for all of them
+    # (the model's way: the engine starts once a step, a call's gradient comes from the next call's
+    # backward): what a step pays per call, without the harness's per-call backward set-up.
+    ws = [torch.ones(32, requires_grad=True) for _ in range(CHAIN)]
+    us = [torch.randn(14, 64, requires_grad=True) for _ in range(CHAIN)]
+
+    def chained(step, start):
+        def run():
+            outs = start
+            for i in range(CHAIN):
+                outs = step(i, *outs)
+            torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+        return run
+
+    chains = {
+        "rms_norm": chained(lambda i, a: (rms_norm(a, ws[i]),), (x,)),
+        "glu": chained(lambda i, a: (swiglu(a, us[i]),), (g,)),
+        "rope": chained(lambda i, a, b: rope(a, b, cos, sin), (q, k)),
+        FLOOR: chained(lambda i, a: (Floor.apply(a, ws[i]),), (x,)),
+    }
     calls = {
         "rms_norm": lambda: rms_norm(x, wn),
         "glu": lambda: swiglu(g, u),
@@ -206,8 +227,11 @@ def host_rows(repeats: int, inner: int) -> list[dict]:
                 out = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
                 torch.autograd.backward(out, grads)
 
-            rows.append(dict(site=name, forward_us=fwd, both_us=timed(both, repeats, inner),
-                             dense_us=timed(dense, repeats, inner)))
+            row = dict(site=name, forward_us=fwd, both_us=timed(both, repeats, inner),
+                       dense_us=timed(dense, repeats, inner))
+            if name in chains:
+                row["chain_us"] = timed(chains[name], max(1, repeats // 4), inner) / CHAIN
+            rows.append(row)
     return rows
 
 
@@ -267,11 +291,13 @@ def main(argv=None) -> int:
 
     if args.host:
         print("\nGPU path's host work per call, launches stubbed, 14 tokens, microseconds"
-              " (fwd+bwd: backward of .float().sum(); dense: backward of a dense gradient per output)")
+              " (fwd+bwd: backward of .float().sum(); dense: backward of a dense gradient per output;"
+              f" chain: forward + backward per call of {CHAIN} chained calls with one backward)")
         # many short samples: on a loaded machine a long one is rarely left alone
         for r in host_rows(40 * repeats, max(1, inner // 10)):
+            chain = f"{'chain':>7}{r['chain_us']:>8.1f}" if "chain_us" in r else ""
             print(f"{r['site']:<40}{'fwd':>5}{r['forward_us']:>8.1f}{'fwd+bwd':>9}{r['both_us']:>8.1f}"
-                  f"{'dense':>7}{r['dense_us']:>8.1f}")
+                  f"{'dense':>7}{r['dense_us']:>8.1f}{chain}")
         return 0
     print("\n1. per call, tiny shapes (14 tokens, hidden 32), microseconds")
     sites = site_rows(repeats, inner)

@@ -545,8 +545,19 @@ def _backward(ctx, dy, _drstd):
     eps, offset, casting, triton_path, activation = ctx.options
     need_x, need_w = ctx.needs_input_grad[:2]
     need_g = len(ctx.needs_input_grad) > 7 and ctx.needs_input_grad[7]
-    dx, dw, dg = _rms_norm_backward_op.backward_call(
-        ctx, dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast, gate, activation, need_g)
+    if triton_path and _library.direct(ctx):
+        # the kernels straight from the formula: what the backward op's implementation does on its
+        # Triton path, less its schema's (0,) stand-ins for the gradients not asked for
+        with _library.below_op():
+            w = weight if weight is None or weight.is_contiguous() else weight.contiguous()
+            dx, dw, *dg = _backward_triton(dy, (x, w, rstd, gate), x.shape, eps, offset, casting, need_x,
+                                           need_w and weight is not None, None, activation,
+                                           need_g and gate is not None)
+        dg = dg[0] if dg else None
+    else:
+        dx, dw, dg = _rms_norm_backward_op.backward_call(
+            ctx, dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast, gate, activation,
+            need_g)
     grads = [(dx if need_x else None), (dw if need_w else None), None, None, None, None, None]
     return (*grads, (dg if need_g else None), None)[:len(ctx.needs_input_grad)]
 
