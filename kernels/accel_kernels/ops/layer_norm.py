@@ -336,8 +336,17 @@ def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     eps, triton_path = ctx.options
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    dx, dw, db = _layer_norm_backward_op.backward_call(
-        ctx, dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b, triton_path)
+    if triton_path and _library.direct(ctx):
+        # the kernels straight from the formula: what the backward op's implementation does on its
+        # Triton path, less its schema's (0,) stand-ins for the gradients not asked for (a frozen
+        # weight's and bias's, as in LoRA training)
+        with _library.below_op():
+            saved = (_rows(x, x.shape[-1]), weight.contiguous() if weight is not None else None,
+                     bias.contiguous() if bias is not None else None, mean, rstd)
+            dx, dw, db = _backward_triton(dy, saved, x.shape, eps, need_x, need_w, need_b)
+    else:
+        dx, dw, db = _layer_norm_backward_op.backward_call(
+            ctx, dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b, triton_path)
     return (dx if need_x else None), (dw if need_w else None), (db if need_b else None), None, None
 
 
