@@ -17,6 +17,13 @@ this, the first `model.train()` of a Trainer silently dropped the norm kernels t
 in (the report said "replaced after the swap"). After each such call the swap is put back on top
 of what kernelize bound, which becomes its fall-back (swaps/apply.py: rebind_after_kernelize).
 A model swapped by hand under ACCEL_PATCH_KERNELS=0 (this patch off) is not bound again.
+
+Also `PreTrainedModel.set_experts_implementation`: a user who names the experts implementation
+after the swap gets it. The swapped experts modules of that model then run their own forward,
+which transformers dispatches to what the config now names, counted as the user's choice
+(swaps/experts/site.py: hand_back); "accel_patch" keeps the op. Transformers' own switch during
+`generate` (grouped_mm to batched_mm for decoding and back, `_optimize_model_for_decode`) is not
+the user's: it changes nothing here.
 Undo: the registry puts back every method wrapped.
 """
 from __future__ import annotations
@@ -32,7 +39,8 @@ class KernelSwapPatch(registry.Patch):
     name = "kernels"
     module = "transformers.modeling_utils"
     target = ("transformers.PreTrainedModel.from_pretrained and ._from_config: swap kernels into the model returned; "
-              ".set_use_kernels and .reset_kernels: the swap bound again after transformers kernelizes")
+              ".set_use_kernels and .reset_kernels: the swap bound again after transformers kernelizes; "
+              ".set_experts_implementation: the experts run the user's choice")
     verified = "transformers 5.17, 5.24 (set_use_kernels, reset_kernels: 5.25)"
     switch = SWITCH
     boolean_switch = False  # a list of ops, read by ops_from_env
@@ -67,6 +75,15 @@ class KernelSwapPatch(registry.Patch):
             if callable(getattr(module.PreTrainedModel, attr, None)):
                 self.wrap(module.PreTrainedModel, attr, kernelize_wrapper)
 
+        def experts_wrapper(wrapped, instance, args, kwargs):
+            result = wrapped(*args, **kwargs)
+            if not _in_decode_switch():
+                _hand_back(instance)
+            return result
+
+        if callable(getattr(module.PreTrainedModel, "set_experts_implementation", None)):
+            self.wrap(module.PreTrainedModel, "set_experts_implementation", experts_wrapper)
+
     def detail(self) -> str | None:
         apply = sys.modules.get("accel_patch.swaps.apply")
         return apply.history_summary() if apply is not None else None
@@ -99,6 +116,34 @@ def _rebind(model) -> None:
     except Exception as exc:  # the user's train()/eval() must succeed whatever happens here
         registry.set_state(patch.name, registry.FAILED, f"binding the kernels of {type(model).__name__} again "
                            f"after transformers' kernelize failed: {type(exc).__name__}: {exc}")
+
+
+#: transformers' switch of the experts implementation around decoding (generation/utils.py), whose
+#: calls of set_experts_implementation are its own, not the user's
+DECODE_SWITCH = "_optimize_model_for_decode"
+
+
+def _in_decode_switch() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(8):  # the switch calls set_experts_implementation itself: a few frames up at most
+        if frame is None:
+            return False
+        if frame.f_code.co_name == DECODE_SWITCH:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _hand_back(model) -> None:
+    """After the user named `model`'s experts implementation: its swapped experts run it; never raises."""
+    site = sys.modules.get("accel_patch.swaps.experts.site")
+    if site is None:
+        return  # no experts site was ever made in this process
+    try:
+        site.hand_back(model)
+    except Exception as exc:  # the user's call must succeed whatever happens here
+        registry.set_state(patch.name, registry.FAILED, f"handing {type(model).__name__}'s experts to the "
+                           f"implementation set after the swap failed: {type(exc).__name__}: {exc}")
 
 
 def _swap_loaded(model) -> None:

@@ -25,7 +25,8 @@ SUCCESSES = ("fused", "tiled")
 #: and so does a LoRA call of a shape where PEFT's forward was timed faster (lora/timing.py).
 BY_DESIGN = ("no active LoRA adapter", "TRL's head: evaluation mode", "stood aside: small logits on CPU",
              "stood aside: no Triton",
-             "short sequence", "no grad", "eval mode", "not checkpointed", "decode shape", "faster unfused")
+             "short sequence", "no grad", "eval mode", "not checkpointed", "decode shape", "faster unfused",
+             "the user's choice")
 #: The fused loss's op name (sites.LOSS_OP; this module imports no torch).
 LOSS_OP = "fused_linear_cross_entropy"
 #: Prefix of an outcome counted while torch.compile traces a site (once per compiled graph, not per

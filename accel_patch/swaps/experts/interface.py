@@ -25,7 +25,7 @@ import torch
 from .. import probe, sites
 from . import site as experts_site
 
-NAME = "accel_patch"
+NAME = experts_site.INTERFACE_NAME
 #: Instance attribute of a module the interface refused: the reason (probed once per module).
 REFUSED_ATTR = "_accel_patch_experts_refused"
 REFUSED = "the module's forward (grouped_mm, else eager): the experts probe refused it"

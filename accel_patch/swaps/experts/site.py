@@ -67,6 +67,13 @@ BACKWARD_SWITCH = "ACCEL_PATCH_EXPERTS_BACKWARD"
 #: The note of a call with grad whose backward runs its GEMMs through torch._grouped_mm (a call
 #: without it, on the Triton path, runs the all-Triton backward; on the twin, the twin's).
 GROUPED_BACKWARD = "grouped_mm backward"
+#: The outcome's start for a call after the user chose the model's experts implementation
+#: (`set_experts_implementation`) once the swap was made: transformers' dispatch runs what they
+#: chose, by design (swaps/report.py BY_DESIGN). "accel_patch", the op through the interface,
+#: keeps the swap's forward.
+USERS_CHOICE = "the user's choice"
+#: The op's name in transformers' experts interface (interface.py).
+INTERFACE_NAME = "accel_patch"
 #: The option that bounds what one call may hold untiled on the Triton path where the tiled MLP's
 #: rule would tile it (a checkpointed layer): a size ("512MiB", "2GiB"; "0" tiles every such call,
 #: "inf" none), read once per site when the site is made, as BACKWARD_SWITCH (a bad value raises
@@ -115,6 +122,7 @@ class Site:
         self.gate_up = gate_up_mode()
         self.backward = backward_mode()
         self.tile_budget = tile_budget_switch()
+        self.chosen = None  # the experts implementation the user chose after the swap (`hand_back`)
 
     def count(self, outcome: str) -> None:
         sites.count_into(self.calls, OP, outcome)
@@ -527,6 +535,9 @@ def forward(self, *args, **kwargs):
     site = self.__dict__.get(SITE_ATTR)
     if site is None:
         return sites.call_inner(self, *args, **kwargs)
+    if site.chosen is not None:
+        sites.count(site, f"{USERS_CHOICE}: experts_implementation {site.chosen!r} set after the swap")
+        return sites.call_inner(self, *args, **kwargs)
     values = _inputs(site, args, kwargs)
     if values is None:
         sites.count(site, "the module's forward: arguments other than its tensors")
@@ -575,6 +586,23 @@ def forward(self, *args, **kwargs):
     outs = [run(self, plan, hidden[i:i + chunk], index[i:i + chunk], weights[i:i + chunk], lora, autocast_dtype,
                 save, backward) for i in range(0, hidden.shape[0], chunk)]
     return torch.cat(outs)
+
+
+def hand_back(model) -> int:
+    """After `model.set_experts_implementation(...)`: every experts module of `model` the swap
+    made a site on runs its own forward from now on, which transformers dispatches to the
+    implementation its config now names (the user's choice over the swap's), counted as
+    USERS_CHOICE; one whose config names "accel_patch" (the op through the interface) keeps the
+    swap's forward. A later call decides again. Returns how many modules run the user's choice."""
+    chosen = 0
+    for module in model.modules():
+        site = module.__dict__.get(SITE_ATTR)
+        if site is None or getattr(site, "interface", False):
+            continue  # no site, or the interface's own (experts_implementation="accel_patch")
+        name = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        site.chosen = None if name in (None, INTERFACE_NAME) else name
+        chosen += site.chosen is not None
+    return chosen
 
 
 def install(state, module, func, site: Site) -> None:

@@ -77,3 +77,63 @@ def test_disabling_accel_patch_removes_the_entry():
     finally:
         accel_patch.enable()
     assert interface.NAME in moe.ALL_EXPERTS_FUNCTIONS
+
+
+def counting_implementations(monkeypatch):
+    """transformers' batched_mm and grouped_mm experts functions, wrapped to count their calls."""
+    calls = {"batched_mm": 0, "grouped_mm": 0}
+    mapping = dict(moe.ALL_EXPERTS_FUNCTIONS._global_mapping)
+    for name in calls:
+        def counted(*args, _real=mapping[name], _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        mapping[name] = counted
+    monkeypatch.setattr(moe.ALL_EXPERTS_FUNCTIONS, "_global_mapping", mapping)
+    return calls
+
+
+def test_an_experts_implementation_set_after_the_swap_runs_counted_as_the_users_choice(monkeypatch):
+    # transformers' own tests name each implementation on a loaded (so swapped) model and check it ran
+    on_the_twin(monkeypatch)
+    from accel_patch.swaps import report as report_rules
+    from accel_patch.swaps.experts import site
+
+    model = build("qwen3_moe")
+    accel_patch.swap_kernels(model)  # its probe runs the module's own forward (grouped_mm): before counting
+    calls = counting_implementations(monkeypatch)
+    n, ids = len(experts_modules(model)), torch.randint(0, 50, (2, 7))
+    model(ids)
+    assert accel_patch.report(model).calls["experts"] == {"fused": n} and calls == {"batched_mm": 0, "grouped_mm": 0}
+    for implementation in ("batched_mm", "grouped_mm", "eager"):
+        model.set_experts_implementation(implementation)
+        before = dict(calls)
+        model(ids)
+        outcome = f"{site.USERS_CHOICE}: experts_implementation {implementation!r} set after the swap"
+        assert accel_patch.report(model).calls["experts"][outcome] == n
+        assert report_rules.outcome_kind(outcome) == "by design"
+        ran = {name: calls[name] - before[name] for name in calls}
+        assert ran == {name: n if name == implementation else 0 for name in calls}
+    model.set_experts_implementation(interface.NAME)  # the op through the interface: the swap's forward again
+    model(ids)
+    assert accel_patch.report(model).calls["experts"]["fused"] == 2 * n
+
+
+def test_transformers_switch_around_decoding_is_not_the_users_choice(monkeypatch):
+    # generate() on a GPU switches grouped_mm to batched_mm for decoding and back: the swap stays
+    on_the_twin(monkeypatch)
+    model = build("qwen3_moe")
+    accel_patch.swap_kernels(model)
+    switched = []
+    real = type(model).set_experts_implementation
+
+    def watched(self, implementation):
+        switched.append(implementation)
+        return real(self, implementation)
+
+    monkeypatch.setattr(type(model), "set_experts_implementation", watched)
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    with model._optimize_model_for_decode():
+        model(torch.randint(0, 50, (2, 7)))
+    model(torch.randint(0, 50, (2, 7)))
+    assert len(switched) == 2  # there and back
+    assert accel_patch.report(model).calls["experts"] == {"fused": 2 * len(experts_modules(model))}
