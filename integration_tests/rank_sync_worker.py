@@ -51,7 +51,9 @@ def run(variant, targs, rank, warnings):
         trainer.train()
     except RuntimeError as exc:
         error = str(exc)
-    return {"sync": {h["step"]: h.get("accel_patch_rank_sync") for h in trainer.state.log_history if "loss" in h},
+    from accel_patch.integrations.callback import training_logs
+
+    return {"sync": {h["step"]: h.get("accel_patch_rank_sync") for h in training_logs(trainer)},
             "warnings": list(warnings.messages), "error": error,
             "distributed_type": str(trainer.accelerator.state.distributed_type).split(".")[-1]}
 

@@ -148,6 +148,9 @@ def train(args):
 
     final = flat_trainable(trainer.model)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # the training logs as the loggers got them (with the callback's keys, which log_history never holds)
+    logged = (sys.modules["accel_patch.integrations.callback"].training_logs(trainer)
+              if "accel_patch.integrations.callback" in sys.modules else [])
     wrapped = trainer.model_wrapped
     accel = sys.modules.get("accel_patch")  # imported above, or by the start-up hook, or absent
     device_map, is_distributed = accel.prepare_device_map() if accel else (None, None)
@@ -156,7 +159,7 @@ def train(args):
         "accel_patch_loaded": accel is not None,
         "startup": getattr(sys, "accel_patch_startup", None),
         # what AccelPatchCallback swapped, from the first training log
-        "swap": next((h["accel_patch_swap"] for h in trainer.state.log_history if "accel_patch_swap" in h), None),
+        "swap": next((h["accel_patch_swap"] for h in logged if "accel_patch_swap" in h), None),
         # how the swapped loss ran: {"fused": n} or why calls stood aside
         "loss_calls": next((dict(m.__dict__["_accel_patch_swap_state"].loss_calls) for m in trainer.model.modules()
                             if "_accel_patch_swap_state" in m.__dict__), None),

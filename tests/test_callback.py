@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 import accel_patch
 from accel_patch import AccelPatchCallback
 from accel_patch.swaps import sites
+from accel_patch.integrations.callback import training_logs
 
 METRICS = ("tokens_per_second", "step_time_s", "peak_memory_mib")
 
@@ -57,17 +58,26 @@ def ours(trainer):
     return [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AccelPatchCallback)]
 
 
+def first_reader(trainer):
+    """The first of the trainer's callbacks that may read the logs: all but transformers'
+    DefaultFlowCallback, which stays at the head."""
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    return next(cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, DefaultFlowCallback))
+
+
 @pytest.mark.slow  # over 2 s: a subprocess or a Trainer run
 def test_a_stock_trainer_swaps_a_constructed_model_and_logs_throughput_and_memory(tmp_path):
     model = tiny_llama()
     assert not sites.is_swapped(model.model.norm)  # built by its constructor: not swapped by the load hook
     recorder = Recorder()
     trainer = Trainer(model=model, args=args(tmp_path), train_dataset=Rows(), callbacks=[recorder])
-    assert len(ours(trainer)) == 1 and trainer.callback_handler.callbacks[0] is ours(trainer)[0]
+    assert len(ours(trainer)) == 1 and first_reader(trainer) is ours(trainer)[0]
     assert sites.is_swapped(model.model.norm) and sites.is_swapped(model)  # at on_init_end, fused loss included
     trainer.train()
     assert recorder.swapped_at_train_begin is True
-    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert not any(k in h for h in trainer.state.log_history for k in (*METRICS, "accel_patch_swap"))  # as stock
+    steps = training_logs(trainer)
     assert [h["step"] for h in steps] == [2, 4]
     for h in steps:  # (the peak is the growth over the window's start: 0 is a possible value)
         assert all(isinstance(h[k], float) and h[k] > 0 for k in METRICS if k != "peak_memory_mib"), h
@@ -126,7 +136,7 @@ class WithReferencePass(Trainer):
 def test_tokens_per_second_counts_the_tokens_the_step_trains_on(tmp_path):
     trainer = WithReferencePass(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows())
     trainer.train()
-    for h in [h for h in trainer.state.log_history if "loss" in h]:  # 2 rows of 7 tokens a step, once
+    for h in training_logs(trainer):  # 2 rows of 7 tokens a step, once
         assert h["tokens_per_second"] * h["step_time_s"] == pytest.approx(14, rel=1e-6)
 
 
@@ -134,12 +144,12 @@ def test_tokens_per_second_counts_the_tokens_the_step_trains_on(tmp_path):
 def test_an_explicit_callback_is_never_registered_twice(tmp_path):
     mine = AccelPatchCallback(metrics=False)
     trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows(), callbacks=[mine])
-    assert ours(trainer) == [mine] and trainer.callback_handler.callbacks[0] is mine
+    assert ours(trainer) == [mine] and first_reader(trainer) is mine
     trainer.add_callback(AccelPatchCallback())
     trainer.add_callback(AccelPatchCallback)
     assert ours(trainer) == [mine]
     trainer.train()
-    assert not any("tokens_per_second" in h for h in trainer.state.log_history)
+    assert not any("tokens_per_second" in h for h in training_logs(trainer))
 
 
 def test_add_callback_replaces_the_automatic_one(tmp_path):
@@ -147,7 +157,26 @@ def test_add_callback_replaces_the_automatic_one(tmp_path):
     assert ours(trainer)[0].automatic
     mine = AccelPatchCallback(ops="rms_norm")
     trainer.add_callback(mine)
-    assert ours(trainer) == [mine] and trainer.callback_handler.callbacks[0] is mine
+    assert ours(trainer) == [mine] and first_reader(trainer) is mine
+
+
+def test_the_automatic_callback_is_one_of_transformers_default_callbacks_until_disabled(tmp_path):
+    # code that lists a Trainer's callbacks from DEFAULT_CALLBACKS (transformers' own tests) finds it
+    from transformers.trainer import DEFAULT_CALLBACKS
+    from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback
+
+    from accel_patch.integrations.callback import AutomaticCallback
+
+    assert DEFAULT_CALLBACKS[0] is DefaultFlowCallback and AutomaticCallback in DEFAULT_CALLBACKS
+    trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows())
+    listed = [type(cb) for cb in trainer.callback_handler.callbacks]
+    assert listed == DEFAULT_CALLBACKS + [PrinterCallback]  # disable_tqdm: the printer
+    accel_patch.disable()
+    try:
+        assert AutomaticCallback not in DEFAULT_CALLBACKS
+    finally:
+        accel_patch.enable()
+    assert DEFAULT_CALLBACKS.count(AutomaticCallback) == 1
 
 
 def test_accel_patch_callback_0_leaves_trainers_alone(monkeypatch, tmp_path):
@@ -208,10 +237,10 @@ def test_trl_sft_trainer_gets_the_callback_and_the_kernels(tmp_path):
     assert len(ours(trainer)) == 1
     assert sites.is_swapped(model.model.norm) and sites.is_swapped(model.model.layers[0].mlp)
     trainer.train()
-    steps = [h for h in trainer.state.log_history if "loss" in h]
+    steps = training_logs(trainer)
     assert len(steps) == 2 and all(all(k in h for k in METRICS) for h in steps), steps
     assert steps[0]["accel_patch_swap"].endswith("; LM head: ours, in TRL's place")
-    assert all(len(v) <= 100 for h in trainer.state.log_history for v in h.values() if isinstance(v, str))
+    assert all(len(v) <= 100 for h in steps for v in h.values() if isinstance(v, str))
     assert set(accel_patch.report(model).calls["fused_linear_cross_entropy"]) == {"fused (in TRL's head)"}
 
 
@@ -226,13 +255,13 @@ def test_a_dora_adapter_in_a_trainer_logs_its_fallbacks_once_per_reason(tmp_path
     trainer = Trainer(model=model, args=args(tmp_path), train_dataset=Rows())
     with caplog.at_level("WARNING", logger="accel_patch"):
         trainer.train()
-    steps = [h for h in trainer.state.log_history if "loss" in h]
+    steps = training_logs(trainer)
     # every LoRA call ran PEFT's forward: the line does not claim the LoRA sites
     assert steps[0]["accel_patch_swap"] == "norm 5, rope 2, glu+tiled 2, loss 1; lora mlp/qkv/o: not run (see fall-backs)"
     dora = "PEFT's forward: a LoRA variant (DoraLinearVariant, e.g. DoRA)"
     for h in steps:  # 2 steps a log, 2 layers: 4 calls of each site since the last log
         assert h["accel_patch_fallbacks"] == f"lora_mlp x4 {dora}; +2 more", h
-    assert all(len(v) <= 100 for h in trainer.state.log_history for v in h.values() if isinstance(v, str))
+    assert all(len(v) <= 100 for h in steps for v in h.values() if isinstance(v, str))
     warned = [r.getMessage() for r in caplog.records if "ran another forward" in r.getMessage()]
     assert sorted(w.split(" of the swapped ")[1].split(" ran")[0] for w in warned) == ["lora_mlp", "lora_o", "lora_qkv"]
     assert all(dora in w for w in warned)  # once per op and reason, not once per log

@@ -10,6 +10,8 @@ import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler, TrainerCallback
 
+import transformers.trainer  # noqa: F401 - where every Trainer comes from: the trainer-callback patch binds there
+
 from accel_patch import AccelPatchCallback
 from accel_patch.integrations import callback as callback_module
 
@@ -37,7 +39,7 @@ def trainer_args(tmp_path):
 @pytest.mark.parametrize("model", ["test_model", None, torch.nn.Linear(4, 4)], ids=["string", "none", "plain-module"])
 def test_every_event_with_an_odd_model_raises_nothing_and_says_so_once(caplog, trainer_args, model):
     handler = CallbackHandler([], model, None, None, None)
-    assert isinstance(handler.callbacks[0], AccelPatchCallback)  # the automatic one, at the head
+    assert isinstance(handler.callbacks[0], AccelPatchCallback)  # the automatic one, first of these
     state, control = TrainerState(), TrainerControl()
     with caplog.at_level(logging.WARNING, logger="accel_patch"):
         every_event(handler, trainer_args, state, control)

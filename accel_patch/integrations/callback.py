@@ -15,9 +15,13 @@
   the last log; on CPU the peak resident memory since the last log over the resident level at its
   start (the growth the steps caused, Linux's resettable peak RSS; elsewhere the process's lifetime
   peak). The first one also carries `accel_patch_swap` and `accel_patch_topology`.
-  Trainer copies `logs` into `state.log_history` before callbacks run, and report_to integrations
-  are callbacks too, so the callback runs first (the registration patch puts it at the head of
-  the list) and writes its keys into both.
+  report_to integrations and the console printer are callbacks too, so the callback runs before
+  them (the registration patch puts it first but for transformers' DefaultFlowCallback) and writes
+  its keys into `logs`, which each of them gets. Not into `state.log_history`: Trainer appended
+  its copy before the callbacks ran, that history is saved with every checkpoint
+  (trainer_state.json) and a resumed run's must equal an uninterrupted one's, while these are
+  this run's own measurements (a step's time differs every run). `callback.logged` keeps them,
+  each with its step.
 - Fall-backs: a log after which calls of a swapped op ran another forward (PEFT's for a LoRA
   site, the stock head for the fused loss: `swaps.report.outcome_kind`) carries
   `accel_patch_fallbacks` ("lora_mlp x8 PEFT's forward: ..."), and the logger warns once per op
@@ -80,6 +84,9 @@ class AccelPatchCallback(TrainerCallback):
         self.automatic = False  # set when accel-patch added it to a Trainer on its own
         self.report = None
         self._first_log = True
+        #: what this callback added to each training log, with its step: the figures are this
+        #: run's measurements, so they go to the loggers, never into the saved `state.log_history`
+        self.logged: list[dict] = []
         self._hook = None
         self._tokens = None  # a device tensor: counting never syncs
         self._mark = None  # (time, step, tokens) at the last log
@@ -369,15 +376,33 @@ class AccelPatchCallback(TrainerCallback):
             report = self.report
         return report.short() if report is not None else "no kernels swapped"
 
-    @staticmethod
-    def _write(logs, state, added) -> None:
+    def _write(self, logs, state, added) -> None:
         if not added:
             return
         added = {k: fit(v) if isinstance(v, str) else v for k, v in added.items()}  # console-sized
-        logs.update(added)
-        last = state.log_history[-1] if state.log_history else None
-        if last is not None and last.get("step") == state.global_step and last.get("loss") == logs.get("loss"):
-            last.update(added)  # Trainer appended its copy before calling us
+        logs.update(added)  # what report_to integrations, the console printer and later callbacks get
+        self.logged.append({"step": state.global_step, **added})
+
+
+def training_logs(trainer) -> list[dict]:
+    """The training logs of `trainer` as its loggers received them: each `state.log_history` entry
+    with a loss, with what its AccelPatchCallback added at that step (`logged`)."""
+    added = {}
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, AccelPatchCallback):
+            added = {entry["step"]: entry for entry in cb.logged}
+    return [{**h, **added.get(h.get("step"), {})} for h in trainer.state.log_history if "loss" in h]
+
+
+class AutomaticCallback(AccelPatchCallback):
+    """The AccelPatchCallback accel-patch gives every Trainer on its own (integrations/
+    trainer_callbacks.py): in `transformers.trainer.DEFAULT_CALLBACKS`, where transformers keeps
+    the callbacks every Trainer gets, so code that lists a Trainer's callbacks from that list
+    finds it there. One the user passes replaces it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic = True
 
 
 IGNORE_INDEX = -100  # transformers' and TRL's label for a position no loss is taken on
