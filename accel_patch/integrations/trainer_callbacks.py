@@ -10,9 +10,9 @@ TRL's trainers build their callbacks through them). After `__init__`, the handle
 AccelPatchCallback, first but for transformers' DefaultFlowCallback (which reads no logs, and which
 transformers' code and tests expect at the head): the one the user passed, else an automatic
 one. `add_callback` of an AccelPatchCallback replaces the automatic one and never adds a second.
-First, because Trainer
-sends `logs` to report_to integrations (callbacks themselves) in list order: keys written before
-them reach TensorBoard, W&B and the rest. ACCEL_PATCH_CALLBACK=0 turns the automatic one off.
+First, because Trainer sends `logs` to report_to integrations (callbacks themselves) in list
+order: keys written before them reach TensorBoard, W&B and the rest. ACCEL_PATCH_CALLBACK=0 turns
+the automatic one off.
 
 The automatic one (`callback.AutomaticCallback`) is also put last in
 `transformers.trainer.DEFAULT_CALLBACKS` (after DefaultFlowCallback), where transformers keeps

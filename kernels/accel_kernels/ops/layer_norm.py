@@ -306,14 +306,20 @@ def _layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[
     need_w = need_w and weight is not None
     need_b = need_b and bias is not None
     if triton_path:
-        saved = (_rows(x, x.shape[-1]), weight.contiguous() if weight is not None else None,
-                 bias.contiguous() if bias is not None else None, mean, rstd)
-        dx, dw, db = _backward_triton(dy, saved, x.shape, eps, need_x, need_w, need_b)
+        dx, dw, db = _kernel_grads(dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b)
     else:
         dx, dw, db = _backward_torch(dy, (x, weight, bias), x.shape, eps, need_x, need_w, need_b)
     return (dx.contiguous() if need_x else _library.nothing(x),
             dw.contiguous() if need_w else _library.nothing(x if weight is None else weight),
             db.contiguous() if need_b else _library.nothing(x if bias is None else bias))
+
+
+def _kernel_grads(dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b):
+    """(dx, dw, db), each None when not asked for, by the kernels from what the forward saved: the
+    backward op's Triton path, and the eager formula's (which needs no (0,) stand-ins)."""
+    saved = (_rows(x, x.shape[-1]), weight.contiguous() if weight is not None else None,
+             bias.contiguous() if bias is not None else None, mean, rstd)
+    return _backward_triton(dy, saved, x.shape, eps, need_x, need_w, need_b)
 
 
 @_layer_norm_backward_op.register_fake
@@ -341,9 +347,7 @@ def _backward(ctx, dy, _dmean, _drstd):
         # Triton path, less its schema's (0,) stand-ins for the gradients not asked for (a frozen
         # weight's and bias's, as in LoRA training)
         with _library.below_op():
-            saved = (_rows(x, x.shape[-1]), weight.contiguous() if weight is not None else None,
-                     bias.contiguous() if bias is not None else None, mean, rstd)
-            dx, dw, db = _backward_triton(dy, saved, x.shape, eps, need_x, need_w, need_b)
+            dx, dw, db = _kernel_grads(dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b)
     else:
         dx, dw, db = _layer_norm_backward_op.backward_call(
             ctx, dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b, triton_path)

@@ -502,17 +502,26 @@ def _rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[to
     need_w = need_w and weight is not None
     need_g = need_g and gate is not None
     if triton_path:
-        saved = (x, weight.contiguous() if weight is not None else None, rstd, gate)
-        dx, dw, *dg = _backward_triton(dy, saved, x.shape, eps, offset, casting, need_x, need_w, None,
-                                       activation, need_g)
+        dx, dw, dg = _kernel_grads(dy, x, weight, rstd, gate, eps, offset, casting, need_x, need_w, activation,
+                                   need_g)
     else:
         autocast = _library.autocast_state(x.device.type, forward_autocast)
         dx, dw, *dg = _backward_torch(dy, (x, weight, gate), x.shape, eps, offset, casting, need_x, need_w, autocast,
                                       activation, need_g)
-    dg = dg[0] if dg else None
+        dg = dg[0] if dg else None
     return (dx.contiguous() if need_x else _library.nothing(x),
             dw.contiguous() if need_w else _library.nothing(x if weight is None else weight),
             dg.contiguous() if need_g else _library.nothing(x if gate is None else gate))
+
+
+def _kernel_grads(dy, x, weight, rstd, gate, eps, offset, casting, need_x, need_w, activation, need_g):
+    """(dx, dw, dgate), dw and dgate None when not asked for (or absent), by the kernels from what the
+    forward saved: the backward op's Triton path, and the eager formula's (which needs no (0,)
+    stand-ins)."""
+    saved = (x, weight.contiguous() if weight is not None else None, rstd, gate)
+    dx, dw, *dg = _backward_triton(dy, saved, x.shape, eps, offset, casting, need_x, need_w and weight is not None,
+                                   None, activation, need_g and gate is not None)
+    return dx, dw, (dg[0] if dg else None)
 
 
 @_rms_norm_backward_op.register_fake
@@ -549,11 +558,8 @@ def _backward(ctx, dy, _drstd):
         # the kernels straight from the formula: what the backward op's implementation does on its
         # Triton path, less its schema's (0,) stand-ins for the gradients not asked for
         with _library.below_op():
-            w = weight if weight is None or weight.is_contiguous() else weight.contiguous()
-            dx, dw, *dg = _backward_triton(dy, (x, w, rstd, gate), x.shape, eps, offset, casting, need_x,
-                                           need_w and weight is not None, None, activation,
-                                           need_g and gate is not None)
-        dg = dg[0] if dg else None
+            dx, dw, dg = _kernel_grads(dy, x, weight, rstd, gate, eps, offset, casting, need_x, need_w, activation,
+                                       need_g)
     else:
         dx, dw, dg = _rms_norm_backward_op.backward_call(
             ctx, dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast, gate, activation,
