@@ -22,6 +22,7 @@ itself back through others (no circle), lazy imports inside functions included.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import accel_patch
@@ -62,11 +63,18 @@ def module_sources(top: Path, name: str) -> dict[str, str]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def parsed(source: str) -> ast.Module:
+    """A source's tree, parsed once: every test of this file walks the same few hundred sources
+    (read-only), each with one or two of them changed."""
+    return ast.parse(source)
+
+
 def imports_of(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
     """The modules of `known` that `module` imports anywhere in its source (lazy imports too)."""
     package = module if is_package else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parsed(source)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
