@@ -14,28 +14,37 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import inspect  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
 
-def _list_the_interpreters_builtins_once() -> None:
-    """Triton's interpreter patches triton.language again at every call of a @jit helper made from
-    inside a kernel (`_round`, `_factors`, ...: once per program and call), and each time it lists
-    every member of tl, tl.core, tl.tensor and tl.math with `inspect.getmembers` to find the
-    builtins: a fifth of the quick loop's time went there (cProfile of `pytest -m "not slow"`).
-    Which members are builtins never changes, so their names are listed once per package; every
-    pass still patches exactly the members that are builtins at that moment, in the same order,
-    as the interpreter's own `_patch_builtin` does. Where triton's interpreter has no such
-    function, nothing is changed."""
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language when a kernel launches (`GridExecutor`, undone
+    when it returns) and again at every call of a @jit helper made inside the kernel (`_round`,
+    `_factors`, ...: once per program and call), each time listing every member of tl, tl.core,
+    tl.tensor and tl.math with `inspect.getmembers` to find the builtins: a fifth of the quick
+    loop's time went there (cProfile of `pytest -m "not slow"`). A helper's pass inside a launch
+    changes nothing the launch's own pass did not (its builtins are patched already; the rest it
+    sets again to equal stand-ins, and the launch's scope puts back the originals), so it is
+    skipped where the helper sees no language module the launch did not patch. And which members
+    are builtins never changes, so their names are listed once per package; every pass still
+    patches exactly the members that are builtins at that moment, in the same order, as the
+    interpreter's own `_patch_builtin`. Where triton's interpreter lacks these functions, nothing is
+    changed."""
     try:
+        import triton.language as tl
         from triton.language.core import is_builtin
         from triton.runtime import interpreter
 
-        patch_attr = interpreter._patch_attr
-        interpreter._patch_builtin  # noqa: B018 (the function replaced below)
+        patch_attr, patch_lang = interpreter._patch_attr, interpreter._patch_lang
+        launch, helper, scope_type = interpreter.GridExecutor, interpreter.InterpretedFunction, interpreter._LangPatchScope
+        interpreter._patch_builtin  # noqa: B018 (replaced below)
     except (ImportError, AttributeError):
         return
     names: dict = {}
+    languages: dict = {}
+    launches: list = []  # the language modules each launch under way patched
 
     def _patch_builtin(pkg, builder, scope):
         if pkg not in names:
@@ -45,11 +54,30 @@ def _list_the_interpreters_builtins_once() -> None:
             if is_builtin(member):
                 patch_attr(pkg, name, member, builder, scope)
 
+    def _patch_lang(fn):
+        if fn not in languages:
+            languages[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        caller = sys._getframe(1).f_locals.get("self")
+        if isinstance(caller, helper) and launches and languages[fn] <= launches[-1]:
+            return scope_type()
+        scope = patch_lang(fn)
+        if isinstance(caller, launch):
+            launches.append(languages[fn])
+            restore = scope.restore
+
+            def restore_and_end():
+                launches.pop()
+                restore()
+
+            scope.restore = restore_and_end
+        return scope
+
     interpreter._patch_builtin = _patch_builtin
+    interpreter._patch_lang = _patch_lang
 
 
 if os.environ["TRITON_INTERPRET"] == "1":
-    _list_the_interpreters_builtins_once()
+    _patch_the_language_once_per_launch()
 
 from _env import is_launcher_variable  # noqa: E402
 from accel_patch.core import topology_resolver  # noqa: E402
