@@ -61,9 +61,12 @@ import torch
 NAMESPACE = "accel_kernels"
 
 
-def custom_op(name: str):
-    """Decorator: the function becomes the `Op` `torch.ops.accel_kernels.<name>` (no input mutated)."""
-    return lambda impl: Op(name, impl)
+def custom_op(name: str, used: int | None = None):
+    """Decorator: the function becomes the `Op` `torch.ops.accel_kernels.<name>` (no input mutated).
+
+    used: how many leading outputs of a tuple the public function reads (the rest are for the
+    backward: rstd, lse, ...); a direct call returns only those (`Op.register_autograd`)."""
+    return lambda impl: Op(name, impl, used)
 
 
 class Op:
@@ -74,8 +77,8 @@ class Op:
     defaults at the end may be left out.
     """
 
-    def __init__(self, name: str, impl):
-        self.name, self.impl = name, impl
+    def __init__(self, name: str, impl, used: int | None = None):
+        self.name, self.impl, self.used = name, impl, used
         self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(impl)
         params = list(inspect.signature(impl).parameters.values())
         self._n_params = len(params)
@@ -91,17 +94,19 @@ class Op:
 
     def register_autograd(self, backward, *, setup_context):
         self.op.register_autograd(backward, setup_context=setup_context)
-        impl = self.impl
+        impl, used = self.impl, self.used
 
         # the op's formula (its setup_context and backward) on a plain Function; setup_context is
         # called from forward, as torch's own Function for the op does: a Function that defines
-        # setup_context binds its arguments with inspect.signature on every call (15 us)
+        # setup_context binds its arguments with inspect.signature on every call (15 us). The
+        # outputs only the backward reads are not the Function's (`used`): each output costs the
+        # node about a microsecond, and the backward formula is called without their gradients.
         def forward(ctx, *args):
             with below_op():
                 output = impl(*args)
                 ctx.direct = True  # its backward calls the backward ops' implementations directly
                 setup_context(ctx=ctx, inputs=args, output=output)
-            return output
+            return output if used is None else output[:used]
 
         function = type(f"{self.name}_direct", (torch.autograd.Function,), {
             "forward": staticmethod(forward), "backward": staticmethod(backward)})

@@ -369,6 +369,11 @@ def test_eager_calls_never_cross_the_custom_op_boundary(name, monkeypatch):
     got = _outputs_and_grads(fn, inputs)
     assert crossed == [], f"{name}: eager call went through torch.ops.accel_kernels.{crossed}"
     assert all(torch.isfinite(t).all() for t in got if t is not None)
+    # the autograd node of a direct call has only the outputs the public function returns (the op's
+    # others, rstd, lse..., are for the backward: each output costs the node host work)
+    outs = fn(*[t.detach().clone().requires_grad_() for t in inputs])
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert len(outs[0].grad_fn._input_metadata) == len(outs), name
 
 
 def _through_the_op(monkeypatch):

@@ -258,9 +258,9 @@ def _backward(ctx, dout):
     if (triton_path and dout.is_contiguous() and _library.direct(ctx) and _dispatch.graph_released()
             and gate.is_contiguous() and up.is_contiguous() and _spent(gate) and _spent(up)):
         # the gradients overwrite gate and up, which nothing can read after this backward (the
-        # eager path only: an op's schema cannot declare it)
-        with _library.below_op():
-            dgate, dup = _backward_triton(dout, gate, up, ACTIVATIONS[activation], limit, into_inputs=True)
+        # eager path only: an op's schema cannot declare it); no dispatch guard: a backward runs
+        # with grad mode off, so nothing here is recorded
+        dgate, dup = _backward_triton(dout, gate, up, ACTIVATIONS[activation], limit, into_inputs=True)
         return dgate, dup, None, None, None
     dgate, dup = _glu_backward_op.backward_call(ctx, dout, gate, up, activation, triton_path, limit)
     return dgate, dup, None, None, None

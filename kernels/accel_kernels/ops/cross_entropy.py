@@ -244,7 +244,7 @@ def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
     return logits.reshape(-1, vocab)
 
 
-@_library.custom_op("cross_entropy")
+@_library.custom_op("cross_entropy", used=1)
 def _cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, softcap: Optional[float],
                       reduction: str, check_label_range: bool, triton_path: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,7 +306,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # lse and n_valid get no gradient: allocate none for them
 
 
-def _backward(ctx, grad_output, _dlse, _dn_valid):
+def _backward(ctx, grad_output, _dlse=None, _dn_valid=None):
     _dispatch.check_first_order("cross_entropy")
     logits, labels, lse, n_valid = ctx.saved_tensors
     ignore_index, softcap, reduction, triton_path = ctx.options

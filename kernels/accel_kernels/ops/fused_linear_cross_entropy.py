@@ -310,7 +310,7 @@ def _grads_or_nothing(grads, h, weight, bias):
             grad_b if grad_b is not None else _library.nothing(weight, torch.float32))
 
 
-@_library.custom_op("fused_linear_cross_entropy")
+@_library.custom_op("fused_linear_cross_entropy", used=1)
 def _fused_linear_cross_entropy_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
     ignore_index: int, softcap: Optional[float], reduction: str, rows: int,

@@ -277,7 +277,7 @@ def _n_rows(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
-@_library.custom_op("layer_norm")
+@_library.custom_op("layer_norm", used=1)
 def _layer_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
                    triton_path: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd): mean and rstd (rows,) float32 for the kernels' backward; (0,) on the twin,
@@ -337,7 +337,7 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (eps, triton_path)
 
 
-def _backward(ctx, dy, _dmean, _drstd):
+def _backward(ctx, dy, _dmean=None, _drstd=None):
     _dispatch.check_first_order("layer_norm")  # the op's backward is opaque to autograd
     x, weight, bias, mean, rstd = ctx.saved_tensors
     eps, triton_path = ctx.options
@@ -345,9 +345,9 @@ def _backward(ctx, dy, _dmean, _drstd):
     if triton_path and _library.direct(ctx):
         # the kernels straight from the formula: what the backward op's implementation does on its
         # Triton path, less its schema's (0,) stand-ins for the gradients not asked for (a frozen
-        # weight's and bias's, as in LoRA training)
-        with _library.below_op():
-            dx, dw, db = _kernel_grads(dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b)
+        # weight's and bias's, as in LoRA training; no dispatch guard: a backward runs with grad mode
+        # off, so nothing here is recorded)
+        dx, dw, db = _kernel_grads(dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b)
     else:
         dx, dw, db = _layer_norm_backward_op.backward_call(
             ctx, dy, x, weight, bias, mean, rstd, eps, need_x, need_w, need_b, triton_path)

@@ -895,7 +895,7 @@ def _params(named: dict) -> "_Params":
                    _compute_dtype(named["hidden"], named["autocast"]))
 
 
-@_library.custom_op("moe_experts")
+@_library.custom_op("moe_experts", used=1)
 def _moe_experts_op(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],

@@ -423,8 +423,9 @@ def _backward_triton(dy, saved, x_shape, eps, offset, casting, need_x, need_w, f
     one_block = block_n >= n_cols
     rows_per_program = _launch.cdiv(row_tiles, min(row_tiles, _max_programs(x.device, num_warps))) * block_m
     n_programs = _launch.cdiv(n_rows, rows_per_program)
-    # dx (and dgate) in x's shape, contiguous: rows n_cols apart
-    dx = _dispatch.empty(x_shape, dtype=x.dtype, device=x.device)
+    # dx (and dgate) in x's shape, contiguous: rows n_cols apart (like x where x has that shape: a
+    # microsecond less than allocating by a torch.Size)
+    dx = _dispatch.empty_like(x) if x.shape == x_shape else _dispatch.empty(x_shape, dtype=x.dtype, device=x.device)
     dw_partial = _dispatch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if need_w else rstd
     # the gate's gradient comes with every gated backward (it costs one store): x's
     dg = _dispatch.empty(x_shape, dtype=g.dtype, device=x.device) if g is not None else dx
@@ -466,7 +467,7 @@ def _n_rows(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
-@_library.custom_op("rms_norm")
+@_library.custom_op("rms_norm", used=1)
 def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, casting: str,
                  triton_path: bool, autocast: Optional[torch.dtype], gate: Optional[torch.Tensor] = None,
                  activation: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -535,8 +536,8 @@ def _(dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, fo
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, eps, offset, casting, triton_path, autocast, *gated = inputs
-    gate, activation = (gated + [None, ""])[:2]
+    x, weight, eps, offset, casting, triton_path, autocast = inputs[:7]
+    gate, activation = inputs[7:9] if len(inputs) > 7 else (None, "")
     # x itself (an op's output cannot be a view of its input): a strided x is made contiguous again
     # in backward, where the old Function saved the forward's copy
     ctx.save_for_backward(x, weight, output[1], gate)
@@ -546,7 +547,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # rstd gets no gradient: allocate no zeros for it
 
 
-def _backward(ctx, dy, _drstd):
+def _backward(ctx, dy, _drstd=None):
     _dispatch.check_first_order("rms_norm")  # the op's backward is opaque to autograd
     if dy is None:  # y was not used (only rstd, which is internal, could have been)
         return (None,) * len(ctx.needs_input_grad)
@@ -556,10 +557,9 @@ def _backward(ctx, dy, _drstd):
     need_g = len(ctx.needs_input_grad) > 7 and ctx.needs_input_grad[7]
     if triton_path and _library.direct(ctx):
         # the kernels straight from the formula: what the backward op's implementation does on its
-        # Triton path, less its schema's (0,) stand-ins for the gradients not asked for
-        with _library.below_op():
-            dx, dw, dg = _kernel_grads(dy, x, weight, rstd, gate, eps, offset, casting, need_x, need_w, activation,
-                                       need_g)
+        # Triton path, less its schema's (0,) stand-ins for the gradients not asked for (no
+        # dispatch guard: a backward runs with grad mode off, so nothing here is recorded)
+        dx, dw, dg = _kernel_grads(dy, x, weight, rstd, gate, eps, offset, casting, need_x, need_w, activation, need_g)
     else:
         dx, dw, dg = _rms_norm_backward_op.backward_call(
             ctx, dy, x, weight, rstd, eps, offset, casting, need_x, need_w, triton_path, ctx.autocast, gate, activation,

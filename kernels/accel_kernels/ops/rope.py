@@ -317,9 +317,9 @@ def _backward(ctx, dq_out, dk_out):
     if triton_path and _library.direct(ctx):
         # the kernel straight from the formula: what the backward op's implementation does on its
         # Triton path (cos and sin take no gradient there), less its schema's (0,) stand-ins for them
-        with _library.below_op():
-            grads = _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs, None,
-                                     form, swapped)
+        # (no dispatch guard: a backward runs with grad mode off, so nothing here is recorded)
+        grads = _backward_triton(dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, needs, None,
+                                 form, swapped)
         return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None)
     grads = _rope_backward_op.backward_call(ctx, dq_out, dk_out, q, k, cos, sin, unsqueeze_dim, q_dtype,
                                                   k_dtype, needs[2], needs[3], triton_path, form, swapped)
