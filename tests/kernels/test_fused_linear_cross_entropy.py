@@ -259,6 +259,29 @@ def test_inputs_not_modified_and_second_backward_equal(device, factor, blocks, m
         assert torch.equal(before, t.detach())
 
 
+@pytest.mark.parametrize("way", ["fp32 sum", "vocab blocks", "dtype sum"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_backward_scales_by_grad_output_in_float32_rounding_once(device, dtype, way, monkeypatch):
+    # What the backward scales after the pass (the forward's grad h every way; its grad W where that
+    # is summed in the weight's dtype) is read as float32, multiplied by grad_output and rounded once
+    # into the gradient's dtype: grad(c * loss) == (grad(loss).float() * c).to(dtype) bit for bit.
+    # c = 0.37 is no bf16 or fp16 number: rounded to the gradient's dtype before the product, some
+    # bits differ.
+    if way == "vocab blocks":
+        _weight_pass_always(monkeypatch, 16 * 64 * 4)
+    elif way == "dtype sum":
+        taken = _weight_sum_in_dtype(monkeypatch, 8)
+    hidden, weight, bias, labels = _inputs((10,), 8, 50, dtype, device, scale=2.0)
+    ours = {c: _ours(hidden, weight, bias, labels, torch.tensor(c, device=device), chunk_size=4)
+            for c in (1.0, 0.37)}
+    scaled_after = ("grad hidden", "grad weight") if way == "dtype sum" else ("grad hidden",)
+    for name, unit, scaled in zip(("grad hidden", "grad weight"), ours[1.0][1:3], ours[0.37][1:3]):
+        if name in scaled_after:
+            assert torch.equal(scaled, (unit.float() * 0.37).to(dtype)), f"{name}, {way}"
+    if way == "dtype sum":
+        assert taken == ["dtype sum", "dtype sum"]
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_plain_torch_path_agrees_with_triton(device, reduction, monkeypatch):
     hidden, weight, bias, labels = _inputs((2, 5), 16, 250, torch.float32, device, ignored=(4,))

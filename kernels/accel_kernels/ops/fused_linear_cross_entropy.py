@@ -326,10 +326,12 @@ def _fused_linear_cross_entropy_op(
     n = y.shape[0]
     grads_now = reduction != "none"
     if reduction == "mean":  # ("sum" and "none" count nothing: two launches a call fewer)
-        kept = (y != ignore_index).sum().clamp_(min=1)  # a device tensor: no host sync
-        scale = kept.float().reciprocal_().view(1)  # the bits of 1.0 / kept, in one op
-    else:
-        scale = torch.ones(1, dtype=torch.float32, device=h.device)
+        # a device tensor (no host sync), counted in float32: exact below 2**24 tokens, and what
+        # `total / kept` divides by either way
+        kept = (y != ignore_index).sum(dtype=torch.float32).clamp_(min=1)
+        scale = torch.reciprocal(kept)  # the bits of 1.0 / kept
+    else:  # "none" computes no gradient here: nothing to scale
+        scale = torch.ones(1, dtype=torch.float32, device=h.device) if grads_now else None
     loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
     lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
     # Above the fp32 budget the weight's and bias's gradients wait for the backward (_weight_pass),
@@ -418,17 +420,35 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # lse and the gradients get no gradient: allocate none for them
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """grad * factor in `dtype`, computed in fp32 (a bf16 product would round grad_output first),
     as a new tensor: the saved grad stays intact, so a second backward through a retained graph
     still sees it unscaled. (Always a new tensor, even for grad_output == 1: handing the saved
     gradient over lets AccumulateGrad adopt it as .grad, and in-place work on .grad would then
-    corrupt a second backward.)"""
+    corrupt a second backward.)
+
+    One op into the output for the kernels' dtypes: a float32 factor of shape (1,) makes float32
+    the product's dtype (a 0-dim GPU tensor would be cast to the gradient's dtype first), so a
+    half-precision grad is read as float32, multiplied, and rounded once into the output: the bits
+    of `.float()`, multiply, `.to(dtype)` without their two temporaries (a float32 (V, H) one for
+    the weight's gradient) and their two extra passes."""
+    if grad.dtype == dtype == torch.float32:
+        return torch.mul(grad, factor.float())
+    if grad.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES:
+        out = torch.empty_like(grad, dtype=dtype, memory_format=torch.contiguous_format)  # every element written
+        return torch.mul(grad, factor.float().reshape(1), out=out)
     return torch.mul(grad.float(), factor.float()).to(dtype)
 
 
 def _scale_in_place(grad: torch.Tensor, factor: torch.Tensor, rows: int) -> torch.Tensor:
-    """grad *= factor, computed in fp32 a chunk of rows at a time (one rounding, bounded temporaries)."""
+    """grad *= factor, computed in fp32 (one rounding): one op for the kernels' dtypes (as `_scaled`:
+    the (1,) float32 factor makes the product float32, rounded into grad), elsewhere a chunk of rows
+    at a time (bounded temporaries)."""
+    if grad.dtype in _KERNEL_DTYPES:
+        return grad.mul_(factor.float().reshape(1))
     for s in range(0, grad.shape[0], rows):
         grad[s:s + rows] = grad[s:s + rows].float().mul_(factor)
     return grad
