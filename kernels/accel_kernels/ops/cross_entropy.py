@@ -136,6 +136,7 @@ def _ce_backward_kernel(
     GRAD, stride_g,
     SCALE, stride_scale,
     n_cols, ignore_index, softcap,
+    label_offset,  # the rows' first column in the vocabulary (a block of it: the fused loss's weight pass)
     HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -147,7 +148,8 @@ def _ce_backward_kernel(
     else:
         lse = tl.load(LSE + row)  # NaN for an out-of-range label: the gradient row is NaN too
         scale = tl.load(SCALE + row * stride_scale)
-        _write_grad_row(x_row, g_row, label, lse, scale, n_cols, softcap, HAS_SOFTCAP, BLOCK)
+        # a label outside the block is no column of it: no one-hot term in this row
+        _write_grad_row(x_row, g_row, label - label_offset, lse, scale, n_cols, softcap, HAS_SOFTCAP, BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,8 +199,12 @@ def _forward_triton(x, labels, ignore_index, softcap, loss, lse, grad=None, scal
     )
 
 
-def _backward_triton(x, labels, ignore_index, softcap, lse, scale, grad):
-    """Writes scale * d loss_r / d x_r into grad ((N, V) contiguous) from the lse of the forward."""
+def _backward_triton(x, labels, ignore_index, softcap, lse, scale, grad, label_offset: int = 0):
+    """Writes scale * d loss_r / d x_r into grad ((N, V) contiguous) from the lse of the forward.
+
+    label_offset: x's rows are the vocabulary's columns from label_offset on (a block of them,
+    with the whole vocabulary's lse): a row's label is its column label - label_offset, none
+    where that falls outside x."""
     n_cols = x.shape[-1]
     n_rows = labels.shape[0]
     if n_rows == 0:
@@ -208,7 +214,7 @@ def _backward_triton(x, labels, ignore_index, softcap, lse, scale, grad):
         _ce_backward_kernel, (n_rows,),
         x, *_row_strides(x), labels, labels.stride(0), lse, grad, grad.stride(0),
         scale, _scale_stride(scale), n_cols, ignore_index,
-        1.0 if softcap is None else float(softcap),
+        1.0 if softcap is None else float(softcap), label_offset,
         HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=num_warps,
     )
 

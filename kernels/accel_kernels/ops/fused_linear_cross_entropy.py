@@ -266,22 +266,28 @@ def _weight_pass(h, w, b, y, ignore_index, softcap, triton_path, lse, scale, nee
     y = y.long()
     backward_rows = _row_functions(True)[1] if triton_path else None
     wide = fp32_gradient_matmuls(h)
+
+    def part(t):  # a token chunk's rows; one chunk of every token takes the tensors whole: no views
+        return t if rows >= n else t[s:e]
+
     for v0 in range(0, vocab, cols):
         v1 = min(vocab, v0 + cols)
-        # labels as columns of this block: -1 ignored, v1 - v0 (no column) outside the block
-        y_block = torch.where(y == ignore_index, -1, torch.where((y >= v0) & (y < v1), y - v0, v1 - v0))
+        if not triton_path:
+            # labels as columns of this block: -1 ignored, v1 - v0 (no column) outside the block (the
+            # kernel takes the labels as they are, and the block's first column)
+            y_block = torch.where(y == ignore_index, -1, torch.where((y >= v0) & (y < v1), y - v0, v1 - v0))
         for s in range(0, n, rows):
             e = min(n, s + rows)
-            h_c, logits = h[s:e], tile[: (e - s) * (v1 - v0)].view(e - s, v1 - v0)
+            h_c, logits = part(h), tile[: (e - s) * (v1 - v0)].view(e - s, v1 - v0)
             if b is None:
                 torch.matmul(h_c, w[v0:v1].t(), out=logits)
             else:
                 torch.addmm(b[v0:v1], h_c, w[v0:v1].t(), out=logits)
             if triton_path:
-                backward_rows(logits, y_block[s:e], -1, softcap, lse[s:e], scale[s:e], logits)
+                backward_rows(logits, part(y), ignore_index, softcap, part(lse), part(scale), logits, v0)
                 g = logits
             else:
-                g = _block_grad_torch(logits, y_block[s:e], lse[s:e], scale[s:e], softcap)
+                g = _block_grad_torch(logits, part(y_block), part(lse), part(scale), softcap)
             if need_w:
                 g_mm, h_mm = (g.float(), h_c.float()) if wide or g.dtype != h_c.dtype else (g, h_c)
                 if acc is None:
