@@ -467,7 +467,7 @@ def _backward(ctx, grad_output, *_unused):
     h_dtype, w_dtype, b_dtype = ctx.dtypes
     if ctx.in_dtype and not ctx.grad_h_given:
         # The forward's grad_h and grad_w (the weight's dtype: `weight_sum_in_dtype`) are scaled in
-        # place, in fp32 a chunk of rows at a time (one rounding, as `_scaled`), and handed over: a
+        # place, in fp32 (one rounding, as `_scaled`: `_scale_in_place`), and handed over: a
         # scaled copy would hold a second (V, H) beside the saved one. Through `.data`, as above the
         # budget; a later backward through a retained graph recomputes them (the last branch).
         saved_h, saved_w, saved_b = ctx.saved_tensors[:3]
