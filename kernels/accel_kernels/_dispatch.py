@@ -24,6 +24,10 @@ def interpreting() -> bool:
     return _triton.INTERPRETING
 
 
+#: The floating dtypes the kernels take (they compute in float32; float64 runs the plain-torch twins).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the op on tensor `t` takes the Triton path (else its plain-torch twin)."""
     # a CUDA tensor by its flag first: building `t.device` costs more than the rest of this

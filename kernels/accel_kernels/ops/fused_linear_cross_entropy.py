@@ -426,9 +426,6 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # lse and the gradients get no gradient: allocate none for them
 
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """grad * factor in `dtype`, computed in fp32 (a bf16 product would round grad_output first),
     as a new tensor: the saved grad stays intact, so a second backward through a retained graph
@@ -443,7 +440,7 @@ def _scaled(grad: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> tor
     the weight's gradient) and their two extra passes."""
     if grad.dtype == dtype == torch.float32:
         return torch.mul(grad, factor.float())
-    if grad.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES:
+    if grad.dtype in _dispatch.KERNEL_DTYPES and dtype in _dispatch.KERNEL_DTYPES:
         out = torch.empty_like(grad, dtype=dtype, memory_format=torch.contiguous_format)  # every element written
         return torch.mul(grad, factor.float().reshape(1), out=out)
     return torch.mul(grad.float(), factor.float()).to(dtype)
@@ -453,7 +450,7 @@ def _scale_in_place(grad: torch.Tensor, factor: torch.Tensor, rows: int) -> torc
     """grad *= factor, computed in fp32 (one rounding): one op for the kernels' dtypes (as `_scaled`:
     the (1,) float32 factor makes the product float32, rounded into grad), elsewhere a chunk of rows
     at a time (bounded temporaries)."""
-    if grad.dtype in _KERNEL_DTYPES:
+    if grad.dtype in _dispatch.KERNEL_DTYPES:
         return grad.mul_(factor.float().reshape(1))
     for s in range(0, grad.shape[0], rows):
         grad[s:s + rows] = grad[s:s + rows].float().mul_(factor)

@@ -33,7 +33,7 @@ import torch
 from .. import _dispatch, _launch, _library
 from .._triton import cast_rounded, jit, tl
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = _dispatch.KERNEL_DTYPES
 #: Devices whose autocast runs layer_norm in float32 (torch's autocast lists: CUDA's and XPU's
 #: float32 policy names layer_norm; the CPU's does not).
 AUTOCAST_TO_FLOAT32 = ("cuda", "xpu")

@@ -55,7 +55,7 @@ SILU = constexpr(1)
 SIGMOID = constexpr(2)
 PRE_SILU = constexpr(3)
 _GATE_IDS = {"": 0, "silu": 1, "sigmoid": 2, "pre_silu": 3}
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = _dispatch.KERNEL_DTYPES
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Widest column block: a row up to this many elements is read from memory once per pass; wider

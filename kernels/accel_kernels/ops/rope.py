@@ -49,7 +49,7 @@ import torch
 from .. import _dispatch, _launch, _library
 from .._triton import cast_rounded, jit, tl
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = _dispatch.KERNEL_DTYPES
 _TILE = 4096
 #: The layouts the kernel rotates (the FORM constexpr is the index).
 FORMS = ("half", "interleave", "pairs", "interleave_table", "pairs_last", "complex")
