@@ -10,8 +10,9 @@ wrote it (`sharding_engine()` names the engine; the load decision and `accel-pat
   exists, e.g. from TrainingArguments(deepspeed=...)), or accelerate's variables
   (ACCELERATE_USE_DEEPSPEED with ACCELERATE_DEEPSPEED_ZERO_STAGE=3). transformers rejects any
   device_map there ("DeepSpeed Zero-3 is not compatible with passing a `device_map`").
-- FSDP (ACCELERATE_USE_FSDP), with RAM-efficient loading (FSDP_CPU_RAM_EFFICIENT_LOADING: real
-  weights on local rank 0, meta elsewhere, then FSDP shards) or without (FSDP moves each shard).
+- FSDP (ACCELERATE_USE_FSDP), with RAM-efficient loading (FSDP_CPU_RAM_EFFICIENT_LOADING: rank 0's
+  weights are the ones FSDP shards; transformers 5.25 still reads the checkpoint on every rank) or
+  without (FSDP moves each shard).
   A per-rank map would load the whole model on every rank's device: what FSDP exists to avoid.
   A 4-bit load under FSDP follows bitsandbytes' FSDP-QLoRA rule: FSDP shards the 4-bit weights
   only when `bnb_4bit_quant_storage` is the dtype of the model's other weights (`dtype`);

@@ -120,7 +120,9 @@ class _Walk:
         self.new = 0
 
     def refuse(self, where: str, op: str, reason: str) -> None:
-        self.state.refused.append(Refusal(where or type(self.model).__name__, op, reason))
+        refusal = Refusal(where or type(self.model).__name__, op, reason)
+        if refusal not in self.state.refused:  # a site walked again (a part swapped on its own before) says it once
+            self.state.refused.append(refusal)
 
     def counted(self, ops, new: bool = True) -> None:
         """A site installed (new) or extended for `ops`: each op counts it once."""
@@ -416,7 +418,12 @@ def swap(model, ops=None, *, top_level: bool = True) -> SwapReport:
         state = sites.SwapState()
     if _absorb_parts(target, state):
         target.__dict__[sites.STATE_ATTR] = state
-    todo = tuple(op for op in todo_all if op not in state.ops)
+    # A site refused for weights on the meta device is decided again once they are there (a model
+    # built under init_empty_weights or on "meta", then loaded): its op is walked again.
+    waiting = {r.op for r in state.refused if r.reason == META}
+    if waiting:
+        state.refused[:] = [r for r in state.refused if r.reason != META]
+    todo = tuple(op for op in todo_all if op not in state.ops or op in waiting)
     if todo:
         walk = _Walk(target, state, todo, top_level, tiled_requested)
         target.__dict__[sites.STATE_ATTR] = state
