@@ -321,6 +321,45 @@ def test_sft_trains_with_our_loss_and_stock_losses_and_metrics(tmp_path):
         assert y["mean_token_accuracy"] == x["mean_token_accuracy"] and y["num_tokens"] == x["num_tokens"]
 
 
+@pytest.mark.slow
+def test_packed_sft_with_lora_trains_as_stock(tmp_path):
+    """Packing (TRL's default strategy: best-fit rows, padding-free, position_ids restarting at each
+    sequence) with a recipe LoRA (all-linear, r=16, dropout 0.05): the fused LoRA, RoPE and loss see
+    the packed rows' positions and give stock's losses and gradient norms."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    peft = pytest.importorskip("peft")
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"text": [words(g, int(n)) for n in torch.randint(6, 30, (16,), generator=g)]})
+
+    def train():
+        config = trl.SFTConfig(**common(tmp_path, per_device_train_batch_size=4, learning_rate=1e-2, max_length=64,
+                                        packing=True, seed=0))
+        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                               task_type="CAUSAL_LM")
+        trainer = trl.SFTTrainer(model=tiny_llama(), args=config, train_dataset=data, processing_class=tokenizer(),
+                                 peft_config=lora)
+        trainer.train()
+        return trainer
+
+    with stock_accel_patch():
+        stock = train()
+    ours = train()
+    batch = next(iter(ours.get_train_dataloader()))
+    assert "position_ids" in batch and int((batch["position_ids"] == 0).sum()) > 1  # several sequences a row
+    calls = accel_patch.report(ours.model).calls
+    layer_calls = calls["rope"]["fused"]
+    assert layer_calls >= 6  # 2 layers, 3 steps
+    for op in ("lora_qkv", "lora_o", "lora_mlp", "rope"):
+        assert calls[op] == {"fused": layer_calls}, (op, calls)  # every call of every site fused
+    assert calls["fused_linear_cross_entropy"] == {"fused (in TRL's head)": 3}
+    a, b = steps_of(stock), steps_of(ours)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert close(y["loss"], x["loss"]), (x, y)
+        assert close(y["grad_norm"], x["grad_norm"], rel=1e-4), (x, y)
+
+
 def _preference_rows(n=8):
     g = torch.Generator().manual_seed(0)
     return {"prompt": [words(g, 5) for _ in range(n)], "chosen": [words(g, 4) for _ in range(n)],
