@@ -348,10 +348,9 @@ def test_packed_sft_with_lora_trains_as_stock(tmp_path):
     batch = next(iter(ours.get_train_dataloader()))
     assert "position_ids" in batch and int((batch["position_ids"] == 0).sum()) > 1  # several sequences a row
     calls = accel_patch.report(ours.model).calls
-    layer_calls = calls["rope"]["fused"]
-    assert layer_calls >= 6  # 2 layers, 3 steps
     for op in ("lora_qkv", "lora_o", "lora_mlp", "rope"):
-        assert calls[op] == {"fused": layer_calls}, (op, calls)  # every call of every site fused
+        # 2 layers, 3 steps, each layer run again in backward (TRL's default gradient checkpointing)
+        assert calls[op] == {"fused": 12}, (op, calls)
     assert calls["fused_linear_cross_entropy"] == {"fused (in TRL's head)": 3}
     a, b = steps_of(stock), steps_of(ours)
     assert len(a) == len(b) == 3
