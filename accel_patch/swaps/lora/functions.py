@@ -263,6 +263,13 @@ def _folded(scale: float, dtype: torch.dtype) -> bool:
     return mantissa == 0.5 and exponent >= 1 and dtype in (torch.bfloat16, torch.float32, torch.float64)
 
 
+@functools.lru_cache(maxsize=256)
+def _power_of_two(scale: float) -> bool:
+    """Whether multiplying by `scale` is exact (a power of two: no rounding but past the dtype's
+    range), so that it may move across a matmul, (s g) B = s (g B), without changing a bit."""
+    return scale > 0 and math.frexp(scale)[0] == 0.5
+
+
 def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
     """Whether every value of `narrow` is one of `wide` (narrow -> wide -> narrow is the identity)."""
     return torch.promote_types(narrow, wide) == wide
@@ -356,8 +363,10 @@ def proj_forward(x: torch.Tensor, m: Meta, t: dict, casts: dict | None = None, k
         if B is not t["B"]:
             keep["B"] = B
         keep[_kept_product(m)] = xa  # (scaled in place below where the scale is folded)
-    if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout: no temporary for the adapter's output
-        return y.addmm_(xa, B.t(), alpha=m.scale)
+    if dt.lora_in == dt.lora == dt.add == dt.result:  # one dtype throughout
+        if _power_of_two(m.scale):  # no temporary for the adapter's output: s (xa B^T) rounds as PEFT's
+            return y.addmm_(xa, B.t(), alpha=m.scale)
+        return y.add_(torch.mm(xa, B.t()).mul_(m.scale))  # PEFT's roundings: the product, its scale, the sum
     # casts between (autocast, PEFT's float32 adapters): PEFT's rounding steps, each as few passes as exact
     folded = _kept_product(m) == "xa_s"  # (the scale folded into the r-wide product)
     if folded and m.scale != 1.0:
@@ -389,12 +398,17 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
         mask = kept["mask"] if "mask" in kept else t.get("mask")
         g = _to(d_add, dt.lora)
         xl = _adapter_input(x, m, mask, casts)
-        u = (g @ B).mul_(m.scale)  # (n, r)
+        if _power_of_two(m.scale):  # s (g B) = (s g) B exactly: the scale on the r-wide products
+            gs = None
+            u = (g @ B).mul_(m.scale)  # (n, r)
+        else:  # PEFT's order (the scale's MulBackward first, rounded in g's dtype): rsLoRA's 16 / sqrt(8)
+            gs = g * m.scale
+            u = gs @ B
         if "xa_s" in kept:  # s (g^T xa) = g^T (s xa) exactly: the scale is a power of two (`_folded`)
             dB = _to(g.t() @ kept["xa_s"], t["B"].dtype)
         else:
             xa = kept["xa"] if "xa" in kept else xl @ A.t()
-            dB = _to((g.t() @ xa).mul_(m.scale), t["B"].dtype)
+            dB = _to((g.t() @ xa).mul_(m.scale) if gs is None else gs.t() @ xa, t["B"].dtype)
         dA = _to(u.t() @ xl, t["A"].dtype)
         del xl, g
         if dx is not False:

@@ -77,6 +77,40 @@ def test_a_lora_training_step_equals_peft_stock_in_float32(family, order):
         assert all_calls(twin)["tiled_mlp"] == {tiled_mlp.SHORT: layers}
 
 
+RECIPES = {
+    # rsLoRA: alpha / sqrt(r), a scale that is no power of two (never folded into the r-wide product)
+    "rslora": dict(r=8, lora_alpha=16, use_rslora=True, lora_dropout=0.05),
+    # ranks and scales per layer: each projection's own shapes and scale in one fused call
+    "rank and alpha patterns": dict(r=8, lora_alpha=16, lora_dropout=0.1, alpha_pattern={"v_proj": 3},
+                                    rank_pattern={"layers.0.self_attn.q_proj": 4, "down_proj": 2}),
+    # one layer adapted: the other's sites run as without adapters, uncounted
+    "layers_to_transform": dict(r=8, lora_alpha=16, lora_dropout=0.05, layers_to_transform=[1],
+                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"]),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_lora_configs_train_as_peft_stock_with_dropout(recipe):
+    """Under autocast the same configurations' scales are held bit for bit by the q/k/v function's
+    test (test_lora_autocast.py)."""
+    config = RECIPES[recipe]
+    base = build("llama")
+    stock, twin = peft_model(base, "stock", **config), peft_model(base, "peft-then-swap", **config)
+    batch = padded_batch()
+    steps = []
+    for model in (stock, twin):
+        torch.manual_seed(11)  # the same dropout draws: the fused path draws them in PEFT's order
+        steps.append(training_step(model, batch))
+    (loss0, grads0, _), (loss1, grads1, _) = steps
+    assert grads1.keys() == grads0.keys() and any("lora_A" in n for n in grads0)
+    assert rel(loss1, loss0) <= 1e-5, (loss1, loss0)
+    worst = max(grads0, key=lambda n: rel(grads1[n], grads0[n]))
+    assert rel(grads1[worst], grads0[worst]) <= 1e-4, (worst, rel(grads1[worst], grads0[worst]))
+    adapted = 1 if "layers_to_transform" in config else base.config.num_hidden_layers
+    assert calls(twin) == {op: {"fused": adapted} for op in ("lora_qkv", "lora_o", "lora_mlp")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma", "phi3"])
 def test_a_bfloat16_lora_step_is_as_close_to_float64_as_stock(family):

@@ -178,9 +178,9 @@ def test_trls_qlora_without_autocast_is_fused_and_equals_pefts_step_bit_for_bit(
 # --- the function against PEFT's layers, bit for bit ------------------------------------------
 
 
-def attention(model_dtype, dropout=0.0, device="cpu"):
+def attention(model_dtype, dropout=0.0, device="cpu", **config):
     torch.manual_seed(3)
-    model = get_peft_model(build("qwen2", model_dtype), LoraConfig(**{**ALL_LINEAR, "lora_dropout": dropout}))
+    model = get_peft_model(build("qwen2", model_dtype), LoraConfig(**{**ALL_LINEAR, "lora_dropout": dropout, **config}))
     model.to(device).train()
     return model.base_model.model.model.layers[0].self_attn
 
@@ -191,10 +191,11 @@ def fused_qkv(projections, x):
     return functions.fused_linears(x, [f[0] for f in found], [t for f in found for t in f[1]])
 
 
-def assert_qkv_equals_peft(model_dtype, autocast, dropout=0.0, device="cpu", bound=0.0):
+def assert_qkv_equals_peft(model_dtype, autocast, dropout=0.0, device="cpu", bound=0.0, **config):
     """q/k/v (with biases: qwen2) of the fused function and of PEFT's layers, the same seed: outputs,
-    their dtypes, dx and every adapter gradient equal bit for bit (bound 0), or within `bound`."""
-    attn = attention(model_dtype, dropout, device)
+    their dtypes, dx and every adapter gradient equal bit for bit (bound 0), or within `bound`.
+    config: LoraConfig fields over ALL_LINEAR's (whose scale, 2, is a power of two)."""
+    attn = attention(model_dtype, dropout, device, **config)
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
     leaf = torch.randn(2, 7, attn.q_proj.in_features, dtype=model_dtype, device=device, requires_grad=True)
     leaves = [leaf] + [t for m in projections for t in (m.lora_A["default"].weight, m.lora_B["default"].weight)]
@@ -221,6 +222,16 @@ def assert_qkv_equals_peft(model_dtype, autocast, dropout=0.0, device="cpu", bou
 ])
 def test_the_qkv_function_equals_pefts_layers_bit_for_bit(model_dtype, autocast):
     assert_qkv_equals_peft(model_dtype, autocast)
+
+
+@pytest.mark.parametrize("config", [
+    dict(r=8, lora_alpha=16, use_rslora=True),  # rsLoRA: 16 / sqrt(8), no power of two (never folded)
+    dict(r=16, lora_alpha=8),  # 0.5: a power of two below 1 (not folded either)
+], ids=["rslora", "scale 0.5"])
+@pytest.mark.parametrize("model_dtype, autocast", [(torch.float32, torch.bfloat16), (torch.bfloat16, None),
+                                                    (torch.float32, None)])
+def test_the_qkv_function_equals_pefts_layers_bit_for_bit_at_scales_it_cannot_fold(model_dtype, autocast, config):
+    assert_qkv_equals_peft(model_dtype, autocast, **config)
 
 
 def test_the_fused_mlp_under_autocast_returns_stocks_dtype_and_is_within_bf16_rounding():
