@@ -254,20 +254,19 @@ def _adapter_input(x: torch.Tensor, m: Meta, mask, casts: dict | None) -> torch.
     return dropped(x, mask, m.p, m.dt.lora_in, m.dt.lora, casts=casts)
 
 
-def _folded(scale: float, dtype: torch.dtype) -> bool:
-    """Whether `scale` may multiply the r-wide x A^T instead of the output-wide product: a power of
-    two >= 1 (an exact multiply, and (s x A^T) B^T = s (x A^T B^T) exactly, the matmul's sums scaled
-    alike) in a dtype with float32's range (bf16, float32: no overflow the later multiply would not
-    have too)."""
-    mantissa, exponent = math.frexp(scale)
-    return mantissa == 0.5 and exponent >= 1 and dtype in (torch.bfloat16, torch.float32, torch.float64)
-
-
 @functools.lru_cache(maxsize=256)
 def _power_of_two(scale: float) -> bool:
     """Whether multiplying by `scale` is exact (a power of two: no rounding but past the dtype's
     range), so that it may move across a matmul, (s g) B = s (g B), without changing a bit."""
     return scale > 0 and math.frexp(scale)[0] == 0.5
+
+
+def _folded(scale: float, dtype: torch.dtype) -> bool:
+    """Whether `scale` may multiply the r-wide x A^T instead of the output-wide product: a power of
+    two >= 1 (an exact multiply, and (s x A^T) B^T = s (x A^T B^T) exactly, the matmul's sums scaled
+    alike) in a dtype with float32's range (bf16, float32: no overflow the later multiply would not
+    have too)."""
+    return scale >= 1 and _power_of_two(scale) and dtype in (torch.bfloat16, torch.float32, torch.float64)
 
 
 def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
@@ -410,7 +409,7 @@ def proj_backward(dy: torch.Tensor, x: torch.Tensor, m: Meta, t: dict, dx, casts
             xa = kept["xa"] if "xa" in kept else xl @ A.t()
             dB = _to((g.t() @ xa).mul_(m.scale) if gs is None else gs.t() @ xa, t["B"].dtype)
         dA = _to(u.t() @ xl, t["A"].dtype)
-        del xl, g
+        del xl, g, gs  # (gs: output-wide, where the scale is no power of two)
         if dx is not False:
             dx = _accumulate(dx, dropped(u @ A, mask, m.p, dt.lora_in, x.dtype, backward=True), x.dtype)
     if dx is not False:
