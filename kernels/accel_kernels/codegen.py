@@ -284,7 +284,7 @@ def _drive_moe(model: MoeModel, dtype: torch.dtype, tokens: int, lora: bool = Tr
         if master is not None:
             tensors = tuple(_meta(t.shape, master) if t is not None else None for t in tensors)
         *weights_and_biases, x, g = tensors
-        params = moe_experts._Params(*weights_and_biases, *(adapter or (None,) * 4), 2.0, model.transposed,
+        params = moe_experts._Params(*weights_and_biases, *(adapter or (None,) * 4), 2.0, 2.0, model.transposed,
                                      model.interleaved, act, 1.702, 7.0 if model.activation == "gpt_oss" else model.limit,
                                      dtype)
         moe_experts._forward(x, weights, order, offsets, params, moe_experts._TritonOps)

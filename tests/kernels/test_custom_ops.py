@@ -145,22 +145,22 @@ def moe_experts_cases(dtype, path):
     gub, db = _t(E, 2 * I, dtype=dtype), _t(E, H, dtype=dtype)
     options = (True, True, "gpt_oss", 1.702, 7.0, None, path)
     save = not path  # the twin saves gate/up where asked (the Triton path always recomputes)
-    yield ops.moe_experts, (x, index, w, gu, dn, gub, db, None, None, None, None, 0.0, *options, save, False)
+    yield ops.moe_experts, (x, index, w, gu, dn, gub, db, None, None, None, None, 0.0, 0.0, *options, save, False)
     out, order, offsets, saved = ops.moe_experts(x.detach(), index, w.detach(), gu.detach(), dn.detach(),
-                                                 gub.detach(), db.detach(), None, None, None, None, 0.0, *options,
+                                                 gub.detach(), db.detach(), None, None, None, None, 0.0, 0.0, *options,
                                                  save, False)
     frozen = [t.detach() for t in (x, w, gu, dn, gub, db)]
     # the backward with the Triton path's GEMMs, and (Triton path only) with torch._grouped_mm's
     for grouped in (False, True) if path else (False,):
         yield ops.moe_experts_backward, (torch.randn(T, H).to(dtype), frozen[0], frozen[1], order, offsets, saved,
-                                         *frozen[2:], None, None, None, None, 0.0, *options[:-1],
+                                         *frozen[2:], None, None, None, None, 0.0, 0.0, *options[:-1],
                                          [True] * 6 + [False] * 4, path, grouped)
-    # split LoRA on strided views (PEFT's lora_B read as [E, out, r]), base frozen
+    # split LoRA on strided views (PEFT's lora_B read as [E, out, r]), base frozen, a scaling per projection
     gu, dn = _t(E, 2 * I, H, dtype=dtype, grad=False), _t(E, H, I, dtype=dtype, grad=False)
     a1, a2 = _t(E, 2, H, dtype=dtype), _t(E, 2, I, dtype=dtype)
     b1 = _t(2 * I, 2, E, dtype=dtype).permute(2, 0, 1)
     b2 = _t(H, 2, E, dtype=dtype).permute(2, 0, 1)
-    yield ops.moe_experts, (x, index, w, gu, dn, None, None, a1, b1, a2, b2, 2.0, False, False, "silu", 1.702, 7.0,
+    yield ops.moe_experts, (x, index, w, gu, dn, None, None, a1, b1, a2, b2, 2.0, 0.5, False, False, "silu", 1.702, 7.0,
                             None, path, False, False)
 
 

@@ -47,13 +47,14 @@ def experts_eager(hidden, index, weights, gate_up, down, gate_up_bias=None, down
     gu_w, d_w = gate_up, down
     if lora is not None:
         s = lora["scaling"]
+        scaling = s if isinstance(s, dict) else {"gate_up": s, "down": s}
         if lora.get("gate_up") is not None:
             a, b = lora["gate_up"]
-            delta = s * (b @ a)  # [E, out, in]
+            delta = scaling["gate_up"] * (b @ a)  # [E, out, in]
             gu_w = gu_w + (delta.transpose(1, 2) if transposed else delta)
         if lora.get("down") is not None:
             a, b = lora["down"]
-            delta = s * (b @ a)
+            delta = scaling["down"] * (b @ a)
             d_w = d_w + (delta.transpose(1, 2) if transposed else delta)
     out = torch.zeros_like(hidden)
     mask = F.one_hot(index.clamp(min=0, max=E).masked_fill(index < 0, E), num_classes=E + 1).permute(2, 1, 0)
@@ -418,6 +419,24 @@ def test_split_lora_on_peft_views_matches_merged_weights(device, transposed):
 
 
 @pytest.mark.slow  # interpreted Triton: over 2 s
+def test_each_projection_s_adapters_take_their_own_scaling(device):
+    # PEFT's rsLoRA doubles a fused gate/up's rank: alpha / sqrt(2r) there, alpha / sqrt(r) on down
+    T, H, I, E = 12, 32, 16, 4
+    leaves, lora = peft_lora(E, H, I, device=device, scaling={"gate_up": 0.5, "down": 3.0})
+    check(*make(T=T, H=H, I=I, E=E, device=device), lora_leaves=leaves, lora=lora, train=("hidden", "weights"))
+
+
+def test_quick_each_projection_s_scaling_on_the_twin(device, monkeypatch):
+    # the plain-torch twin's own LoRA terms (gate/up rows, the down GEMM, dx, dh, every factor's
+    # gradient) read their projection's scaling
+    T, H, I, E = 9, 32, 16, 4
+    leaves, lora = peft_lora(E, H, I, device=device, scaling={"gate_up": 3.0, "down": 0.25})
+    monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
+    check(*make(T=T, H=H, I=I, E=E, device=device), lora_leaves=leaves, lora=lora, train=("hidden", "weights"),
+          expect_triton=False)
+
+
+@pytest.mark.slow  # interpreted Triton: over 2 s
 def test_lora_on_one_projection(device):
     T, H, I, E = 9, 32, 16, 4
     leaves, lora = peft_lora(E, H, I, device=device, which=("down",))
@@ -484,7 +503,7 @@ def lora_backward_call(T=256, H=96, I=32, E=8, K=4, r=8):
     _, lora = peft_lora(E, H, I, r=r)
     (gu_a, gu_b), (d_a, d_b) = (lora_views(lora, E)[n] for n in ("gate_up", "down"))
     order, offsets = moe_module._route(index, E)
-    params = moe_module._Params(gate_up, down, None, None, gu_a, gu_b, d_a, d_b, 2.0, False, False,
+    params = moe_module._Params(gate_up, down, None, None, gu_a, gu_b, d_a, d_b, 2.0, 2.0, False, False,
                                 moe_module.SILU, 1.702, float("inf"), torch.float32)
     needs = (True, True, False, False, False, False, True, True, True, True)
     dout = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
@@ -534,6 +553,13 @@ def test_bad_inputs_name_the_argument(device):
                                                                "scaling": 1.0})
     with pytest.raises(ValueError, match="lora must be None or a dict"):
         moe_experts(hidden, index, weights, gate_up, down, lora={"scaling": 1.0, "up": None})
+    a, b = torch.randn(4, 2, 16, device=device), torch.randn(4, 32, 2, device=device)
+    with pytest.raises(ValueError, match=r"lora\['scaling'\]\['down'\] must be a float, got None"):
+        moe_experts(hidden, index, weights, gate_up, down, lora={"down": (a, b), "scaling": {"gate_up": 1.0}})
+    with pytest.raises(ValueError, match=r"lora\['scaling'\] as a dict takes the keys 'gate_up' and 'down'"):
+        moe_experts(hidden, index, weights, gate_up, down, lora={"down": (a, b), "scaling": {"up": 1.0}})
+    with pytest.raises(ValueError, match=r"lora\['scaling'\] must be a float, got '2'"):
+        moe_experts(hidden, index, weights, gate_up, down, lora={"down": (a, b), "scaling": "2"})
 
 
 def test_a_grouped_mm_that_refuses_a_kind_of_operands_is_tried_once_not_per_call(monkeypatch):

@@ -400,13 +400,12 @@ def decide_lora(module, plan: ExpertsPlan):
     others = set(module._modules[adapters.PARAMETRIZATIONS]._modules) - set(plan.names)
     if others:
         return sites.Refused(f"parametrized {', '.join(sorted(others))}")
-    scalings = {f.scaling for f in parts.values() if f is not None}
-    if len(scalings) > 1:
-        return sites.Refused("different LoRA scalings on gate_up and down")
-    if not scalings:
+    if all(f is None for f in parts.values()):
         return None
-    return {"gate_up": parts["gate_up"] and parts["gate_up"][:2], "down": parts["down"] and parts["down"][:2],
-            "scaling": scalings.pop()}  # the op's own argument: (A, B) per projection
+    # the op's own argument: (A, B) and the scaling per projection (they differ under rsLoRA, where
+    # PEFT gives a fused gate/up twice the rank and alpha, and under rank or alpha patterns)
+    return {**{key: f and f[:2] for key, f in parts.items()},
+            "scaling": {key: f.scaling for key, f in parts.items() if f is not None}}
 
 
 _warned_modes: set = set()

@@ -44,15 +44,15 @@ and upstream gradient g = grad_out[t]:
     d gate_up_e = dgu_e^T x_e, d down_e = (w g)_e^T h_e (grouped weight gradients, one launch each;
     an expert without tokens gets zeros), d biases = per-expert sums
 
-Split LoRA. lora = {"gate_up": (A, B) or None, "down": (A, B) or None, "scaling": s} with, for a
-projection with in/out features (gate_up: H -> 2I; down: I -> H, whatever `transposed` says),
-A [E, r, in] and B [E, out, r], any strides (PEFT's ParamWrapper views: lora_A.weight [r*E, in] as
-[E, r, in], lora_B.weight [out, r*E] as [out, r, E] permuted to [E, out, r], not contiguous: read
-through their strides, never copied). y_e = x_e W_e^T + s * (x_e A_e^T) B_e^T: the base grouped
-GEMM plus the adapters' grouped low-rank GEMMs; W_e + s B_e A_e is never formed. Gradients go to
-every input that requires grad: with PEFT the base weights are frozen and only A, B, hidden and
-the routing weights get gradients; without LoRA gate_up, down, the biases, hidden and the routing
-weights (the router trains through them).
+Split LoRA. lora = {"gate_up": (A, B) or None, "down": (A, B) or None, "scaling": s} (s a float, or
+one per projection: {"gate_up": s, "down": s}) with, for a projection with in/out features (gate_up:
+H -> 2I; down: I -> H, whatever `transposed` says), A [E, r, in] and B [E, out, r], any strides
+(PEFT's ParamWrapper views: lora_A.weight [r*E, in] as [E, r, in], lora_B.weight [out, r*E] as [out,
+r, E] permuted to [E, out, r], not contiguous: read through their strides, never copied). y_e = x_e
+W_e^T + s * (x_e A_e^T) B_e^T: the base grouped GEMM plus the adapters' grouped low-rank GEMMs; W_e
++ s B_e A_e is never formed. Gradients go to every input that requires grad: with PEFT the base
+weights are frozen and only A, B, hidden and the routing weights get gradients; without LoRA
+gate_up, down, the biases, hidden and the routing weights (the router trains through them).
 
 Dtypes. The GEMMs' operands are in the compute dtype: `autocast_dtype` when given (the caller's
 autocast dtype, captured outside the op, where autocast still reads true), else hidden's dtype.
@@ -586,7 +586,7 @@ def _gate_up(hidden, r: _Routing, p: "_Params", xa, *, dh=None) -> tuple:
         *(bias.stride() if bias is not None else (0, 0)),
         *(xa.stride() if xa is not None else (0, 0)), *(lb.stride() if lb is not None else (0, 0, 0)),
         h.stride(0), dh.stride(0) if dh is not None else 0, dgu.stride(0), dw.stride(0) if not forward else 0,
-        float(p.scaling), float(p.alpha), float(p.limit),
+        float(p.gate_up_scaling), float(p.alpha), float(p.limit),
         ACT=p.act, CLAMP=p.clamp, FORWARD=forward, HAS_BIAS=bias is not None, LORA=xa is not None, R=_rank_block(rank),
         BLOCK_M=r.block_m, BLOCK_N=block_n, BLOCK_K=_block(H, r.tiles.gate_up_k),
         **dict(_meta(p.ct, r.tiles),
@@ -659,8 +659,8 @@ def _forward(hidden, top_k_weights, order, offsets, p, path, save: bool = False)
     h, saved = ops.gate_up(hidden, xa, save)
     del xa
     lora = None
-    if p.down_lora_a is not None:  # (h A_e^T, B_e^T)
-        lora = (ops.gemm(h, p.down_lora_a.transpose(1, 2)), p.down_lora_b.transpose(1, 2))
+    if p.down_lora_a is not None:  # (h A_e^T, B_e^T, s)
+        lora = (ops.gemm(h, p.down_lora_a.transpose(1, 2)), p.down_lora_b.transpose(1, 2), p.down_scaling)
     y = ops.gemm(h, p.in_out(p.down), bias=p.down_bias, scaled=True, lora=lora)
     del h, lora
     return ops.combine(y, T, hidden.dtype), saved
@@ -679,7 +679,7 @@ def _backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, path, s
     g_b = down_lora = None
     if p.down_lora_a is not None:
         g_b = ops.gemm(grad_out, p.down_lora_b, gather=True)  # g B_e [rows, r]
-        down_lora = (g_b, p.down_lora_a)
+        down_lora = (g_b, p.down_lora_a, p.down_scaling)
     dh = ops.gemm(grad_out, p.in_out(p.down).transpose(1, 2), gather=True, lora=down_lora)
     del down_lora
     xa = ops.gemm(hidden, p.gate_up_lora_a.transpose(1, 2), gather=True) if p.gate_up_lora_a is not None else None
@@ -694,7 +694,7 @@ def _backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, path, s
     if p.gate_up_lora_a is not None and (needs.hidden or needs.gate_up_lora_a):
         dgu_b = ops.gemm(dgu, p.gate_up_lora_b)  # dgu B_e [rows, r]
     if needs.hidden:
-        lora = (dgu_b, p.gate_up_lora_a) if p.gate_up_lora_a is not None else None
+        lora = (dgu_b, p.gate_up_lora_a, p.gate_up_scaling) if p.gate_up_lora_a is not None else None
         grads["hidden"] = ops.combine(ops.gemm(dgu, p.in_out(p.gate_up).transpose(1, 2), lora=lora), T, hidden.dtype)
     layout = (2, 1) if p.transposed else (1, 2)  # where (out, in) of gate_up / down sit in their layout
     if needs.gate_up:
@@ -709,16 +709,17 @@ def _backward(grad_out, hidden, top_k_weights, order, offsets, p, needs, path, s
         grads["down_bias"] = ops.expert_sums(ops.gathered(grad_out, scaled=True)).to(p.down_bias.dtype)
     if needs.gate_up_lora_a:  # dA = s (dgu B)^T x
         grads["gate_up_lora_a"], _ = ops.weight_grad(dgu_b, hidden, p.gate_up_lora_a, (1, 2), gather_b=True,
-                                                     out_scale=p.scaling)
+                                                     out_scale=p.gate_up_scaling)
     if needs.gate_up_lora_b:  # dB = s dgu^T (x A^T)
-        grads["gate_up_lora_b"], _ = ops.weight_grad(dgu, xa, p.gate_up_lora_b, (1, 2), out_scale=p.scaling)
+        grads["gate_up_lora_b"], _ = ops.weight_grad(dgu, xa, p.gate_up_lora_b, (1, 2), out_scale=p.gate_up_scaling)
     del dgu, dgu_b, xa
     if needs.down_lora_a:  # dA = s (w g B)^T h
-        grads["down_lora_a"], _ = ops.weight_grad(g_b, h, p.down_lora_a, (1, 2), scaled=True, out_scale=p.scaling)
+        grads["down_lora_a"], _ = ops.weight_grad(g_b, h, p.down_lora_a, (1, 2), scaled=True,
+                                                  out_scale=p.down_scaling)
     if needs.down_lora_b:  # dB = s (w g)^T (h A^T)
         h_a = ops.gemm(h, p.down_lora_a.transpose(1, 2))
         grads["down_lora_b"], _ = ops.weight_grad(grad_out, h_a, p.down_lora_b, (1, 2), gather_a=True, scaled=True,
-                                                  out_scale=p.scaling)
+                                                  out_scale=p.down_scaling)
     return tuple(grads[name] for name in _GRADS)
 
 
@@ -734,9 +735,10 @@ class _TritonOps:
     def gemm(self, a, w, *, gather=False, bias=None, scaled=False, lora=None):
         """[rows, out] in ct: each sorted row of `a` (a[token] when gather) times its expert's w
         ([E, in, out] view), + s * la[row] @ lb[e] (lora = (la [rows, rank], lb [E, rank, out]
-        view)), + bias[e], times the routing weight where `scaled`."""
+        view), s)), + bias[e], times the routing weight where `scaled`."""
         return _gemm(a, self.r, w, w.shape[2], self.p.ct, gather=gather, bias=bias,
-                     scale=self.r.weights if scaled else None, lora=lora, lora_scale=self.p.scaling)
+                     scale=self.r.weights if scaled else None, lora=lora and lora[:2],
+                     lora_scale=lora[2] if lora else 0.0)
 
     def gate_up(self, hidden, xa, save=False):
         """(h = act(gate, up) [rows, I] in ct, None): the gate/up GEMM with the GLU in its epilogue
@@ -882,7 +884,8 @@ class _GroupedOps(_TritonOps):
 #: a schema from the annotations), everything else (fakes, the autograd formula) reads them by name.
 _TENSORS = ("hidden", "top_k_index", "top_k_weights", "gate_up", "down", "gate_up_bias", "down_bias",
             "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b")
-_OPTIONS = ("lora_scaling", "transposed", "interleaved", "activation", "alpha", "limit", "autocast")
+_OPTIONS = ("gate_up_lora_scaling", "down_lora_scaling", "transposed", "interleaved", "activation", "alpha", "limit",
+            "autocast")
 _FORWARD_ARGS = _TENSORS + _OPTIONS + ("triton_path", "save_gate_up", "grouped_backward")
 _BACKWARD_ARGS = ("grad_out", "hidden", "top_k_weights", "order", "offsets", "saved_gate_up") + _TENSORS[3:] + \
     _OPTIONS + ("needs", "triton_path", "grouped_backward")
@@ -890,7 +893,8 @@ _BACKWARD_ARGS = ("grad_out", "hidden", "top_k_weights", "order", "offsets", "sa
 
 def _params(named: dict) -> "_Params":
     """The _Params of one op call from its arguments by name."""
-    return _Params(*(named[name] for name in _TENSORS[3:]), named["lora_scaling"], named["transposed"],
+    return _Params(*(named[name] for name in _TENSORS[3:]), named["gate_up_lora_scaling"],
+                   named["down_lora_scaling"], named["transposed"],
                    named["interleaved"], ACTIVATIONS[named["activation"]], named["alpha"], named["limit"],
                    _compute_dtype(named["hidden"], named["autocast"]))
 
@@ -900,8 +904,8 @@ def _moe_experts_op(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
     gate_up_lora_a: Optional[torch.Tensor], gate_up_lora_b: Optional[torch.Tensor],
-    down_lora_a: Optional[torch.Tensor], down_lora_b: Optional[torch.Tensor], lora_scaling: float,
-    transposed: bool, interleaved: bool, activation: str, alpha: float, limit: float,
+    down_lora_a: Optional[torch.Tensor], down_lora_b: Optional[torch.Tensor], gate_up_lora_scaling: float,
+    down_lora_scaling: float, transposed: bool, interleaved: bool, activation: str, alpha: float, limit: float,
     autocast: Optional[torch.dtype], triton_path: bool, save_gate_up: bool, grouped_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, H] in hidden's dtype, order [T*K] int32, offsets [E+1] int32, the gate/up
@@ -936,7 +940,8 @@ def _moe_experts_backward_op(
     gate_up_bias: Optional[torch.Tensor],
     down_bias: Optional[torch.Tensor], gate_up_lora_a: Optional[torch.Tensor],
     gate_up_lora_b: Optional[torch.Tensor], down_lora_a: Optional[torch.Tensor],
-    down_lora_b: Optional[torch.Tensor], lora_scaling: float, transposed: bool, interleaved: bool,
+    down_lora_b: Optional[torch.Tensor], gate_up_lora_scaling: float, down_lora_scaling: float,
+    transposed: bool, interleaved: bool,
     activation: str, alpha: float, limit: float, autocast: Optional[torch.dtype], needs: list[bool],
     triton_path: bool, grouped_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -1002,11 +1007,13 @@ class _Params:
     every weight as [E, in, out] (y = x @ w[e])."""
 
     def __init__(self, gate_up, down, gate_up_bias, down_bias, gate_up_lora_a, gate_up_lora_b, down_lora_a,
-                 down_lora_b, scaling, transposed, interleaved, act, alpha, limit, compute_dtype):
+                 down_lora_b, gate_up_scaling, down_scaling, transposed, interleaved, act, alpha, limit,
+                 compute_dtype):
         self.gate_up, self.down, self.gate_up_bias, self.down_bias = gate_up, down, gate_up_bias, down_bias
         self.gate_up_lora_a, self.gate_up_lora_b = gate_up_lora_a, gate_up_lora_b
         self.down_lora_a, self.down_lora_b = down_lora_a, down_lora_b
-        self.scaling, self.transposed, self.interleaved = scaling, transposed, interleaved
+        self.gate_up_scaling, self.down_scaling = gate_up_scaling, down_scaling
+        self.transposed, self.interleaved = transposed, interleaved
         self.act, self.alpha, self.limit, self.ct = act, alpha, limit, compute_dtype
         self.clamp = act != GPT_OSS and math.isfinite(limit)  # the clamped SwiGLU (gpt-oss clamps always)
         self.num_experts = gate_up.shape[0]
@@ -1191,7 +1198,7 @@ class _TorchOps:
             return out
         out = out.to(self.acc)
         if lora is not None:
-            out.add_(_grouped(lora[0].to(p.ct), lora[1].to(p.ct), self.counts, self.ends), alpha=p.scaling)
+            out.add_(_grouped(lora[0].to(p.ct), lora[1].to(p.ct), self.counts, self.ends), alpha=lora[2])
         if bias is not None:
             out += bias.to(p.ct)[self.row_experts].to(self.acc)
         if scaled:
@@ -1204,7 +1211,8 @@ class _TorchOps:
         gu = _grouped(self._rows(hidden, True).to(p.ct), p.in_out(p.gate_up).to(p.ct), self.counts,
                       self.ends).to(self.acc)
         if xa is not None:
-            gu.add_(_grouped(xa, p.gate_up_lora_b.to(p.ct).transpose(1, 2), self.counts, self.ends), alpha=p.scaling)
+            gu.add_(_grouped(xa, p.gate_up_lora_b.to(p.ct).transpose(1, 2), self.counts, self.ends),
+                    alpha=p.gate_up_scaling)
         if p.gate_up_bias is not None:
             gu += p.gate_up_bias.to(p.ct)[self.row_experts].to(self.acc)
         return gu
@@ -1410,15 +1418,26 @@ def _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bia
 
 
 def _lora_parts(lora, experts: int, size: int, inter: int, device) -> tuple:
-    """(gate_up A, gate_up B, down A, down B, scaling) from the `lora` argument (None each where absent)."""
+    """(gate_up A, gate_up B, down A, down B, gate_up scaling, down scaling) from the `lora`
+    argument (None each where absent; a projection without adapters has scaling 0.0)."""
     if lora is None:
-        return None, None, None, None, 0.0
+        return None, None, None, None, 0.0, 0.0
     if not isinstance(lora, dict) or not set(lora) <= {"gate_up", "down", "scaling"} or "scaling" not in lora:
         raise ValueError(f"lora must be None or a dict with keys 'gate_up', 'down' (each (A, B) or None) and "
-                         f"'scaling' (float), got {lora!r}")
+                         f"'scaling' (a float, or {{'gate_up': float, 'down': float}}), got {lora!r}")
     scaling = lora["scaling"]
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise ValueError(f"lora['scaling'] must be a float, got {scaling!r}")
+    if isinstance(scaling, dict):
+        if not set(scaling) <= {"gate_up", "down"}:
+            raise ValueError(f"lora['scaling'] as a dict takes the keys 'gate_up' and 'down', got {sorted(scaling)}")
+        scalings, where = scaling, "lora['scaling'][{!r}]".format
+    else:
+        scalings, where = {"gate_up": scaling, "down": scaling}, lambda _: "lora['scaling']"
+    for name in ("gate_up", "down"):
+        value = scalings.get(name)
+        if value is None and lora.get(name) is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where(name)} must be a float, got {value!r}")
     parts = []
     for name, fan_in, fan_out in (("gate_up", size, 2 * inter), ("down", inter, size)):
         pair = lora.get(name)
@@ -1442,7 +1461,8 @@ def _lora_parts(lora, experts: int, size: int, inter: int, device) -> tuple:
             if t.device != device:
                 raise ValueError(f"lora[{name!r}] {which} is on {t.device} but hidden is on {device}")
         parts += [a, b]
-    return (*parts, float(scaling))
+    return (*parts, *(float(scalings[n]) if lora.get(n) is not None else 0.0
+                     for n in ("gate_up", "down")))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1665,22 +1685,24 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     """The experts of a MoE layer: [T, H] in hidden's dtype, sum_k w[t, k] * expert_e(x_t).
 
     hidden [T, H]; top_k_index [T, K] integer expert ids (< 0 or >= E: no expert, skipped);
-    top_k_weights [T, K] floating. gate_up [E, 2I, H] (F.linear layout) or [E, H, 2I]
-    (transposed=True, `x @ w`); down [E, H, I] or [E, I, H] likewise; gate_up_bias [E, 2I] and
-    down_bias [E, H] optional. interleaved: gate and up alternate along 2I (gpt-oss) instead of
-    being its two halves. activation "silu", "gelu", "gelu_tanh" or "gpt_oss" (alpha, limit: its
-    clamped GLU; limit None is 7.0 there). limit with another activation: gate clamped at max=limit
-    and up at [-limit, limit] before it (None or inf: no clamp). lora: None or {"gate_up": (A [E, r, H], B [E, 2I, r]) or None, "down": (A [E, r,
-    I], B [E, H, r]) or None, "scaling": float}, any strides. autocast_dtype: the autocast dtype in
-    force at the caller (None: off; read it outside, e.g. `_library.autocast_dtype(device_type)`).
-    save_gate_up: keep the gate/up pre-activations (fp32, [T*K, 2I]) for backward instead of
-    recomputing them there (one grouped GEMM less, for those bytes held until the backward): the
-    plain-torch twin only; the Triton path always recomputes. backward: on the Triton path, which
-    backward runs: "triton" (every GEMM a Triton launch), "grouped_mm" (the GEMMs and weight
-    gradients through torch._grouped_mm, the GLU backward still fused) or "auto" (where a CUDA
-    device's grouped_mm takes the compute dtype and the call has no LoRA, the faster of the two,
-    timed at the first eager call of each call shape; else Triton's): `choose_backward` says which.
-    The module docstring says which casts happen and what is saved for backward.
+    top_k_weights [T, K] floating. gate_up [E, 2I, H] (F.linear layout) or [E, H, 2I] (transposed=True,
+    `x @ w`); down [E, H, I] or [E, I, H] likewise; gate_up_bias [E, 2I] and down_bias [E, H] optional.
+    interleaved: gate and up alternate along 2I (gpt-oss) instead of being its two halves. activation
+    "silu", "gelu", "gelu_tanh" or "gpt_oss" (alpha, limit: its clamped GLU; limit None is 7.0 there).
+    limit with another activation: gate clamped at max=limit and up at [-limit, limit] before it (None
+    or inf: no clamp). lora: None or {"gate_up": (A [E, r, H], B [E, 2I, r]) or None, "down": (A [E, r,
+    I], B [E, H, r]) or None, "scaling": float, or {"gate_up": float, "down": float} where the
+    projections' adapters scale differently (PEFT's rsLoRA on a fused gate/up, whose rank and alpha it
+    doubles; rank or alpha patterns)}, any strides. autocast_dtype: the autocast dtype in force at the
+    caller (None: off; read it outside, e.g. `_library.autocast_dtype(device_type)`). save_gate_up: keep
+    the gate/up pre-activations (fp32, [T*K, 2I]) for backward instead of recomputing them there (one
+    grouped GEMM less, for those bytes held until the backward): the plain-torch twin only; the Triton
+    path always recomputes. backward: on the Triton path, which backward runs: "triton" (every GEMM a
+    Triton launch), "grouped_mm" (the GEMMs and weight gradients through torch._grouped_mm, the GLU
+    backward still fused) or "auto" (where a CUDA device's grouped_mm takes the compute dtype and the
+    call has no LoRA, the faster of the two, timed at the first eager call of each call shape; else
+    Triton's): `choose_backward` says which. The module docstring says which casts happen and what is
+    saved for backward.
 
     Differentiable in hidden, top_k_weights, gate_up, down, the biases and the LoRA tensors (each
     only if it requires grad); first order only. Raises ValueError naming the argument for a
@@ -1691,13 +1713,14 @@ def moe_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, transposed,
                   interleaved, activation, alpha, limit, lora, autocast_dtype, backward)
     inter = down.shape[1] if transposed else down.shape[2]
-    *adapters, scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter, hidden.device)
+    *adapters, gate_up_scaling, down_scaling = _lora_parts(lora, gate_up.shape[0], hidden.shape[1], inter,
+                                                            hidden.device)
     path, _ = choose_backward(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
                               transposed=transposed, interleaved=interleaved, activation=activation, alpha=alpha,
                               limit=limit, lora=any(t is not None for t in adapters), autocast_dtype=autocast_dtype,
                               backward=backward)
     triton_path = path != "twin"
     return _moe_experts_op(
-        hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, scaling, transposed,
-        interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path,
+        hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *adapters, gate_up_scaling,
+        down_scaling, transposed, interleaved, activation, float(alpha), float(limit), autocast_dtype, triton_path,
         bool(save_gate_up) and not triton_path, path == "grouped_mm")[0]

@@ -149,6 +149,8 @@ def peft_pair(family, order="peft-then-swap", **config):
 @pytest.mark.parametrize("family, order, config", [
     ("gpt_oss", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
     ("qwen3_moe", "swap-then-peft", {"target_modules": "all-linear"}),
+    # rsLoRA: PEFT gives the fused gate/up twice the rank and alpha, so a scaling of its own (2a / sqrt(2r))
+    ("qwen3_moe", "peft-then-swap", {"target_modules": "all-linear", "use_rslora": True}),
     ("mixtral", "peft-then-swap", {"target_parameters": ["down_proj"], "target_modules": []}),
     ("llama4", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
     ("qwen2_moe", "peft-then-swap", {"target_parameters": ["gate_up_proj", "down_proj"], "target_modules": []}),
