@@ -32,7 +32,9 @@ import accel_kernels.ops.fused_linear_cross_entropy as flce
 
 def _liger(hidden, weight, labels):
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-    return LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
+    # liger-kernel 0.8.5 returns (loss, z_loss, token_accuracy, predicted_tokens); earlier ones the loss
+    out = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _ours(hidden, weight, labels):
