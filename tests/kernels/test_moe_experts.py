@@ -797,8 +797,8 @@ def test_the_backward_path_follows_the_choice_and_the_device(device, monkeypatch
     if hidden.device.type != "cuda":
         assert moe_module.backward_path(hidden, "auto") == "triton"
     assert moe_module.backward_path(hidden.double(), "grouped_mm") == "twin"
-    # auto on a CUDA tensor (a stand-in here): grouped_mm where it takes the compute dtype
-    # (bf16/fp16) and the call has no LoRA, else triton
+    # auto on a CUDA tensor (a stand-in here): grouped_mm where it takes the compute dtype (bf16:
+    # the only dtype with torch's CUTLASS kernel) and the call has no LoRA, else triton
     on_cuda = lambda dtype: type("Stand", (), {"device": torch.device("cuda"), "dtype": dtype})()  # noqa: E731
     takes = {}
     monkeypatch.setattr(moe_module, "_grouped_mm_takes", lambda device, ct: takes.get(ct, True))
@@ -813,9 +813,13 @@ def test_the_backward_path_follows_the_choice_and_the_device(device, monkeypatch
     assert moe_module.backward_path(on_cuda(torch.bfloat16), tiles=large._replace(num_stages=3)) == "triton"
     assert moe_module.backward_path(on_cuda(torch.bfloat16), tiles=small) == "grouped_mm"
     assert moe_module.backward_path(on_cuda(torch.bfloat16), "grouped_mm", tiles=large) == "grouped_mm"
-    takes[torch.float16] = False
+    # float16: a grouped_mm that takes it runs torch's per-group fallback loop (offsets copied to
+    # the host): auto keeps Triton's; forcing it still works
     assert moe_module.backward_path(on_cuda(torch.float16)) == "triton"
+    assert moe_module.backward_path(on_cuda(torch.float32), autocast_dtype=torch.float16) == "triton"
     assert moe_module.backward_path(on_cuda(torch.float16), "grouped_mm") == "grouped_mm"
+    takes[torch.bfloat16] = False
+    assert moe_module.backward_path(on_cuda(torch.bfloat16)) == "triton"
     monkeypatch.setattr(moe_module._dispatch, "use_triton", lambda t: False)
     assert moe_module.backward_path(hidden, "grouped_mm") == "twin"
     with pytest.raises(ValueError, match="backward must be one of auto, triton, grouped_mm, got 'cutlass'"):

@@ -1474,9 +1474,12 @@ BACKWARDS = ("auto", "triton", "grouped_mm")
 #: The grouped_mm backward's products and weight gradients with a dim under this (a LoRA rank)
 #: stay Triton launches (`_GroupedOps`).
 GROUPED_MIN_WIDTH = 64
-#: Compute dtypes whose GEMMs `auto` hands to grouped_mm on CUDA (torch 2.11's CUDA grouped_mm
-#: takes bf16 only; fp16 where a torch takes it), each feature-detected once per device.
-GROUPED_AUTO_DTYPES = (torch.bfloat16, torch.float16)
+#: Compute dtypes whose GEMMs `auto` hands to grouped_mm on CUDA, feature-detected once per device:
+#: bf16 only. torch's CUDA grouped_mm takes float16 and float32 too, but only bf16 has its CUTLASS
+#: kernel; the others fall back to a loop over the groups that copies the offsets to the host (a
+#: device synchronization per product), slower than the Triton backward. `backward="grouped_mm"`
+#: still forces it for any dtype.
+GROUPED_AUTO_DTYPES = (torch.bfloat16,)
 _TAKES: dict = {}
 
 
@@ -1521,7 +1524,7 @@ def backward_path(hidden: torch.Tensor, backward: str = "auto", autocast_dtype: 
     Triton path), "triton" or "grouped_mm" (the Triton path's backward with its GEMMs and weight
     gradients through torch._grouped_mm, `_GroupedOps`). `backward` as the op takes it: "auto" is
     grouped_mm on a CUDA device of compute capability 9.0+ where grouped_mm takes the compute
-    dtype (bf16, fp16: tried once, `_grouped_mm_takes`), the call has no LoRA (`lora`: every
+    dtype (bf16 only, GROUPED_AUTO_DTYPES: tried once, `_grouped_mm_takes`), the call has no LoRA (`lora`: every
     product of LoRA's backward carries or is a low-rank term, which stay Triton launches there:
     its grouped_mm backward would be the Triton one) and it takes the small tiles (`tiles`, from
     `call_tiles`: with the large ones the Triton backward is the faster by the bytes model of
