@@ -49,6 +49,17 @@ def test_moved_elements_and_a_negative_zero_are_caught_a_float_sum_would_not_be(
     assert digest(swapped) != digest(t) and digest(negative) != digest(signed)
 
 
+def test_an_accelerator_s_work_buffers_are_released_when_a_check_ends():
+    # a GPU's five chunk-long buffers (40 bytes an element) would otherwise stay allocated for the
+    # rest of training; the CPU's (a few MiB, reused) stay
+    assert rank_sync._chunk_len(torch.device("cuda", 0)) == 1 << 22  # 160 MiB while a check runs
+    gpu = ("cuda:0", rank_sync._chunk_len(torch.device("cuda", 0)))
+    rank_sync._constants._cache[gpu] = "stand-in for a GPU's buffers"
+    rank_sync.digest_tensors([torch.randn(100)])
+    assert gpu not in rank_sync._constants._cache
+    assert ("cpu", rank_sync._chunk_len(torch.device("cpu"))) in rank_sync._constants._cache
+
+
 class FakeWorld:
     """all_gather over `world` ranks in one process: every rank sends this payload, with `edits`
     (rank -> a function changing its copy) applied."""

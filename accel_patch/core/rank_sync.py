@@ -144,14 +144,20 @@ class _Constants:
             found = self._cache[key] = (weights, signs, work)
         return found
 
+    def release_accelerators(self) -> None:
+        """Drop every entry but the CPU's: a device's five chunk-long tensors (40 bytes an element)
+        go back to its allocator once a check ends, for the training it runs between checks."""
+        self._cache = {key: value for key, value in self._cache.items() if key[0] == "cpu"}
+
 
 _constants = _Constants()
 
 
 def _chunk_len(device) -> int:
     # CPU: work buffers that stay in cache (2**17 int64: 1 MiB; 1.4x faster than 2**20 here);
-    # GPU: large enough that launches do not dominate
-    return 1 << (24 if device.type == "cuda" else 17)
+    # GPU: large enough that launches do not dominate (2**22: a few launches per 4M elements), small
+    # enough that the check's buffers (160 MiB, freed after it) do not crowd the training's memory
+    return 1 << (22 if device.type != "cpu" else 17)
 
 
 def _as_ints(flat):
@@ -196,7 +202,16 @@ def _projection(values, signs):
 def digest_tensors(tensors, device=None):
     """(hashes, sketches): int64 and float64 tensors of SLOTS entries on `device` (the first tensor's
     by default). Tensor i goes to slot i % SLOTS; a tensor's hash depends on every bit of it and on
-    its place in the list. Nothing here waits for the device (no .item())."""
+    its place in the list. Nothing here waits for the device (no .item(); the small tensors' slot
+    numbers go to the device from pinned memory). Work buffers on an accelerator are released at
+    the end."""
+    try:
+        return _digest(tensors, device)
+    finally:
+        _constants.release_accelerators()
+
+
+def _digest(tensors, device):
     import torch
 
     if device is None:
@@ -214,8 +229,11 @@ def digest_tensors(tensors, device=None):
             return
         dev = batch[0].device
         ints = torch.cat([_as_ints(t) for t in batch])
-        slots = torch.repeat_interleave(torch.tensor(batch_slots, device=dev),
-                                        torch.tensor([t.numel() for t in batch], device=dev))
+        # slot and length of each tensor; from pinned memory on an accelerator, so the copy does
+        # not wait for the work queued before it (a copy from pageable memory would)
+        host = torch.tensor([batch_slots, [t.numel() for t in batch]], pin_memory=dev.type == "cuda")
+        slot_len = host.to(dev, non_blocking=True)
+        slots = torch.repeat_interleave(slot_len[0], slot_len[1], output_size=batch_len)
         values = torch.cat([t.to(torch.float64) if not t.is_complex() else torch.view_as_real(t).reshape(-1).double()
                             for t in batch])
         signs = _constants.get(dev, _chunk_len(dev))[1]
