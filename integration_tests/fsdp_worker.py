@@ -13,8 +13,9 @@ noise) and the swapped model's distance from stock there (the swap's own float32
 gathering, `save_pretrained`, for stock and swapped at the same weights, into `<out>/ckpt/`.
 
 Modes: fsdp2-untied fsdp2-tied fsdp1-untied fsdp1-tied lora lora-head checkpoint (all by default), and
-moe-ddp moe-fsdp2 when named: a tiny Qwen3-MoE (4 experts, top-2) with its experts swapped, under
-DDP and under FSDP2, the same way, which also write the experts' call outcomes, the Triton kernels
+moe-ddp moe-fsdp2 moe-lora-fsdp2 when named: a tiny Qwen3-MoE (4 experts, top-2) with its experts
+swapped, under DDP and under FSDP2 (the last with PEFT's rsLoRA on every linear and on the experts),
+the same way, which also write the experts' call outcomes, the Triton kernels
 launched while the swapped model trained, and (DDP) each rank's weight digest and `check_rank_sync`.
 
 `--zero3 FILE` instead runs DeepSpeed ZeRO-3 in this one process (gloo; DeepSpeed must be
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 VOCAB, SEQ, STEPS, LR = 128, 16, 3, 1e-2
 MODES = ("fsdp2-untied", "fsdp2-tied", "fsdp1-untied", "fsdp1-tied", "lora", "lora-head", "checkpoint")
-MOE_MODES = ("moe-ddp", "moe-fsdp2")
+MOE_MODES = ("moe-ddp", "moe-fsdp2", "moe-lora-fsdp2")
 
 
 def tiny(tied: bool):
@@ -151,6 +152,18 @@ def pair(mode: str):
         swapped = copy.deepcopy(stock)
         report = accel_patch.swap_kernels(swapped)
         assert report.swapped.get("experts") == 2, str(report)
+        if mode == "moe-lora-fsdp2":  # PEFT's rsLoRA on every linear, the experts' 3-D weights included
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(r=4, lora_alpha=8, use_rslora=True, lora_dropout=0.0, target_modules="all-linear",
+                                init_lora_weights=False)
+            torch.manual_seed(1)
+            stock = get_peft_model(stock, copy.deepcopy(config))
+            torch.manual_seed(1)
+            swapped = get_peft_model(swapped, copy.deepcopy(config))
+            alone = (copy.deepcopy(stock), copy.deepcopy(swapped))
+            return (fsdp2(stock, stock.base_model.model.model.layers),
+                    fsdp2(swapped, swapped.base_model.model.model.layers), alone)
         alone = (copy.deepcopy(stock), copy.deepcopy(swapped))
         if mode == "moe-ddp":
             ddp = torch.nn.parallel.DistributedDataParallel
@@ -176,6 +189,14 @@ def pair(mode: str):
         return fsdp1(stock), fsdp1(swapped), alone
     inner = (lambda m: m.base_model.model) if mode.startswith("lora") else (lambda m: m)
     return (fsdp2(stock, inner(stock).model.layers), fsdp2(swapped, inner(swapped).model.layers), alone)
+
+
+def experts_of(model):
+    """The first layer's experts module (under DDP's wrapper or PEFT's: its base layer)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    inner = inner.base_model.model if hasattr(inner, "peft_config") else inner
+    experts = inner.model.layers[0].mlp.experts
+    return experts.get_base_layer() if hasattr(experts, "get_base_layer") else experts
 
 
 def run_mode(mode: str, rank: int, out: str) -> dict:
@@ -205,8 +226,8 @@ def run_mode(mode: str, rank: int, out: str) -> dict:
         result.update({
             "swapped": dict(live.swapped), "experts_calls": live.calls.get("experts"),
             "kernels_launched": sorted(set(launched)),
-            "experts_weight_type_outside_forward": type(
-                (swapped.module if mode == "moe-ddp" else swapped).model.layers[0].mlp.experts.gate_up_proj).__name__,
+            "experts_weight_type_outside_forward": type(experts_of(swapped).gate_up_proj).__name__,
+            "trainable_experts": [n for n in trainable_names(swapped) if ".experts." in n],
         })
         if mode == "moe-ddp":  # every rank holds the whole model: its own digest, and the ranks compared
             result["rank_digest"] = digest({k: v.detach().float() for k, v in swapped.module.named_parameters()})

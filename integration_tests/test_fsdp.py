@@ -65,7 +65,7 @@ def moe_runs(tmp_path_factory):
     """Both ranks' results of one torchrun of the moe modes. No TRITON_INTERPRET: as on a user's CPU
     machine, the swapped experts run the op's plain-torch twin (interpreted, 3 steps of both modes
     took 90 s here)."""
-    ranks, _ = launch_worker(tmp_path_factory, "moe", ["--modes", "moe-ddp,moe-fsdp2"])
+    ranks, _ = launch_worker(tmp_path_factory, "moe", ["--modes", "moe-ddp,moe-fsdp2,moe-lora-fsdp2"])
     for res in ranks:
         assert res["triton_interpret"] is None
     return ranks
@@ -190,3 +190,18 @@ def test_a_moe_model_with_swapped_experts_trains_as_stock_under_ddp_and_fsdp2(mo
     if mode == "moe-ddp":  # the ranks end equal
         assert moe_runs[0][mode]["rank_digest"] == moe_runs[1][mode]["rank_digest"]
         assert all(r[mode]["rank_sync"].startswith("in sync") for r in moe_runs), [r[mode]["rank_sync"] for r in moe_runs]
+
+
+def test_rslora_on_the_experts_is_fused_under_fsdp2_and_trains_only_the_adapters_as_stock(moe_runs):
+    # PEFT's all-linear LoRA wraps the experts' 3-D weights; rsLoRA gives gate/up (twice the rank and
+    # alpha) a scaling of its own: every experts call still runs the op with its split LoRA
+    mode = "moe-lora-fsdp2"
+    for res in moe_runs:
+        m = res[mode]
+        assert m["experts_calls"] == {"fused (LoRA)": 6}, m["experts_calls"]
+        assert close_losses(m["swapped_losses"], m["stock_losses"]), (m["swapped_losses"], m["stock_losses"])
+        assert m["trainable_experts"] and all("lora_" in n for n in m["trainable_experts"]), m["trainable_experts"]
+    m0 = moe_runs[0][mode]
+    assert m0["experts_weight_type_outside_forward"] == "DTensor"
+    assert m0["same_keys"] and m0["moved"] > 1e-3
+    assert m0["max_weight_diff"] <= 2 * m0["swap_noise"] + 2 * m0["noise_floor"] + 1e-6, m0
