@@ -339,3 +339,17 @@ def test_scrub_blank_env_removes_only_blank_launcher_variables():
     assert sorted(removed) == ["LOCAL_RANK", "PMI_SIZE", "WORLD_SIZE"]
     assert env == {"RANK": "0", "HOME": ""}
 
+
+
+def test_counting_cuda_devices_never_asks_the_cuda_runtime(monkeypatch):
+    # torch.cuda.is_available() asks the CUDA runtime (cudaGetDeviceCount), after which no forked
+    # process can use CUDA: notebook_launcher's workers would fail if a model was loaded first.
+    # The count comes from torch.cuda.device_count() (NVML), as accelerate's check does.
+    import torch
+
+    def runtime_query():
+        raise AssertionError("torch.cuda.is_available() called: it poisons fork")
+
+    monkeypatch.setattr(torch.cuda, "is_available", runtime_query)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert topology_resolver.local_accelerators() == ("cuda", 4)

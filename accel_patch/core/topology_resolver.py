@@ -156,12 +156,17 @@ def scrub_blank_env(environ: dict | None = None) -> list[str]:
 def local_accelerators() -> tuple[str, int]:
     """(device type, count) of the accelerators this process can see, CUDA_VISIBLE_DEVICES respected.
 
-    Imports torch. A CPU-only process returns ("cpu", 0).
+    Imports torch. A CPU-only process returns ("cpu", 0). CUDA's devices are counted through NVML
+    (`torch.cuda.device_count()`), never `torch.cuda.is_available()`, whose CUDA runtime query makes
+    every later fork fail to use CUDA: a notebook that loads a model before `notebook_launcher`
+    forks its workers would have them fail ("Cannot re-initialize CUDA in forked subprocess").
+    accelerate counts the same way.
     """
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return "cuda", torch.cuda.device_count()
+    count = torch.cuda.device_count()
+    if count > 0:
+        return "cuda", count
     for name in ("xpu", "npu", "mlu", "musa"):
         module = getattr(torch, name, None)
         try:
