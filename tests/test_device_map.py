@@ -375,6 +375,13 @@ def engine(monkeypatch):
             set_env(monkeypatch, ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
         elif name == "fsdp":
             set_env(monkeypatch, ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="false")
+        elif name == "fsdp-training-arguments":  # TrainingArguments(fsdp=...) built before the load sets
+            # this alone, "false" by default (test_training_arguments_fsdp_sets_only_the_loading_variable)
+            set_env(monkeypatch, FSDP_CPU_RAM_EFFICIENT_LOADING="false")
+        elif name == "fsdp-plugin":  # Accelerator(fsdp_plugin=...) built before the load
+            from accelerate.state import AcceleratorState
+
+            monkeypatch.setitem(AcceleratorState._shared_state, "fsdp_plugin", object())
         elif name == "tp-plan":
             return {"tp_plan": "auto"}
         return {}
@@ -385,7 +392,8 @@ def engine(monkeypatch):
 
 
 ENGINE_WORDS = {"zero3-config": "ZeRO-3", "zero3-accelerate": "ACCELERATE_DEEPSPEED_ZERO_STAGE=3",
-                "fsdp-ram-efficient": "RAM-efficient", "fsdp": "FSDP", "tp-plan": "tp_plan"}
+                "fsdp-ram-efficient": "RAM-efficient", "fsdp": "FSDP", "tp-plan": "tp_plan",
+                "fsdp-training-arguments": "TrainingArguments' fsdp", "fsdp-plugin": "FSDP plugin exists"}
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["plain", "4bit"])
@@ -402,6 +410,20 @@ def test_load_under_a_sharding_engine_reaches_transformers_as_written(
     decision = registry.last_decision(PATCH_NAME)
     assert ENGINE_WORDS[name] in decision.reason and "from_pretrained untouched" in decision.reason
     assert decision.used is requested
+
+
+def test_training_arguments_fsdp_sets_only_the_loading_variable(monkeypatch):
+    # what the "fsdp-training-arguments" engine above stands for: transformers' TrainingArguments
+    # with fsdp sets FSDP_CPU_RAM_EFFICIENT_LOADING when built; ACCELERATE_USE_FSDP only comes with
+    # the Trainer's Accelerator, after the model is loaded
+    from transformers import TrainingArguments
+
+    for name in ("FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+    TrainingArguments(output_dir="unused", fsdp="full_shard", report_to="none")
+    assert os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING") == "false"
+    assert "ACCELERATE_USE_FSDP" not in os.environ
+    os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING")
 
 
 @pytest.mark.parametrize("env", [

@@ -12,7 +12,11 @@ wrote it (`sharding_engine()` names the engine; the load decision and `accel-pat
   device_map there ("DeepSpeed Zero-3 is not compatible with passing a `device_map`").
 - FSDP (ACCELERATE_USE_FSDP), with RAM-efficient loading (FSDP_CPU_RAM_EFFICIENT_LOADING: rank 0's
   weights are the ones FSDP shards; transformers 5.25 still reads the checkpoint on every rank) or
-  without (FSDP moves each shard).
+  without (FSDP moves each shard). Also FSDP_CPU_RAM_EFFICIENT_LOADING set with
+  ACCELERATE_USE_FSDP unset: a `TrainingArguments(fsdp=...)` built before the load sets it (and
+  not ACCELERATE_USE_FSDP, which the Trainer's Accelerator sets later); and an Accelerator already
+  built with an FSDP plugin. FSDP configured only after the load cannot be seen: build
+  TrainingArguments first.
   A per-rank map would load the whole model on every rank's device: what FSDP exists to avoid.
   A 4-bit load under FSDP follows bitsandbytes' FSDP-QLoRA rule: FSDP shards the 4-bit weights
   only when `bnb_4bit_quant_storage` is the dtype of the model's other weights (`dtype`);
@@ -89,6 +93,14 @@ def _zero3_in_transformers() -> bool:
         return False
 
 
+def _accelerator_fsdp_plugin():
+    """The FSDP plugin of an AcceleratorState built already (`Accelerator(fsdp_plugin=...)` before
+    the load), else None. Reads accelerate only when the program imported it."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None)
+    return shared.get("fsdp_plugin") if isinstance(shared, dict) else None
+
+
 def sharding_engine(load_kwargs=None, environ=None) -> str | None:
     """The engine that places a load's weights itself, named with what requested it; None when no
     engine does (see the module docstring)."""
@@ -102,6 +114,14 @@ def sharding_engine(load_kwargs=None, environ=None) -> str | None:
         how = ("RAM-efficient loading: rank 0 loads, FSDP shards" if _flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING")
                else "FSDP moves each rank's shard")
         return f"FSDP (ACCELERATE_USE_FSDP; {how})"
+    if env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").strip() and not env.get("ACCELERATE_USE_FSDP", "").strip():
+        # TrainingArguments(fsdp=...) sets this, and only this, when it is built (accelerate's FSDP
+        # plugin sets ACCELERATE_USE_FSDP only later, inside the Trainer); ACCELERATE_USE_FSDP set
+        # false is the user's "no FSDP" and wins
+        return "FSDP (FSDP_CPU_RAM_EFFICIENT_LOADING set: TrainingArguments' fsdp, or accelerate's FSDP config)"
+    plugin = _accelerator_fsdp_plugin()
+    if plugin is not None:
+        return f"FSDP (an Accelerator's FSDP plugin exists: {type(plugin).__name__})"
     given = [name for name in TP_ARGUMENTS if kwargs.get(name) is not None]
     if given:
         return f"tensor parallelism ({', '.join(given)} given)"
