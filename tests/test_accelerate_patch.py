@@ -164,13 +164,16 @@ def test_decision_table(fake_accelerators, case):
 @pytest.mark.parametrize("flag, word", [("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")])
 @pytest.mark.parametrize("case", ["plain-python-cpu", "torchrun-nproc1-one-gpu", "torchrun-nproc2-no-gpu",
                                   "openmpi-gpus"])
-def test_deepspeed_or_fsdp_requested_is_untouched_whatever_the_topology(fake_accelerators, case, flag, word):
+def test_deepspeed_or_fsdp_requested_is_left_to_accelerate_whatever_the_topology(fake_accelerators, case, flag, word):
     env, count, cpu, _ = DECISIONS[case]
     fake_accelerators(count)
     env = dict(env, **{flag: "true"})
     decision = decide(topology(env), cpu=cpu, environ=env)
     # FSDP by several processes without an accelerator: one FSDP2 job on gloo (the tests below).
-    expected = CPU_FSDP if (flag, case) == ("ACCELERATE_USE_FSDP", "torchrun-nproc2-no-gpu") else UNTOUCHED
+    # MPI on GPUs: the launcher's variables exported first, since accelerate's DeepSpeed and FSDP
+    # paths start only where LOCAL_RANK is set (without, every rank would train alone).
+    expected = {("ACCELERATE_USE_FSDP", "torchrun-nproc2-no-gpu"): CPU_FSDP}.get(
+        (flag, case), EXPORT_LAUNCHER_ENV if case == "openmpi-gpus" else UNTOUCHED)
     assert decision.action == expected and word in decision.reason
 
 

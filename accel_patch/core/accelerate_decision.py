@@ -22,6 +22,9 @@ environment after the user's imports):
   path over that group when its backend runs on CPU (gloo, MPI), where stock accelerate gives
   state NO beside it; a group of one process, or of a backend that needs an accelerator, is left
   to accelerate;
+- DeepSpeed or FSDP requested with accelerators, started by MPI or SLURM (no LOCAL_RANK): the
+  launcher's variables are exported, as above, then accelerate's own set-up (its DeepSpeed and
+  FSDP paths start only where LOCAL_RANK is set: without it every rank trains alone);
 - DeepSpeed or FSDP requested otherwise, XLA or SageMaker: untouched.
 
 Pure decision: nothing here wraps or changes accelerate (patches/accelerate_state.py applies it).
@@ -87,13 +90,19 @@ def _xla_available() -> bool:
 def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
     """The decision for accelerate's state under topology `topo` (see the module docstring)."""
     env = os.environ if environ is None else environ
-    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        return Decision(UNTOUCHED, "DeepSpeed requested (ACCELERATE_USE_DEEPSPEED): accelerate's own set-up")
     group = existing_group()
-    if _flag(env, "ACCELERATE_USE_FSDP"):
-        if topo.world_size > 1 and topo.device_count == 0 and group is None:
+    for flag, engine in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")):
+        if not _flag(env, flag):
+            continue
+        if flag == "ACCELERATE_USE_FSDP" and topo.world_size > 1 and topo.device_count == 0 and group is None:
             return fsdp_without_accelerator(topo, env.get("FSDP_VERSION", "").strip() or None)
-        return Decision(UNTOUCHED, "FSDP requested (ACCELERATE_USE_FSDP): accelerate's own set-up")
+        if group is None and _launcher_without_local_rank(topo, env, cpu):
+            # accelerate's DeepSpeed and FSDP paths on accelerators start only where LOCAL_RANK is
+            # set; without it every rank would train alone
+            return Decision(EXPORT_LAUNCHER_ENV, f"{engine} requested ({flag}) by world size {topo.world_size} "
+                                                 f"from {topo.launcher}, which does not set LOCAL_RANK: exporting "
+                                                 f"RANK/WORLD_SIZE/LOCAL_RANK, then accelerate's own set-up")
+        return Decision(UNTOUCHED, f"{engine} requested ({flag}): accelerate's own set-up")
     if _flag(env, "ACCELERATE_USE_SAGEMAKER"):
         return Decision(UNTOUCHED, "SageMaker requested (ACCELERATE_USE_SAGEMAKER): accelerate's own set-up")
     if group is not None:
@@ -114,7 +123,7 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
             f"world size {topo.world_size} with no accelerator: accelerate's CPU distributed path "
             f"(stock accelerate would let every rank train alone)",
         )
-    if topo.device_count > 0 and not cpu and not env.get("LOCAL_RANK", "").strip():  # blank is unset
+    if _launcher_without_local_rank(topo, env, cpu):
         return Decision(
             EXPORT_LAUNCHER_ENV,
             f"world size {topo.world_size} from {topo.launcher}, which does not set LOCAL_RANK: "
@@ -125,6 +134,12 @@ def decide(topo: Topology, *, cpu: bool = False, environ=None) -> Decision:
         f"world size {topo.world_size} ({topo.num_nodes} node(s), {topo.device_count} local "
         f"{topo.device_type} device(s)): accelerate's own distributed set-up",
     )
+
+
+def _launcher_without_local_rank(topo: Topology, env, cpu: bool) -> bool:
+    """Several processes on accelerators started by a launcher that leaves LOCAL_RANK unset (MPI,
+    SLURM): accelerate's distributed paths need the torch variables exported."""
+    return topo.world_size > 1 and topo.device_count > 0 and not cpu and not env.get("LOCAL_RANK", "").strip()
 
 
 def _over_existing_group(topo: Topology, group, cpu: bool) -> Decision:
