@@ -340,6 +340,29 @@ def test_mpirun_or_srun_with_accelerators_reaches_accelerates_distributed_path(
     assert record().state == "active" and "export-launcher-env" in record().reason
 
 
+def test_a_world_size_exported_before_srun_takes_slurm_s_ranks(monkeypatch, fake_accelerators, group_requests):
+    # a batch script that exports WORLD_SIZE (and MASTER_*) before `srun python`: the rank and local
+    # rank are SLURM's, not 0 in every process
+    for name, value in {**SLURM_STEP_4, **MASTER, "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    fake_accelerators(2)
+    with pytest.raises(GroupRequested):
+        PartialState()
+    assert group_requests == [{"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", **MASTER}]
+
+
+def test_a_world_size_with_no_rank_anywhere_stops_instead_of_exporting_rank_0_everywhere(
+        monkeypatch, fake_accelerators, group_requests):
+    for name, value in {**MASTER, "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    fake_accelerators(2)
+    with pytest.raises(TopologyError, match="no variable gives this process's rank or local rank: set RANK and "
+                                            "LOCAL_RANK in each process"):
+        PartialState()
+    assert group_requests == [] and "RANK" not in os.environ and "LOCAL_RANK" not in os.environ
+    assert PartialState._shared_state == {}
+
+
 def test_exported_variables_never_overwrite_what_the_launcher_set(monkeypatch, fake_accelerators, group_requests):
     for name, value in {**OMPI_4, **MASTER, "LOCAL_WORLD_SIZE": "7"}.items():
         monkeypatch.setenv(name, value)

@@ -412,6 +412,17 @@ def test_load_under_a_sharding_engine_reaches_transformers_as_written(
     assert decision.used is requested
 
 
+def test_a_distributed_load_with_no_local_rank_is_kept_rather_than_put_on_device_0(
+        transformers_side, checkpoint, monkeypatch, fake_accelerators):
+    # WORLD_SIZE alone (exported by hand, no launcher's local rank): every process would take cuda:0
+    set_env(monkeypatch, WORLD_SIZE="4", RANK="1")
+    fake_accelerators(2)
+    assert received(transformers_side, checkpoint, device_map="auto", **BNB_4BIT) == "auto"
+    assert "no variable gives this process's local rank" in registry.last_decision(PATCH_NAME).reason
+    fake_accelerators(1)  # one device a process: device 0 is right whatever the local rank
+    assert received(transformers_side, checkpoint, device_map="auto", **BNB_4BIT) == {"": "cuda:0"}
+
+
 def test_training_arguments_fsdp_sets_only_the_loading_variable(monkeypatch):
     # what the "fsdp-training-arguments" engine above stands for: transformers' TrainingArguments
     # with fsdp sets FSDP_CPU_RAM_EFFICIENT_LOADING when built; ACCELERATE_USE_FSDP only comes with

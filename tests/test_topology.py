@@ -353,3 +353,26 @@ def test_counting_cuda_devices_never_asks_the_cuda_runtime(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", runtime_query)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert topology_resolver.local_accelerators() == ("cuda", 4)
+
+
+SLURM_STEP_8 = {"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_NODES": "2"}
+
+
+@pytest.mark.parametrize("env, expected", [
+    # a batch script exports WORLD_SIZE (and MASTER_*) before `srun python`: SLURM's rank and local rank
+    (dict(SLURM_STEP_8, WORLD_SIZE="8"), (8, 5, 1, "SLURM_PROCID", "SLURM_LOCALID")),
+    # `srun --mpi=pmi2`: PMI's size and rank, no MPI_LOCALRANKID: SLURM's local rank
+    (dict(SLURM_STEP_8, PMI_SIZE="8", PMI_RANK="5"), (8, 5, 1, "PMI_RANK", "SLURM_LOCALID")),
+    # Cray PALS beside PMI: its lone local rank
+    ({"PMI_SIZE": "8", "PMI_RANK": "5", "PALS_LOCAL_RANKID": "1"}, (8, 5, 1, "PMI_RANK", "PALS_LOCAL_RANKID")),
+    # another run's variables (a step of 2 tasks, torchrun's 8 processes inside): not mixed in
+    (dict(SLURM_STEP_8, SLURM_STEP_NUM_TASKS="2", WORLD_SIZE="8"), (8, 0, 0, "default", "default")),
+], ids=["world-size-exported-before-srun", "srun-pmi2", "pals", "another-run-s-variables"])
+def test_a_field_the_launcher_leaves_unset_comes_from_another_launcher_of_the_same_run(monkeypatch, env, expected):
+    # without this every process read rank 0 and local rank 0: one rank 0 per process (the group
+    # never forms) and every local process on cuda:0
+    set_env(monkeypatch, env)
+    topo = topology()
+    world, rank, local_rank, rank_source, local_source = expected
+    assert (topo.world_size, topo.rank, topo.local_rank) == (world, rank, local_rank)
+    assert topo.sources["rank"] == rank_source and topo.sources["local_rank"] == local_source

@@ -12,6 +12,9 @@ Rules (why: docs/distributed.md):
 - Otherwise the first launcher whose variables are present: DeepSpeed, torchrun/accelerate,
   Open MPI, MVAPICH, Intel MPI/MPICH Hydra (PMI), SLURM step. SLURM_NTASKS alone is not trusted:
   sbatch exports it to the one-process batch script; only a step (srun) sets SLURM_STEP_NUM_TASKS.
+  A field that launcher leaves unset comes from the next one whose world size agrees (WORLD_SIZE
+  exported by hand before `srun python`: SLURM's rank and local rank; `srun --mpi=pmi2`: PMI's
+  rank, SLURM's local rank), then from a lone local rank (PALS_LOCAL_RANKID, PMI_LOCAL_RANK).
 - An empty or blank value means unset. Any other value must be a whole number >= 0, else
   TopologyError names the variable, its value and what is valid.
 - `Topology.sources` says where every field came from: the variable's name, "default" (nothing
@@ -56,6 +59,9 @@ _LAUNCHERS: tuple[tuple[str, str, str, str, str, str | None], ...] = (
 )
 _TORCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
 _OTHER_VARIABLES = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "SLURM_NODEID", "SLURM_STEP_NUM_NODES", "SLURM_NTASKS")
+#: Local ranks some process managers set without the rest of a launcher's variables (Cray PALS;
+#: PMI implementations that add a local rank), read only where nothing else gave one.
+_LOCAL_RANK_VARIABLES = ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK")
 _NODE_VARIABLES = ("GROUP_WORLD_SIZE", "CROSS_SIZE", "SLURM_STEP_NUM_NODES")  # first set one wins
 
 #: Every variable the resolver reads as a number; blank values of these count as unset.
@@ -64,6 +70,7 @@ LAUNCHER_VARIABLES: tuple[str, ...] = tuple(
         _TORCH_VARIABLES
         + tuple(v for spec in _LAUNCHERS for v in spec[2:] if v)
         + _OTHER_VARIABLES
+        + _LOCAL_RANK_VARIABLES
     )
 )
 
@@ -77,7 +84,7 @@ TORCH = "torch"  # torch's device query (device_type, device_count)
 _FIELD_VARIABLES = {
     "world_size": ("WORLD_SIZE", *(spec[2] for spec in _LAUNCHERS)),
     "rank": ("RANK", *(spec[3] for spec in _LAUNCHERS)),
-    "local_rank": ("LOCAL_RANK", *(spec[4] for spec in _LAUNCHERS)),
+    "local_rank": ("LOCAL_RANK", *(spec[4] for spec in _LAUNCHERS), *_LOCAL_RANK_VARIABLES),
     "local_world_size": ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", *(spec[5] for spec in _LAUNCHERS if spec[5])),
     "num_nodes": _NODE_VARIABLES,
     # the markers that name a launcher (WORLD_SIZE, RANK, LOCAL_RANK are noted on their own fields)
@@ -213,6 +220,28 @@ def _detect_torch_launcher(env: dict) -> tuple[str, str]:
     return "env", next(n for n in ("WORLD_SIZE", "LOCAL_RANK", "RANK") if not _blank(env.get(n)))
 
 
+def _fill_from_other_launchers(values: dict, launcher: str, found: dict, sources: dict) -> None:
+    """Fields the chosen launcher left unset, from another launcher's variables that describe the
+    same run (the same world size): a batch script that exports WORLD_SIZE before `srun python`
+    (SLURM_PROCID, SLURM_LOCALID), `srun --mpi=pmi2` (PMI_RANK and PMI_SIZE, no MPI_LOCALRANKID:
+    SLURM_LOCALID). Without them every process would read rank 0 and local rank 0. Then a process
+    manager's lone local rank (`_LOCAL_RANK_VARIABLES`)."""
+    for name, marker, v_world, v_rank, v_local, v_local_world in _LAUNCHERS:
+        if name == launcher or values[marker] is None:
+            continue
+        if "world_size" in found and values[v_world] != found["world_size"]:
+            continue
+        for field, var in (("world_size", v_world), ("rank", v_rank), ("local_rank", v_local),
+                           ("local_world_size", v_local_world)):
+            if field not in found and var and values[var] is not None:
+                found[field], sources[field] = values[var], var
+    if "local_rank" not in found and found.get("world_size", 1) > 1:
+        for var in _LOCAL_RANK_VARIABLES:
+            if values[var] is not None:
+                found["local_rank"], sources["local_rank"] = values[var], var
+                break
+
+
 def topology(environ: dict | None = None) -> Topology:
     """Resolve the topology now, from an initialized process group or the launcher's variables.
 
@@ -238,6 +267,7 @@ def topology(environ: dict | None = None) -> Topology:
                 break
     sources = {field: var for field, var in read.items() if var and values[var] is not None}
     found = {field: values[var] for field, var in sources.items()}
+    _fill_from_other_launchers(values, launcher, found, sources)
 
     group = _initialized_group()
     if group is not None:
