@@ -171,7 +171,10 @@ def local_accelerators() -> tuple[str, int]:
     """
     import torch
 
-    count = torch.cuda.device_count()
+    try:
+        count = torch.cuda.device_count()
+    except Exception:  # a broken driver or NVML: as is_available() would say, no CUDA device
+        count = 0
     if count > 0:
         return "cuda", count
     for name in ("xpu", "npu", "mlu", "musa"):
