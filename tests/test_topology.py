@@ -376,3 +376,13 @@ def test_a_field_the_launcher_leaves_unset_comes_from_another_launcher_of_the_sa
     world, rank, local_rank, rank_source, local_source = expected
     assert (topo.world_size, topo.rank, topo.local_rank) == (world, rank, local_rank)
     assert topo.sources["rank"] == rank_source and topo.sources["local_rank"] == local_source
+
+
+def test_a_cuda_count_that_raises_reads_as_no_cuda_device(monkeypatch):
+    import torch
+
+    def broken():
+        raise RuntimeError("NVML: driver/library version mismatch")
+
+    monkeypatch.setattr(torch.cuda, "device_count", broken)
+    assert topology_resolver.local_accelerators()[0] != "cuda"
