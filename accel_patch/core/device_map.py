@@ -29,7 +29,7 @@ import os
 import sys
 from collections import namedtuple
 
-from .topology_resolver import DEFAULT, Topology, TopologyError, scrub_blank_env, topology
+from .topology_resolver import Topology, TopologyError, scrub_blank_env, topology
 
 #: The registry name of the patch that applies `choose_device_map` to loads (patches/model_loading.py).
 PATCH_NAME = "device-map"
@@ -173,7 +173,7 @@ def choose_device_map(requested, quantized: bool, load_kwargs=None) -> LoadDecis
         return LoadDecision(requested, requested, "single process, not quantized: kept")
     if not topo.is_distributed and topo.device_count > 1 and requested is not None:
         return LoadDecision(requested, requested, f"one process over {topo.device_count} devices: kept")
-    if topo.is_distributed and topo.device_count > 1 and topo.sources.get("local_rank", "").startswith(DEFAULT):
+    if topo.is_distributed and topo.device_count > 1 and topo.defaulted("local_rank"):
         return LoadDecision(requested, requested, f"world size {topo.world_size} but no variable gives this "
                                                   f"process's local rank (LOCAL_RANK, or its launcher's): "
                                                   f"{requested!r} kept rather than every process on device 0")

@@ -121,6 +121,11 @@ class Topology(namedtuple("Topology", _TOPOLOGY_FIELDS, defaults=(MappingProxyTy
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    def defaulted(self, field: str) -> bool:
+        """Whether nothing gave `field` (no variable, no process group): its value is the
+        single-process default, a guess once the world size is above 1."""
+        return self.sources.get(field, "").startswith(DEFAULT)
+
     def describe(self) -> str:
         where = f"{self.device_count} x {self.device_type}" if self.device_count else "cpu"
         return (

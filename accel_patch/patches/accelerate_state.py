@@ -29,7 +29,7 @@ from ..core.accelerate_decision import (
     CPU_BACKENDS, CPU_DISTRIBUTED, CPU_FSDP, EXPORT_LAUNCHER_ENV, FSDP1_WITHOUT_ACCELERATOR, FSDP2, PATCH_NAME,
     SINGLE_DEVICE, decide, existing_group, fsdp_state,
 )
-from ..core.topology_resolver import DEFAULT, Topology, TopologyError, scrub_blank_env, topology
+from ..core.topology_resolver import Topology, TopologyError, scrub_blank_env, topology
 
 
 _current = _local()  # the decision of the __init__ in progress, for _prepare_backend
@@ -57,7 +57,7 @@ def _export_launcher_env(topo: Topology) -> None:
             f"rank 0 (e.g. MASTER_ADDR=node0 MASTER_PORT=29500) so the processes can form one group"
         )
     unknown = [(field, name) for field, name in (("rank", "RANK"), ("local_rank", "LOCAL_RANK"))
-               if topo.sources.get(field, "").startswith(DEFAULT) and (field == "rank" or topo.device_count > 1)]
+               if topo.defaulted(field) and (field == "rank" or topo.device_count > 1)]
     if unknown:  # a guess exported here would be every process's (rank 0 everywhere: no group forms)
         raise TopologyError(
             f"{topo.launcher} gives world size {topo.world_size} but no variable gives this process's "
