@@ -1426,18 +1426,16 @@ def _lora_parts(lora, experts: int, size: int, inter: int, device) -> tuple:
         raise ValueError(f"lora must be None or a dict with keys 'gate_up', 'down' (each (A, B) or None) and "
                          f"'scaling' (a float, or {{'gate_up': float, 'down': float}}), got {lora!r}")
     scaling = lora["scaling"]
-    if isinstance(scaling, dict):
-        if not set(scaling) <= {"gate_up", "down"}:
-            raise ValueError(f"lora['scaling'] as a dict takes the keys 'gate_up' and 'down', got {sorted(scaling)}")
-        scalings, where = scaling, "lora['scaling'][{!r}]".format
-    else:
-        scalings, where = {"gate_up": scaling, "down": scaling}, lambda _: "lora['scaling']"
+    if isinstance(scaling, dict) and not set(scaling) <= {"gate_up", "down"}:
+        raise ValueError(f"lora['scaling'] as a dict takes the keys 'gate_up' and 'down', got {sorted(scaling)}")
+    scalings = scaling if isinstance(scaling, dict) else {"gate_up": scaling, "down": scaling}
     for name in ("gate_up", "down"):
         value = scalings.get(name)
         if value is None and lora.get(name) is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where(name)} must be a float, got {value!r}")
+            where = f"lora['scaling'][{name!r}]" if isinstance(scaling, dict) else "lora['scaling']"
+            raise ValueError(f"{where} must be a float, got {value!r}")
     parts = []
     for name, fan_in, fan_out in (("gate_up", size, 2 * inter), ("down", inter, size)):
         pair = lora.get(name)
