@@ -201,6 +201,28 @@ def test_out_of_range_label_gives_nan_without_host_check(device, triton_path):
     assert torch.isnan(op(logits, labels, -100, None, "mean", False, triton_path)[0])
 
 
+@pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch"])
+def test_the_forward_s_loss_and_gradient_keep_their_precision_next_to_a_large_max(device, triton_path):
+    # Logits near 1e5 (an fp32 ulp there is 0.008): the loss and the gradient the forward writes
+    # (the fused loss's chunks take theirs from it) come from (z - max) - log(sum) as eager's
+    # log_softmax does; from the rounded lse = max + log(sum) they were 6e-4 (loss) and 2e-4
+    # (gradient) off float64 here, where the bound is 1e-5.
+    torch.manual_seed(0)
+    x = (torch.randn(8, 257, device=device) + 1e5).float()
+    labels = torch.randint(0, 257, (8,), device=device)
+    ref = x.detach().cpu().double().requires_grad_()
+    ref_loss = F.cross_entropy(ref, labels.cpu(), reduction="none")
+    ref_loss.sum().backward()
+    forward, _ = ce_module._row_functions(triton_path)
+    loss, lse = (torch.empty(8, device=device) for _ in range(2))
+    grad = torch.empty_like(x)
+    with launch.recording() as launched:
+        forward(x, labels, -100, None, loss, lse, grad=grad, scale=torch.ones(1, device=device))
+    assert ("_ce_forward_kernel" in launched) == triton_path
+    assert_close(loss, ref_loss, torch.float32, what="loss")
+    assert_close(grad, ref.grad, torch.float32, what="forward's gradient")
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
