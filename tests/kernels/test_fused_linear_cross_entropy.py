@@ -125,6 +125,31 @@ def test_all_ignored_gives_zero_loss_and_gradients(device, reduction):
         assert torch.equal(t, torch.zeros_like(t))  # "mean" too: 0, not 0/0 = NaN
 
 
+@pytest.mark.parametrize("way", ["fp32 sum", "vocab blocks", "dtype sum", "twin"])
+def test_a_sum_over_no_token_has_zero_gradients_whatever_grad_output(device, way, monkeypatch):
+    # transformers' mean of an all-ignored batch is `sum / 0` (a NaN loss, as stock's) and hands the
+    # backward an infinite grad_output; stock's nll_loss writes no term for an ignored token, so its
+    # gradients stay zero and the optimizer step harms nothing. Scaling saved zeros by inf gave NaN
+    # gradients here, which that step writes into every weight.
+    if way == "vocab blocks":
+        _weight_pass_always(monkeypatch, 16 * 30 * 4)
+    elif way == "dtype sum":
+        _weight_sum_in_dtype(monkeypatch, 8)
+    elif way == "twin":
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    dtype = torch.bfloat16 if way == "dtype sum" else torch.float32
+    hidden, weight, bias, labels = _inputs((2, 5), 8, 30, dtype, device, ignored=range(10))
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    for n_items in (0, torch.tensor(0, device=device)):  # a count of 0 tokens: Python's or a tensor
+        total = fused_linear_cross_entropy(*leaves[:2], labels, bias=leaves[2], reduction="sum", chunk_size=4)
+        loss = total / n_items if isinstance(n_items, torch.Tensor) else total * float("inf")
+        assert torch.isnan(loss)  # as stock's
+        loss.backward()
+        for name, t in zip(("hidden", "weight", "bias"), leaves):
+            assert torch.equal(t.grad, torch.zeros_like(t)), f"grad {name} ({way}): {t.grad.isnan().sum()} NaN"
+            t.grad = None
+
+
 def test_gradients_only_for_inputs_that_require_them(device):
     hidden, weight, bias, labels = _inputs((6,), 8, 40, torch.float32, device)
     for reduction in REDUCTIONS:

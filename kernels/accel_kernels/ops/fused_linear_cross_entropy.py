@@ -457,9 +457,20 @@ def _scale_in_place(grad: torch.Tensor, factor: torch.Tensor, rows: int) -> torc
     return grad
 
 
+#: float32's largest finite value: what an infinite grad_output is scaled by (`_backward`).
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _backward(ctx, grad_output, *_unused):
     _dispatch.check_first_order("fused_linear_cross_entropy")
     ignore_index, softcap, reduction, rows, triton_path, hidden_shape = ctx.options
+    if reduction != "none":
+        # A gradient summed over no token is zero whatever grad_output is, as stock's nll_loss writes
+        # no term for an ignored token. transformers' mean of an all-ignored batch is `sum / 0` (a NaN
+        # loss, stock's too) and hands this backward an infinite grad_output: scaling the saved
+        # zeros by it would give NaN gradients, which the optimizer step writes into every weight.
+        # Clamped to float32's largest value (NaN stays NaN); a finite grad_output is unchanged.
+        grad_output = grad_output.float().clamp(-_FP32_MAX, _FP32_MAX)
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     h_dtype, w_dtype, b_dtype = ctx.dtypes
     if ctx.in_dtype and not ctx.grad_h_given:

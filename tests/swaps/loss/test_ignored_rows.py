@@ -92,3 +92,30 @@ def test_a_batch_with_no_label_gives_zeros_and_a_graph(rows_seen):
     log_probs = token_logprobs(h, w, None, y)["log_probs"]
     (-log_probs.sum()).backward()  # an all-ignored micro-batch still trains (a zero gradient), as TRL's head
     assert rows_seen == [0] and (log_probs == 0).all() and (w.grad == 0).all()
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compile-form"])
+@pytest.mark.parametrize("count", ["mean", "num_items_in_batch=0"])
+def test_a_batch_with_every_label_ignored_gives_stock_s_nan_loss_and_zero_gradients(monkeypatch, count, compiling):
+    # transformers' mean over no token (`reduction="mean"`, or a sum over `num_items_in_batch` = 0 in
+    # a fully masked accumulation) is NaN, stock's too; stock's gradients stay zero (nll_loss writes
+    # no term for an ignored token), so the optimizer step leaves the weights finite. The backward's
+    # infinite grad_output must not turn the fused loss's zeros into NaN.
+    monkeypatch.setattr(deferred.sites, "compiling", lambda: compiling)
+    h, w, _ = inputs()
+    y = torch.full((N,), -100)
+
+    def loss(z):
+        if count == "mean":
+            return F.cross_entropy(z * 0.5, y)
+        return F.cross_entropy(z * 0.5, y, reduction="sum") / torch.tensor(0)
+
+    ref = loss(F.linear(h, w))
+    ref.backward()
+    assert torch.isnan(ref) and (h.grad == 0).all() and (w.grad == 0).all()  # stock's behaviour
+    h.grad = w.grad = None
+    got = loss(deferred.DeferredLogits(deferred._Head(h, w, None, SwapState()), (), h, torch.Size((N, V)), w.dtype))
+    got.backward()
+    assert torch.isnan(got)
+    assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w)), \
+        (h.grad.isnan().sum(), w.grad.isnan().sum())
