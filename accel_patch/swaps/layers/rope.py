@@ -347,7 +347,7 @@ class Interceptions:
 
     def __init__(self) -> None:
         self._lock = RLock()
-        self._held: dict[tuple[str, str], list] = {}  # key -> [original, dispatcher, count]
+        self._held: dict[tuple[str, str], list] = {}  # key -> [original, dispatcher, count, plan]
 
     def original(self, key: tuple[str, str]):
         """The function the global held before any swap (the global itself when not intercepted)."""
@@ -359,7 +359,12 @@ class Interceptions:
 
     def acquire(self, plan: RopePlan) -> None:
         """Put the dispatcher in place (first holder) and count one more holder (see `Hold`).
-        `plan`: the probe's findings for this function (its key among them)."""
+        `plan`: the probe's findings for this function (its key among them).
+
+        A later holder whose probe proved calls the held plan did not (`_widened`: partial rotary,
+        (B, S, H, D) calls, k=None) puts a dispatcher of the wider plan in the global's place: the
+        function is one for every model of the family, so a second model (a Phi-4-mini beside a
+        Phi-3, partial rotary beside full) runs the kernel as it would alone."""
         key = plan.key
         with self._lock:
             self._sweep(keep=key)
@@ -369,8 +374,14 @@ class Interceptions:
                 original = owner.__dict__[name]
                 dispatcher = _dispatcher(plan, original)
                 owner.__dict__[name] = dispatcher
-                self._held[key] = [original, dispatcher, 0]
-            self._held[key][2] += 1
+                self._held[key] = [original, dispatcher, 0, plan]
+            entry = self._held[key]
+            wider = _widened(entry[3], plan)
+            # (someone else replaced the global after us: theirs stays, calling the held dispatcher)
+            if wider != entry[3] and owner.__dict__.get(name) is entry[1]:
+                entry[1] = owner.__dict__[name] = _dispatcher(wider, entry[0])
+                entry[3] = wider
+            entry[2] += 1
 
     def release(self, key: tuple[str, str]) -> None:
         """One holder fewer (restore_kernels); the last one puts the original object back."""
@@ -396,7 +407,7 @@ class Interceptions:
 
     def _sweep(self, keep=None) -> None:
         for key in [k for k, entry in self._held.items() if entry[2] <= 0 and k != keep]:
-            original, dispatcher, _ = self._held.pop(key)
+            original, dispatcher, _, _ = self._held.pop(key)
             owner = sys.modules[key[0]]
             # Someone else replaced the global after us: leave theirs (it may call our dispatcher,
             # which without a holder is a plain pass-through to the original).
@@ -410,6 +421,18 @@ class Interceptions:
 
 
 interceptions = Interceptions()
+
+#: RopePlan fields that say which calls a probe proved beyond the plain ones.
+_PROVED_CALLS = ("partial", "bshd", "q_alone")
+
+
+def _widened(held: RopePlan, new: RopePlan) -> RopePlan:
+    """`held` with the calls `new` proved too, where the two agree on everything else (how the
+    function computes: its tables, layout, casts); else `held` as it is."""
+    plain = {field: False for field in _PROVED_CALLS}
+    if held._replace(**plain) != new._replace(**plain):
+        return held
+    return held._replace(**{field: getattr(held, field) or getattr(new, field) for field in _PROVED_CALLS})
 
 
 class Hold:

@@ -223,3 +223,30 @@ def test_a_condition_false_for_the_module_or_no_tables_makes_it_no_rope_site():
     assert rope.never_rotates(_Gated(True)) is None  # the argument decides: counted at call time
     assert "`self.use_rope`" in rope.never_rotates(_Gated(False))
     assert "`position_embeddings is not None`" in rope.never_rotates(_Gated(True), no_positions=True)
+
+
+@pytest.mark.parametrize("first", [1.0, 0.5], ids=["full rotary first", "partial rotary first"])
+def test_two_models_of_a_family_with_other_rotary_widths_both_run_the_kernel(first):
+    # RoPE's swap replaces the family's module-level function once for every model of it; the second
+    # model's probe proved partial-rotary calls the first one's did not (a Phi-4-mini beside a
+    # Phi-3): its calls ran the function ("a shape the kernel does not take") until the global
+    # took the wider plan.
+    from accel_kernels import _launch
+
+    models = {}
+    for factor in (first, 1.5 - first):
+        stock = _model("Phi3Config", "Phi3ForCausalLM", num_hidden_layers=1, partial_rotary_factor=factor)
+        models[factor] = (stock, copy.deepcopy(stock))
+        assert accel_patch.swap_kernels(models[factor][1], ops=["rope"]).swapped == {"rope": 1}
+    try:
+        for factor, (stock, swapped) in models.items():
+            want_loss, _ = _step(stock)
+            with _launch.recording() as launched:
+                loss, _ = _step(swapped)
+            assert accel_patch.report(swapped).calls["rope"] == {rope.FUSED: 1}, (factor, accel_patch.report(swapped))
+            assert "_rope_kernel" in launched, launched
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    finally:
+        for _, swapped in models.values():
+            accel_patch.restore_kernels(swapped)
+    assert not rope.interceptions.held()  # the family's function is its own again
