@@ -233,7 +233,7 @@ def _drive(model: Model, dtype: torch.dtype, tokens: int, rope_forms=None):
     relu_squared._forward_triton(up)  # Nemotron-H's non-gated MLP: the same elementwise shapes
     relu_squared._backward_triton(torch.empty_like(up), up)
     labels = _meta((tokens,), torch.int64)
-    loss, lse = _meta((tokens,), torch.float32), _meta((tokens,), torch.float32)
+    loss, lse = _meta((tokens,), torch.float32), _meta((tokens, 2), torch.float32)
     logits = _meta((1, tokens + 1, model.vocab), dtype)[:, :-1]  # shifted logits: two row strides
     cross_entropy._forward_triton(logits, labels, -100, model.softcap, loss, lse)
     grad = _meta((tokens, model.vocab), dtype)

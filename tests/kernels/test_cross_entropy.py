@@ -214,13 +214,36 @@ def test_the_forward_s_loss_and_gradient_keep_their_precision_next_to_a_large_ma
     ref_loss = F.cross_entropy(ref, labels.cpu(), reduction="none")
     ref_loss.sum().backward()
     forward, _ = ce_module._row_functions(triton_path)
-    loss, lse = (torch.empty(8, device=device) for _ in range(2))
+    loss, lse = torch.empty(8, device=device), torch.empty(8, 2, device=device)
     grad = torch.empty_like(x)
     with launch.recording() as launched:
         forward(x, labels, -100, None, loss, lse, grad=grad, scale=torch.ones(1, device=device))
     assert ("_ce_forward_kernel" in launched) == triton_path
     assert_close(loss, ref_loss, torch.float32, what="loss")
     assert_close(grad, ref.grad, torch.float32, what="forward's gradient")
+
+
+@pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "torch"])
+def test_the_backward_keeps_eager_s_precision_next_to_a_large_max(device, triton_path, monkeypatch):
+    # The backward recomputes the softmax from what the forward saved of each row: its max and the
+    # log of its sum apart, so (z - max) - log(sum) as eager. From one rounded fp32 lse the
+    # gradient was 2e-4 off float64 at logits near 1e5 (eager: 1e-7), and four bf16 logits tied
+    # at 3e38 got a gradient of 1 each instead of 1/4.
+    if not triton_path:
+        monkeypatch.setattr(dispatch, "use_triton", lambda t: False)
+    torch.manual_seed(0)
+    logits = (torch.randn(8, 257, device=device) + 1e5).float()
+    labels = torch.randint(0, 257, (8,), device=device)
+    labels[3] = -100
+    with launch.recording() as launched:
+        _check(logits, labels, torch.float32, reduction="sum")
+        _check(logits, labels, torch.float32, reduction="none")
+    assert ("_ce_backward_kernel" in launched) == triton_path
+    tied = torch.full((1, 8), -1e38, device=device).to(torch.bfloat16)
+    tied[0, :4] = 3e38
+    x = tied.clone().requires_grad_()
+    cross_entropy(x, torch.tensor([7], device=device), reduction="sum").backward()
+    assert x.grad[0].tolist() == [0.25] * 4 + [0.0] * 3 + [-1.0], x.grad
 
 
 @pytest.mark.parametrize(

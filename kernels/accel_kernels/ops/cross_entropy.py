@@ -15,13 +15,13 @@ only while the backward runs. The fused linear cross-entropy (fused_linear_cross
 want the gradient during the forward, in place in its own chunk buffer: `_forward_triton(...,
 grad=...)` is that mode of the same kernel.
 
-Precision next to a large row max. The forward's loss and the gradient it writes are computed as
-eager's log_softmax computes them, (z - max) - log(sum): exact where |z| is large. The backward
-recomputes the softmax as exp(z - lse) from the saved fp32 lse = max + log(sum), which is rounded to
-half an fp32 ulp of |lse|: a per-row relative error of the gradient up to |lse| x 6e-8 (6e-6 at
-logits near 100, 6e-4 near 1e4) where eager's stays near 1e-7. Half-precision gradients round far
-more than that (bf16: 4e-3); fp32 training with logits in the thousands sees it. Saving the max and
-log(sum) apart would remove it at 4 more bytes a row; not done.
+What is saved of a row is its log-sum-exp in two parts, `lse` of shape (N, 2) fp32: the row's max
+and the log of its sum of exp(z - max). The loss, the gradient the forward writes and the backward's
+softmax are all computed as eager's log_softmax computes them, (z - max) - log(sum), exact where |z|
+is large. One fp32 lse = max + log(sum) would be rounded to half an ulp of |lse|: the softmax
+recomputed from it was off by up to |lse| x 6e-8 a row (6e-4 at logits near 1e4, 2e-4 of the
+gradient's norm measured at 1e5, where eager's error is 1e-7), and four logits tied at 3e38 in bf16
+got a gradient of 1 each instead of 1/4. The second float costs 4 bytes a row.
 
 The host functions and their plain-torch twins work row-wise with one signature each:
 `_forward_triton` / `_forward_torch` and `_backward_triton` / `_backward_torch` (the twin is the same
@@ -75,7 +75,7 @@ def _write_grad_row(x_row, g_row, label, shift, log_d, scale, n_cols, softcap,
 
     softmax(z) = exp((z - shift) - log_d) with shift + log_d the row's log-sum-exp: the forward
     passes its running max and log of the sum (z - max is exact near the max, as eager's
-    log_softmax computes it), the backward the saved lse and 0."""
+    log_softmax computes it); the backward the two saved by the forward."""
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -96,7 +96,7 @@ def _write_grad_row(x_row, g_row, label, shift, log_d, scale, n_cols, softcap,
 def _ce_forward_kernel(
     X, stride_xa, stride_xb, rows_b,  # row r starts at X + (r // rows_b) * stride_xa + (r % rows_b) * stride_xb
     Y, stride_y,
-    LOSS, LSE,  # fp32, one per row
+    LOSS, LSE,  # fp32: one per row; two per row (max, log of the sum of exp(z - max))
     GRAD, stride_g,  # written only when WRITE_GRAD; may be X itself (in place)
     SCALE, stride_scale,  # fp32 gradient scale: one per row, or stride 0 for one for all
     n_cols, ignore_index, softcap,
@@ -107,7 +107,8 @@ def _ce_forward_kernel(
     label = tl.load(Y + row * stride_y).to(tl.int64)
     if label == ignore_index:
         tl.store(LOSS + row, 0.0)
-        tl.store(LSE + row, 0.0)
+        tl.store(LSE + 2 * row, 0.0)
+        tl.store(LSE + 2 * row + 1, 0.0)
         if WRITE_GRAD:
             _zero_row(GRAD + row * stride_g, n_cols, BLOCK)
     else:
@@ -125,19 +126,18 @@ def _ce_forward_kernel(
             d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
             m = m_new
         log_d = tl.log(d)
-        lse = m + log_d
         # An out-of-range label gives a NaN loss (and NaN gradient) instead of reading out of bounds:
         # a host check would cost a sync, and tl.device_assert only fires in Triton debug mode.
         in_range = (label >= 0) & (label < n_cols)
         z_t = tl.load(x_row + tl.where(in_range, label, 0)).to(tl.float32)
         if HAS_SOFTCAP:
             z_t = softcap * _tanh(z_t / softcap)
-        lse = tl.where(in_range, lse, float("nan"))
         log_d = tl.where(in_range, log_d, float("nan"))
         # (m - z_t) + log d, eager's order: m + log d rounded to fp32 first would lose log d's low
         # bits where |m| is large (an ulp of 1e4 is 1e-3)
         tl.store(LOSS + row, (m - z_t) + log_d)
-        tl.store(LSE + row, lse)
+        tl.store(LSE + 2 * row, m)
+        tl.store(LSE + 2 * row + 1, log_d)
         if WRITE_GRAD:
             scale = tl.load(SCALE + row * stride_scale)
             _write_grad_row(x_row, GRAD + row * stride_g, label, m, log_d, scale, n_cols, softcap,
@@ -148,7 +148,7 @@ def _ce_forward_kernel(
 def _ce_backward_kernel(
     X, stride_xa, stride_xb, rows_b,
     Y, stride_y,
-    LSE,
+    LSE,  # (max, log of the sum) per row, from the forward
     GRAD, stride_g,
     SCALE, stride_scale,
     n_cols, ignore_index, softcap,
@@ -162,10 +162,11 @@ def _ce_backward_kernel(
     if label == ignore_index:
         _zero_row(g_row, n_cols, BLOCK)
     else:
-        lse = tl.load(LSE + row)  # NaN for an out-of-range label: the gradient row is NaN too
+        m = tl.load(LSE + 2 * row)
+        log_d = tl.load(LSE + 2 * row + 1)  # NaN for an out-of-range label: the gradient row is NaN too
         scale = tl.load(SCALE + row * stride_scale)
         # a label outside the block is no column of it: no one-hot term in this row
-        _write_grad_row(x_row, g_row, label - label_offset, lse, 0.0, scale, n_cols, softcap, HAS_SOFTCAP,
+        _write_grad_row(x_row, g_row, label - label_offset, m, log_d, scale, n_cols, softcap, HAS_SOFTCAP,
                         BLOCK)
 
 
@@ -192,7 +193,8 @@ def _scale_stride(scale: torch.Tensor) -> int:
 
 
 def _forward_triton(x, labels, ignore_index, softcap, loss, lse, grad=None, scale=None):
-    """Per-row loss and lse (fp32, written into `loss`, `lse`) of the logits rows of x.
+    """Per-row loss and lse (fp32, written into `loss` (N,) and `lse` (N, 2) contiguous: max and
+    log of the sum of exp(z - max)) of the logits rows of x.
 
     x: (N, V) or (A, B, V) with unit column stride (rows r = a * B + b); labels: (N,) integer.
     If `grad` is given ((N, V) contiguous, may be x itself), also writes scale * d loss_r / d x_r
@@ -271,14 +273,14 @@ def _rows_view(logits: torch.Tensor, triton_rows: bool) -> torch.Tensor:
 def _cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, softcap: Optional[float],
                       reduction: str, check_label_range: bool, triton_path: bool
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lse (N,) float32, n_valid int64 scalar). check_label_range: raise ValueError on CPU
+    """(loss, lse (N, 2) float32 (each row's max and log of its sum), n_valid int64 scalar). check_label_range: raise ValueError on CPU
     labels outside [0, V) (checked here, at run time, where the values are: also when compiled)."""
     forward_rows, _ = _row_functions(triton_path)
     x = _rows_view(logits, triton_path)
     y = _flat_labels(labels)
     n = y.shape[0]
     loss = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
-    lse = _dispatch.empty((n,), dtype=torch.float32, device=logits.device)
+    lse = _dispatch.empty((n, 2), dtype=torch.float32, device=logits.device)
     forward_rows(x, y, ignore_index, softcap, loss, lse)
     if check_label_range:
         _check_label_range_by_lse(labels, lse, logits.shape[-1], ignore_index)
@@ -294,7 +296,7 @@ def _cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor, ignore_index: 
 def _(logits, labels, ignore_index, softcap, reduction, check_label_range, triton_path):
     n = labels.numel()
     loss = logits.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
-    return loss, logits.new_empty((n,), dtype=torch.float32), logits.new_empty((), dtype=torch.int64)
+    return loss, logits.new_empty((n, 2), dtype=torch.float32), logits.new_empty((), dtype=torch.int64)
 
 
 @_library.custom_op("cross_entropy_backward")
@@ -381,17 +383,18 @@ def _torch_rows(x, labels, ignore_index, softcap, scale, grad, loss=None, lse=No
             m = torch.where(m == float("-inf"), 0.0, m)  # rows of -inf logits, as in the kernel
             p = torch.sub(z, m, out=out).exp_()
             total = p.sum(1)
-            m, log_total = m.squeeze(1), total.log()
-            row_lse = torch.where(valid, torch.where(hit, m + log_total, float("nan")), 0.0)
+            m = m.squeeze(1)
+            log_total = torch.where(valid, torch.where(hit, total.log(), float("nan")), 0.0)
             # (m - z_t) + log total, as the kernel and eager's log_softmax: no rounding of m + log total
-            loss[s:e] = torch.where(valid, torch.where(hit, (m - z_t) + log_total, float("nan")), 0.0)
-            lse[s:e] = row_lse
+            loss[s:e] = torch.where(valid, (m - z_t) + log_total, 0.0)
+            lse[s:e, 0] = torch.where(valid, m, 0.0)
+            lse[s:e, 1] = log_total
             if grad is None:
                 continue
             factor = scale[s:e] / total  # p / total is the softmax
         else:
-            row_lse = torch.where(valid, saved_lse[s:e], float("inf"))  # exp(z - inf) = 0 on ignored rows
-            p = torch.sub(z, row_lse.unsqueeze(1), out=out).exp_()
+            shift = torch.where(valid, saved_lse[s:e, 0], float("inf"))  # exp(z - inf) = 0 on ignored rows
+            p = torch.sub(z, shift.unsqueeze(1), out=out).sub_(saved_lse[s:e, 1].unsqueeze(1)).exp_()
             factor = scale[s:e]
         # NaN rows for an out-of-range label (as the kernel), zero rows for ignored ones.
         p.mul_(torch.where(valid, torch.where(hit, factor, float("nan")), 0.0).unsqueeze(1))

@@ -228,11 +228,12 @@ def _chunked_pass(h, w, b, y, ignore_index, softcap, triton_path, rows, *, scale
 
 def _block_grad_torch(logits, y_block, lse, scale, softcap):
     """scale * d loss / d logits (fp32) of a (rows, block) tile of logits from the full-vocabulary
-    lse: y_block is the label's column in the block, -1 for an ignored row, the block's width for
+    lse (each row's max and log of its sum, cross_entropy's rows): y_block is the label's column in the block, -1 for an ignored row, the block's width for
     a label outside it. NaN lse (an out-of-range label) gives a NaN row, as the rows do."""
     z, t = _torch_capped(logits, softcap)
     valid = y_block >= 0
-    g = z.sub_(torch.where(valid, lse, float("inf")).unsqueeze(1)).exp_()  # ignored rows: 0
+    shift = torch.where(valid, lse[:, 0], float("inf"))  # ignored rows: 0
+    g = z.sub_(shift.unsqueeze(1)).sub_(lse[:, 1].unsqueeze(1)).exp_()
     g.mul_(scale.unsqueeze(1))
     hit = torch.nonzero(valid & (y_block < logits.shape[1])).squeeze(1)
     g[hit, y_block[hit].long()] -= scale[hit]
@@ -322,7 +323,7 @@ def _fused_linear_cross_entropy_op(
     ignore_index: int, softcap: Optional[float], reduction: str, rows: int,
     need_h: bool, need_w: bool, need_b: bool, check_label_range: bool, triton_path: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lse (N,) float32, grad_h, grad_w float32 (the weight's dtype where
+    """(loss, lse (N, 2) float32 (each row's max and log of its sum: cross_entropy's rows), grad_h, grad_w float32 (the weight's dtype where
     `weight_sum_in_dtype`), grad_b float32). For "mean" and "sum" the gradients asked for by need_*
     are computed here, unscaled by grad_output, except the weight's and bias's when
     weight_grad_by_blocks and not weight_sum_in_dtype (the backward's pass computes those); every
@@ -339,7 +340,7 @@ def _fused_linear_cross_entropy_op(
     else:  # "none" computes no gradient here: nothing to scale
         scale = torch.ones(1, dtype=torch.float32, device=h.device) if grads_now else None
     loss = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
-    lse = _dispatch.empty((n,), dtype=torch.float32, device=h.device)
+    lse = _dispatch.empty((n, 2), dtype=torch.float32, device=h.device)
     # Above the fp32 budget the weight's and bias's gradients wait for the backward (_weight_pass),
     # unless the weight's is summed here in its own dtype.
     in_dtype, in_pass = _weight_grad_in_forward(n, rows, weight, h.shape[1], reduction, need_w, triton_path)
@@ -364,7 +365,7 @@ def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, rows, need
     n, vocab, size = labels.numel(), weight.shape[0], hidden.shape[-1]
     in_dtype, in_pass = _weight_grad_in_forward(n, rows, weight, size, reduction, need_w, triton_path)
     return (hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32),
-            hidden.new_empty((n,), dtype=torch.float32),
+            hidden.new_empty((n, 2), dtype=torch.float32),
             hidden.new_empty((n, size) if now and need_h else (0,)),
             hidden.new_empty((vocab, size) if in_pass and need_w else (0,),
                              dtype=weight.dtype if in_dtype else torch.float32),
