@@ -249,4 +249,4 @@ def test_two_models_of_a_family_with_other_rotary_widths_both_run_the_kernel(fir
     finally:
         for _, swapped in models.values():
             accel_patch.restore_kernels(swapped)
-    assert not rope.interceptions.held()  # the family's function is its own again
+    assert not [k for k in rope.interceptions.held() if ".phi3." in k]  # the family's function is its own again
