@@ -71,6 +71,23 @@ def moe_runs(tmp_path_factory):
     return ranks
 
 
+def noise_bound(m: dict) -> float:
+    """How far the swapped run's weights may be from stock's under FSDP (or DDP) after the worker's
+    3 AdamW steps at lr 1e-2: float32 noise, never a defect's size (gradients a rank failed to
+    reduce, a scale applied twice, an adapter left out put the weights ~lr = 1e-2 apart).
+
+    The noise is the swap's own distance from stock in one process plus FSDP's own distance from one
+    process, each twice, plus 1e-6. That yardstick collapses where the swap rounds as stock does in
+    one process (the cross-entropy rows since they compute the softmax as eager's log_softmax: swap
+    noise 4.5e-7 in the LoRA mode, from 3.4e-5) while the sharded run keeps its kernels' other
+    summation order, which AdamW's first steps amplify (lr g / (|g| + eps) is about +-lr for an element
+    whose gradient is rounding-sized): the LoRA mode's distance fell from 2.6e-5 to 6.9e-6 with that
+    change and still failed a bound that had fallen to 3.7e-6. So the bound is also at least 1e-3 of
+    the step's largest move (3e-5 here), which is below the yardstick's value before (7.0e-5) and
+    300 times below a defect's size."""
+    return max(2 * m["swap_noise"] + 2 * m["noise_floor"] + 1e-6, 1e-3 * m["moved"])
+
+
 def close_losses(got, want):
     return all(math.isclose(g, w, rel_tol=1e-5) for g, w in zip(got, want)) and len(got) == len(want)
 
@@ -89,8 +106,7 @@ def test_swapped_model_under_fsdp_trains_as_stock_fsdp_with_the_fused_loss(fsdp_
     # Float32 noise: the swap's own distance from stock on one process (3 AdamW steps, lr 1e-2;
     # tied embeddings amplify it) plus FSDP's own distance from one process. Gradients FSDP failed
     # to reduce would put the weights ~lr apart.
-    bound = 2 * m0["swap_noise"] + 2 * m0["noise_floor"] + 1e-6
-    assert m0["max_weight_diff"] <= bound, m0
+    assert m0["max_weight_diff"] <= noise_bound(m0), m0
     assert m0["noise_floor"] < 1e-4, m0  # the yardstick itself: FSDP on 2 ranks = one process
 
 
@@ -103,8 +119,8 @@ def test_lora_under_fsdp2_trains_adapters_as_stock_and_a_head_adapter_stands_asi
         for mode in ("lora", "lora-head"):
             assert close_losses(res[mode]["swapped_losses"], res[mode]["stock_losses"])
     lora, lora_head = ranks[0]["lora"], ranks[0]["lora-head"]
-    assert lora["max_weight_diff"] <= 2 * lora["swap_noise"] + 2 * lora["noise_floor"] + 1e-6, lora
-    assert lora_head["max_weight_diff"] <= 2 * lora_head["swap_noise"] + 2 * lora_head["noise_floor"] + 1e-6
+    assert lora["max_weight_diff"] <= noise_bound(lora), lora
+    assert lora_head["max_weight_diff"] <= noise_bound(lora_head), lora_head
     assert lora_head["lora_head_moved"] > 1e-3  # the head's adapter trained
 
 
@@ -185,7 +201,7 @@ def test_a_moe_model_with_swapped_experts_trains_as_stock_under_ddp_and_fsdp2(mo
     # forward, so they run the op rather than standing aside
     assert m0["experts_weight_type_outside_forward"] == ("DTensor" if mode == "moe-fsdp2" else "Parameter")
     assert m0["same_keys"] and m0["moved"] > 1e-3
-    assert m0["max_weight_diff"] <= 2 * m0["swap_noise"] + 2 * m0["noise_floor"] + 1e-6, m0
+    assert m0["max_weight_diff"] <= noise_bound(m0), m0
     assert m0["noise_floor"] < 1e-4, m0
     if mode == "moe-ddp":  # the ranks end equal
         assert moe_runs[0][mode]["rank_digest"] == moe_runs[1][mode]["rank_digest"]
@@ -204,4 +220,4 @@ def test_rslora_on_the_experts_is_fused_under_fsdp2_and_trains_only_the_adapters
     m0 = moe_runs[0][mode]
     assert m0["experts_weight_type_outside_forward"] == "DTensor"
     assert m0["same_keys"] and m0["moved"] > 1e-3
-    assert m0["max_weight_diff"] <= 2 * m0["swap_noise"] + 2 * m0["noise_floor"] + 1e-6, m0
+    assert m0["max_weight_diff"] <= noise_bound(m0), m0
