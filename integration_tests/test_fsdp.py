@@ -82,9 +82,12 @@ def noise_bound(m: dict) -> float:
     noise 4.5e-7 in the LoRA mode, from 3.4e-5) while the sharded run keeps its kernels' other
     summation order, which AdamW's first steps amplify (lr g / (|g| + eps) is about +-lr for an element
     whose gradient is rounding-sized): the LoRA mode's distance fell from 2.6e-5 to 6.9e-6 with that
-    change and still failed a bound that had fallen to 3.7e-6. So the bound is also at least 1e-3 of
-    the step's largest move (3e-5 here), which is below the yardstick's value before (7.0e-5) and
-    300 times below a defect's size."""
+    change and still failed a bound that had fallen to 3.7e-6. That distance is one parameter's: layer
+    0's q_proj lora_A (the next, its lora_B, 1.3e-6; every other below 2.1e-7), where the swapped
+    model's sharded run is 5.6e-6 from its own one-process run against stock's 8.7e-7 (the kernels'
+    rounding meets FSDP's split of the batch there; not traced further). So the bound is also at
+    least 1e-3 of the step's largest move (3e-5 here), which is below the yardstick's value before
+    (7.0e-5) and 300 times below a defect's size."""
     return max(2 * m["swap_noise"] + 2 * m["noise_floor"] + 1e-6, 1e-3 * m["moved"])
 
 
