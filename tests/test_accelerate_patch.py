@@ -321,6 +321,10 @@ WITHOUT_LOCAL_RANK = {
     "intel-mpi": (PMI_4, 8, {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}),
     "mvapich-1gpu-per-node": (MV2_2, 1, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}),
     "slurm-step": (SLURM_STEP_4, 2, {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}),
+    # 7 tasks on 2 nodes, 4 and 3: the second node's own count, not 7 // 2
+    "slurm-step-uneven": ({"SLURM_STEP_NUM_TASKS": "7", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                           "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4,3"}, 4,
+                          {"RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3"}),
 }
 
 

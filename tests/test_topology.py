@@ -93,6 +93,23 @@ LAUNCHES = {
          "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NUM_NODES": "2"},
         (4, 3, 1, 2, 2, "slurm"),
     ),
+    # a step whose tasks do not divide evenly over its nodes (7 on 2): each node its own count
+    "slurm-uneven-node0": (
+        {"SLURM_STEP_NUM_TASKS": "7", "SLURM_PROCID": "2", "SLURM_LOCALID": "2", "SLURM_NODEID": "0",
+         "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4,3"},
+        (7, 2, 2, 4, 2, "slurm"),
+    ),
+    "slurm-uneven-node1": (
+        {"SLURM_STEP_NUM_TASKS": "7", "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+         "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "4,3"},
+        (7, 6, 2, 3, 2, "slurm"),
+    ),
+    # SLURM's run-length form, 2 tasks on each of 3 nodes then 1; the node count from it alone
+    "slurm-repeated-last-node": (
+        {"SLURM_STEP_NUM_TASKS": "7", "SLURM_PROCID": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
+         "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"},
+        (7, 6, 0, 1, 4, "slurm"),
+    ),
     # sbatch exports SLURM_NTASKS to its batch script, which is ONE process: it must not count.
     "sbatch-script-only": (
         {"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
@@ -159,11 +176,12 @@ def test_every_field_has_a_source(monkeypatch, fake_accelerators, launch):
     set_env(monkeypatch, LAUNCHES[launch][0])
     sources = topology().sources
     assert list(sources) == [f for f in Topology._fields if f != "sources"]
-    kinds = {"default", "derived", "torch.distributed", "torch"} | set(topology_resolver.LAUNCHER_VARIABLES)
+    variables = {*topology_resolver.LAUNCHER_VARIABLES, topology_resolver.SLURM_TASKS_PER_NODE}
+    kinds = {"default", "derived", "torch.distributed", "torch"} | variables
     for field, source in sources.items():
         # A variable's name must be one that is set; "TORCHELASTIC_RUN_ID" and the like name a launcher.
         assert source in kinds or (field == "launcher" and source in LAUNCHES[launch][0]), (field, source)
-        if source in topology_resolver.LAUNCHER_VARIABLES:
+        if source in variables:
             assert source in LAUNCHES[launch][0], f"{field} names {source}, which is not set"
 
 
@@ -298,6 +316,24 @@ def test_invalid_value_raises_topology_error_naming_variable_and_value(monkeypat
     assert f"{variable}=" in message and value in message
     assert "whole number" in message  # says what a valid value looks like
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("value", ["4,x", "2(x3", "2(3),1", "4;3", "-1,8", "2(x),1", "４,3"])
+def test_a_slurm_tasks_per_node_list_not_of_slurm_s_form_raises_naming_it(monkeypatch, fake_accelerators, value):
+    set_env(monkeypatch, LAUNCHES["slurm-uneven-node0"][0])
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", value)
+    with pytest.raises(TopologyError) as info:
+        topology()
+    assert f"SLURM_STEP_TASKS_PER_NODE={value!r}" in str(info.value) and "'2(x3),1'" in str(info.value)
+
+
+def test_a_slurm_tasks_per_node_list_of_another_run_is_not_read(monkeypatch, fake_accelerators):
+    # WORLD_SIZE exported by hand for another count than the step's, or a list that does not add up
+    # to the step's tasks: the list describes something else; the even split stands
+    for extra in (dict(WORLD_SIZE="8", SLURM_STEP_TASKS_PER_NODE="4,3"), dict(SLURM_STEP_TASKS_PER_NODE="4,4")):
+        set_env(monkeypatch, dict(LAUNCHES["slurm-uneven-node0"][0], **extra))
+        topo = topology()
+        assert topo.local_world_size == topo.world_size // 2 and topo.sources["local_world_size"] == "derived"
 
 
 def test_invalid_value_is_reported_even_when_another_launcher_wins(monkeypatch, fake_accelerators):

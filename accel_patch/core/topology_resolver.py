@@ -12,6 +12,8 @@ Rules (why: docs/distributed.md):
 - Otherwise the first launcher whose variables are present: DeepSpeed, torchrun/accelerate,
   Open MPI, MVAPICH, Intel MPI/MPICH Hydra (PMI), SLURM step. SLURM_NTASKS alone is not trusted:
   sbatch exports it to the one-process batch script; only a step (srun) sets SLURM_STEP_NUM_TASKS.
+  A step's processes on this node: this node's entry (SLURM_NODEID) of SLURM_STEP_TASKS_PER_NODE,
+  which differs between nodes where the tasks do not divide evenly.
   A field that launcher leaves unset comes from the next one whose world size agrees (WORLD_SIZE
   exported by hand before `srun python`: SLURM's rank and local rank; `srun --mpi=pmi2`: PMI's
   rank, SLURM's local rank), then from a lone local rank (PALS_LOCAL_RANKID, PMI_LOCAL_RANK).
@@ -25,6 +27,7 @@ Rules (why: docs/distributed.md):
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections import namedtuple
 from types import MappingProxyType
@@ -153,6 +156,31 @@ def _read_int(env: dict, name: str | None) -> int | None:
             f"(for example {name}=0 or {name}=2), or unset"
         )
     return int(text)
+
+
+#: A SLURM step's tasks on each of its nodes, in node order: "2(x3),1" is 2, 2, 2, 1.
+SLURM_TASKS_PER_NODE = "SLURM_STEP_TASKS_PER_NODE"
+
+
+def _slurm_tasks_per_node(env: dict) -> list[int] | None:
+    """SLURM_STEP_TASKS_PER_NODE as one count per node, in node order; None when unset or blank.
+    A step whose tasks do not divide evenly over its nodes (7 on 2: "4,3") has no single per-node
+    count: world size / nodes would give each node 3. TopologyError names a value not of this form."""
+    raw = env.get(SLURM_TASKS_PER_NODE)
+    if _blank(raw):
+        return None
+    counts = []
+    for part in raw.strip().split(","):
+        match = _TASKS_PART.fullmatch(part.strip())
+        if match is None:
+            raise TopologyError(
+                f"{SLURM_TASKS_PER_NODE}={raw!r} is not a list of tasks per node: it must read like "
+                f"'4' or '2(x3),1' (2 tasks on each of 3 nodes, then 1), or be unset")
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+_TASKS_PART = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?", re.ASCII)
 
 
 def scrub_blank_env(environ: dict | None = None) -> list[str]:
@@ -301,13 +329,23 @@ def topology(environ: dict | None = None) -> Topology:
     local_world = found.get("local_world_size")
     if local_world is None and launcher in ("none", PROCESS_GROUP):  # every process on this node
         local_world, sources["local_world_size"] = world, derived("world_size")
+    # A SLURM step (or a run that exported WORLD_SIZE before srun) lists its tasks per node: this
+    # node's own count, which differs between nodes where the tasks do not divide evenly.
+    per_node = _slurm_tasks_per_node(env)
+    if not (per_node and sum(per_node) == world == values["SLURM_STEP_NUM_TASKS"]):
+        per_node = None
+    node = values["SLURM_NODEID"]
+    if local_world is None and per_node and node is not None and node < len(per_node):
+        local_world, sources["local_world_size"] = per_node[node], SLURM_TASKS_PER_NODE
 
     for name in _NODE_VARIABLES:
         if values[name]:
             num_nodes, sources["num_nodes"] = values[name], name
             break
     else:
-        if local_world:
+        if per_node:
+            num_nodes, sources["num_nodes"] = len(per_node), SLURM_TASKS_PER_NODE
+        elif local_world:
             num_nodes, sources["num_nodes"] = max(1, -(-world // local_world)), derived("world_size", "local_world_size")
         else:
             num_nodes, sources["num_nodes"] = 1, DEFAULT
