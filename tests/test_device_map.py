@@ -188,6 +188,31 @@ def test_distributed_load_goes_to_this_ranks_device(transformers_side, checkpoin
     assert received(transformers_side, checkpoint, device_map=requested) == {"": "cuda:1"}
 
 
+@pytest.fixture
+def current_devices(monkeypatch):
+    """Every `torch.cuda.set_device` call, recorded, with CUDA said available (none here to set)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return calls
+
+
+def test_a_rank_s_device_is_made_current_before_its_load(transformers_side, checkpoint, monkeypatch,
+                                                        fake_accelerators, current_devices):
+    # accelerate makes each rank's device current only once its state is created, after the load;
+    # before, anything the load puts on the current device lands on device 0
+    fake_accelerators(2)
+    set_env(monkeypatch, **torchrun(8, 5, 1, 2, nodes=4))
+    assert received(transformers_side, checkpoint, **BNB_4BIT) == {"": "cuda:1"} and current_devices == [1]
+    assert registry.last_decision(PATCH_NAME).reason.endswith("; current device set to cuda:1 for the load")
+    current_devices.clear()
+    set_env(monkeypatch, **torchrun(8, 4, 0, 2, nodes=4))  # device 0: current already
+    assert received(transformers_side, checkpoint, **BNB_4BIT) == {"": "cuda:0"} and current_devices == []
+    set_env(monkeypatch, **torchrun(8, 5, 1, 2, nodes=4))  # the caller's own map: nothing touched
+    assert received(transformers_side, checkpoint, device_map={"": "cuda:0"}, **BNB_4BIT) == {"": "cuda:0"}
+    assert current_devices == [] and "current device" not in registry.last_decision(PATCH_NAME).reason
+
+
 @pytest.mark.parametrize("count, expected", [(0, {"": "cpu"}), (1, {"": "cuda:0"})])
 @pytest.mark.parametrize("requested", [None, *STRATEGIES])
 def test_quantized_load_in_one_process_goes_to_its_device(transformers_side, checkpoint, fake_accelerators,

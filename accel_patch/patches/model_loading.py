@@ -4,7 +4,8 @@ Target `transformers.PreTrainedModel.from_pretrained`, verified on transformers 
 When the load is quantized or the run is distributed, `device_map=None` or a strategy string
 ("auto", "balanced", "balanced_low_0", "sequential") is replaced by the rank's own map
 (core/device_map.py decides: `{"": "cuda:<local rank>"}` and the like), so 4-bit and 8-bit
-weights are placed on their rank's device at load and never moved afterwards. An explicit dict
+weights are placed on their rank's device at load and never moved afterwards; that device is made
+the current one first where it is not device 0 (`_make_current`). An explicit dict
 or device from the user is never touched, and a load under DeepSpeed ZeRO-3, FSDP or tensor
 parallelism (core/device_map.py `sharding_engine`) is left exactly as written: those engines place
 the weights themselves. Undo: the registry puts back the original classmethod.
@@ -39,6 +40,26 @@ def _is_quantized(pretrained, kwargs) -> bool:
     return False
 
 
+def _make_current(device_map: dict) -> str | None:
+    """Make the rank's device the current one before its load, where it is not device 0: what
+    accelerate's state does for every process of a multi-device run, but only once it is created,
+    and a training script loads its model first. Until then every process's current device is
+    device 0, where anything the load does without naming a device (CUDA's context, a library's
+    scratch buffer) lands: 8 ranks of a node would each hold a context, hundreds of MiB, on the
+    first GPU. Returns what was done, for the decision's record; None where nothing was."""
+    device = device_map.get("") if len(device_map) == 1 else None
+    kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+    if kind == "cpu" or not index.isdigit() or int(index) == 0:
+        return None
+    import torch
+
+    module = getattr(torch, kind, None)  # torch.cuda, torch.xpu, torch.npu...
+    if module is None or not hasattr(module, "set_device") or not module.is_available():
+        return None
+    module.set_device(int(index))
+    return f"current device set to {device} for the load"
+
+
 class ModelLoadingPatch(registry.Patch):
     name = PATCH_NAME
     module = "transformers.modeling_utils"
@@ -71,9 +92,12 @@ class ModelLoadingPatch(registry.Patch):
             # An explicit map is kept whatever the load: skip reading the checkpoint's config then.
             quantized = replaceable(requested) and _is_quantized(pretrained, kwargs)
             decision = choose_device_map(requested, quantized, kwargs)
-            registry.record_decision(ModelLoadingPatch.name, decision)
             if decision.used is not decision.requested:
                 kwargs = dict(kwargs, device_map=decision.used)
+                made = _make_current(decision.used)
+                if made:
+                    decision = decision._replace(reason=f"{decision.reason}; {made}")
+            registry.record_decision(ModelLoadingPatch.name, decision)
             return wrapped(*args, **kwargs)
 
         self.wrap(module.PreTrainedModel, "from_pretrained", from_pretrained_wrapper)
