@@ -92,8 +92,11 @@ class SwapReport:
     `refused`: one `Refusal(where, op, reason)` per site left as stock.
     `model`: the class name of the model swapped. `new`: sites swapped by this call (0 when the
     model already had them: swapping twice swaps nothing twice). `head`: when a trainer installed
-    its own LM head on the model (TRL's `add_fused_lm_head`), whose head runs its training calls:
-    "TRL's", or "accel-patch's fused loss in TRL's place"; None otherwise.
+    its own LM head on the model (TRL's `add_fused_lm_head`), whose head was installed there:
+    "TRL's", or "accel-patch's fused loss in TRL's place"; None otherwise. Whose head ran its
+    calls is `head_ran()`, by the counted calls (ours stands aside per call where TRL's options
+    need its own), and is what `summary()`, `short()` and `to_dict()["head"]` say
+    (`to_dict()["head_installed"]` is `head`).
     `calls`: for the ops decided at each call (the fused loss, the fused LoRA sites, any op that
     pays only at some shapes), op -> outcome -> number of calls so far ("fused", or which other
     forward ran and why: `outcome_kind`); live: it grows as the model runs. Under torch.compile the
@@ -270,7 +273,8 @@ class SwapReport:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "swapped": dict(self.swapped), "not_run": dict(self.not_run),
-                "refused": [r._asdict() for r in self.refused], "head": self.head,
+                "refused": [r._asdict() for r in self.refused], "head": self.head_ran(),
+                "head_installed": self.head,
                 "waiting": dict(self.waiting), "calls": {op: dict(outcomes) for op, outcomes in self.calls.items()},
                 "mixers": {cls: {"modules": n, "runs": what} for cls, (n, what) in self.mixers.items()},
                 "replaced": [{"where": w, "op": op, "by": by} for w, op, by in self.replaced]}

@@ -158,6 +158,8 @@ def test_report_reads_as_a_table_and_one_line():
     # the head line says whose head ran the counted calls, never ours where TRL's ran
     fell = {"fused_linear_cross_entropy": {"TRL's head: MoE router logits": 3}}
     assert SwapReport("M", ops, head="ours", calls=fell).head_ran() == "TRL's (ours stood aside, see fall-backs)"
+    assert SwapReport("M", ops, head="ours", calls=fell).to_dict()["head"] == "TRL's (ours stood aside, see fall-backs)"
+    assert SwapReport("M", ops, head="ours", calls=fell).to_dict()["head_installed"] == "ours"
     both = {"fused_linear_cross_entropy": {"TRL's head: no labels": 1, "fused (in TRL's head)": 3,
                                            "fused (in TRL's head, no grad)": 2, "TRL's head: evaluation mode": 4}}
     assert SwapReport("M", ops, head="ours", calls=both).head_ran() == "ours, TRL's in 1 of 6 calls"
