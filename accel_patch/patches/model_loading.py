@@ -45,8 +45,8 @@ def _make_current(device_map: dict) -> str | None:
     accelerate's state does for every process of a multi-device run, but only once it is created,
     and a training script loads its model first. Until then every process's current device is
     device 0, where anything the load does without naming a device (CUDA's context, a library's
-    scratch buffer) lands: 8 ranks of a node would each hold a context, hundreds of MiB, on the
-    first GPU. Returns what was done, for the decision's record; None where nothing was."""
+    scratch buffer) lands: every rank of a node would open a context on the first GPU (not
+    measured here: no GPU). Returns what was done, for the decision's record; None where nothing was."""
     device = device_map.get("") if len(device_map) == 1 else None
     kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
     if kind == "cpu" or not index.isdigit() or int(index) == 0:
