@@ -1,4 +1,5 @@
 import contextlib
+import os
 
 import pytest
 import torch
@@ -174,6 +175,56 @@ def test_gate_and_up_held_elsewhere_are_never_written(device, holder):
     if holder == "retain_graph":
         for t, f in zip(leaves, first):
             assert torch.equal(t.grad, f), "the second backward read overwritten gate and up"
+
+
+_AFTER_A_RAISED_COMPILE = """
+import json, os, sys
+import torch
+
+def raises(gm, inputs):
+    raise RuntimeError("a backend that raises")
+
+try:
+    torch.compile(lambda t: t.sin() + 1, backend=raises, fullgraph=True)(torch.ones(3))
+except Exception:
+    pass
+from accel_kernels.ops import _glu
+from test_swiglu import _projections, _weighted
+
+found = {"refs in a call": _glu._call_refs(object())}
+for case in ("spent", "held"):
+    _, out, ptrs, arrived, kept = _projections("cpu", keep=case == "held")
+    before = [t.clone() for t in kept]
+    torch.autograd.backward(_weighted(out))
+    found[case] = [arrived["gate"] == ptrs[0], arrived["up"] == ptrs[1], all(map(torch.equal, kept, before))]
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow
+def test_the_gradients_overwrite_gate_and_up_after_a_compile_has_raised():
+    """Once a torch.compile has raised, dynamo's frame hook stays installed for the rest of the
+    process (torch 2.11 and 2.13) and CPython runs no Python call inline: every argument holds one
+    reference more inside a call. The backward still writes over gate and up that nothing holds,
+    and still never over ones the caller keeps. In a child process: the hook would stay in this
+    one. Red when `_spent` counts references as if every call ran inline (the gradients then get
+    fresh tensors for the rest of the run), or lets the extra reference pass for a user's."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    from _env import child_env
+
+    here = pathlib.Path(__file__).parent
+    path = os.pathsep.join(map(str, (here, here.parent)))
+    proc = subprocess.run([sys.executable, "-c", _AFTER_A_RAISED_COMPILE], capture_output=True, text=True,
+                          env=child_env(TRITON_INTERPRET="1", PYTHONPATH=path), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["refs in a call"] == 3, f"the raised compile no longer leaves calls out of line: {found}"
+    assert found["spent"] == [True, True, True], found
+    assert found["held"] == [False, False, True], found
 
 
 @pytest.mark.parametrize("missing", ["keep_graph", "use counts"])

@@ -274,12 +274,26 @@ def _spent(t: torch.Tensor) -> bool:
     no view, and its Python object's references are `_backward`'s local, this parameter and
     getrefcount's argument, plus the one its TensorImpl keeps while C++ shares it (PyObject
     preservation): a user's reference (a forward hook's list, a variable) adds one. Measured on
-    torch 2.11 and 2.13 (tests/kernels/test_swiglu.py)."""
+    torch 2.11 and 2.13 (tests/kernels/test_swiglu.py).
+
+    Those are the counts where CPython runs a Python call inline. Where it cannot (an
+    interpreter-wide frame-evaluation hook is installed: dynamo leaves its own installed for the
+    rest of the process once a compile has raised, on torch 2.11 and 2.13), the caller keeps its
+    own reference to each argument until the call returns: one more on `t`. That is read here,
+    on a fresh object through the same kind of call (`_call_refs`), not assumed; any other reading
+    gives fresh gradients."""
     if _storage_owners is None:
         return False
+    call = _call_refs(object()) - 2  # 0 where the call ran inline, 1 where the caller kept its reference
     owners = t._use_count()
-    return (owners <= 2 and t._base is None and sys.getrefcount(t) <= 2 + owners
+    return (0 <= call <= 1 and owners <= 2 and t._base is None and sys.getrefcount(t) <= 2 + owners + call
             and _storage_owners(t.untyped_storage()._cdata) <= 2)
+
+
+def _call_refs(x) -> int:
+    """x's references inside a Python call: this parameter and getrefcount's argument (2), and the
+    caller's where the call did not run inline (3)."""
+    return sys.getrefcount(x)
 
 
 # private API (torch 2.11 and 2.13 have both); where a torch lacks either, `_spent` says False and
