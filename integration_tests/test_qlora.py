@@ -1,5 +1,9 @@
 """QLoRA (bitsandbytes 4-bit + peft LoRA) under 2-process torchrun, loaded with device_map="auto"."""
 
+import pytest
+
+pytest.importorskip("bitsandbytes")
+
 from _launch import (assert_ddp_in_sync, free_port, read_ranks, require_success, run, summary,
                      torchrun_cmd, worker_env)
 
