@@ -139,11 +139,16 @@ def layer_kind(m) -> str | None:
     return base_kind(base_layer(m) if _is_lora_layer(m) else m)
 
 
-def _hooked(m) -> bool:
-    """Whether a hook is registered on `m` (forward, pre-forward, backward, accelerate's): the fused
-    functions do not call the module, so its hooks would not run."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or "_hf_hook" in m.__dict__)
+def _hooked(m) -> str | None:
+    """Why `m` must be called: a hook registered on it (forward, pre-forward, backward,
+    accelerate's), or its forward replaced on the instance (X-LoRA's way, a user's wrapper); None
+    when neither. The fused functions do not call the module, so neither would run."""
+    if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            or "_hf_hook" in m.__dict__):
+        return "hooks on a projection"
+    if "forward" in m.__dict__:
+        return "a forward set on a projection's instance"
+    return None
 
 
 _AUTOCASTABLE = (torch.float32, torch.bfloat16, torch.float16)  # what autocast casts (not float64)
@@ -214,17 +219,25 @@ def projection(m, x: torch.Tensor):
             if isinstance(p, str):
                 return p
             lora_A, lora_B = lora_A[adapter], children["lora_B"]._modules[adapter]
-            if _hooked(lora_A) or _hooked(lora_B) or _hooked(dropout):
-                return "hooks on a projection"
-        if _hooked(m):
-            return "hooks on a projection"
+            hooked = _hooked(lora_A) or _hooked(lora_B) or _hooked(dropout)
+            if hooked:
+                return hooked
+        hooked = _hooked(m)
+        if hooked:
+            return hooked
+        immediate = children.get("base_layer")
+        if immediate is not None and immediate is not base and "base_layer" in immediate._modules:
+            # PEFT's forward calls its immediate base layer: another adapter layer (LoHa, LoKr or
+            # LoRA of a mixed or twice-wrapped model) adds its own term there
+            return f"an adapter layer ({type(immediate).__module__}.{type(immediate).__qualname__}) under the LoRA layer"
     else:
         base, adapter = m, None
     kind = base_kind(base)
     if kind is None:
         return f"base layer {type(base).__name__} is neither a plain nor a bitsandbytes 4-bit linear"
-    if _hooked(base):
-        return "hooks on a projection"
+    hooked = _hooked(base)
+    if hooked:
+        return hooked
     params = base._parameters
     weight = params["weight"] if "weight" in params else base.weight  # a weight held as a plain tensor too
     bias = params["bias"] if "bias" in params else getattr(base, "bias", None)
@@ -248,6 +261,8 @@ def projection(m, x: torch.Tensor):
     if adapter is None:
         return Proj(weight, bias, kind, compute, False, 0.0, 0.0, autocast, False, None), ()
     a_params, b_params = lora_A._parameters, lora_B._parameters
+    if "weight" not in a_params or "weight" not in b_params:
+        return "an adapter weight that is not a parameter (parametrized)"
     A, B = a_params["weight"], b_params["weight"]
     if a_params.get("bias") is not None or b_params.get("bias") is not None:
         return "lora_bias"

@@ -196,8 +196,8 @@ class _Bound:
     (removing an instance attribute inside a trace, as binding a projection's own `forward` for the
     call needed, is not traceable in 2.11). The projections themselves are never touched."""
 
-    def __init__(self, site, module) -> None:
-        self.site, self.module = site, module
+    def __init__(self, site, module, cross: str | None = None) -> None:
+        self.site, self.module, self.cross = site, module, cross
         self.children: dict[str, torch.nn.Module] = {}
         self.stash: dict[str, torch.Tensor] = {}
         self.stash_x = None
@@ -216,6 +216,14 @@ class _Bound:
         x = args[0]
         if name in self.stash and self.stash_x is x:
             return self.stash.pop(name)
+        if self.decided.get(group) == ANOTHER_INPUT or (self.stash_x is not None and name in self.stash):
+            # the group was computed from another tensor this call (an attention of unknown form
+            # reading keys and values from a second input): this projection is PEFT's, never the
+            # group again (its other projections and their dropout masks already were)
+            if self.decided.get(group) != ANOTHER_INPUT:
+                self.decided[group] = ANOTHER_INPUT
+                _count(self.site, op, ANOTHER_INPUT)
+            return child(x)
         if self.decided.get(group) == timing.FASTER_UNFUSED:  # the group's first projection timed it
             return child(x)
         if x.dim() > 0 and _decode_shape(x):
@@ -244,7 +252,12 @@ class _Bound:
 
     def __enter__(self):
         inputs, out = self.site.names
-        if QKV_OP in self.site.ops:
+        if QKV_OP in self.site.ops and self.cross is not None:
+            # a cross-attention call: queries from one input, keys and values from another, each
+            # projection PEFT's (one dropout mask each, in PEFT's order, as stock draws them)
+            if _any_lora_layer(self.module, inputs):
+                _count(self.site, QKV_OP, _outcome(f"cross-attention ({self.cross})"))
+        elif QKV_OP in self.site.ops:
             for name in inputs:
                 self.serve(name, inputs, QKV_OP)
         if O_OP in self.site.ops and out is not None:
@@ -259,6 +272,13 @@ class _Bound:
         return False
 
 
+#: An attention forward's keyword arguments that carry a second input, for keys and values
+#: (encoder-decoder models' cross-attention, Mllama's cross-attention layers).
+CROSS_INPUTS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
+#: A group's projection called on another tensor than the one the group was computed from.
+ANOTHER_INPUT = "PEFT's forward: a projection of the group called on another input"
+
+
 def attention_forward(self, *args, **kwargs):
     """The swapped attention: its own forward, with the LoRA projections fused for this call."""
     site = self.__dict__.get(SITE_ATTR)
@@ -270,7 +290,8 @@ def attention_forward(self, *args, **kwargs):
     # the fused groups save their input as it is, under autocast too: the input norm's call instead
     # (the swapped attention forward beneath, whose scope would stand aside under autocast, then
     # finds this one open and opens none)
-    with _Bound(site, self), norms.recompute_scope(args[0] if args else kwargs.get("hidden_states"),
+    cross = next((name for name in CROSS_INPUTS if kwargs.get(name) is not None), None)
+    with _Bound(site, self, cross), norms.recompute_scope(args[0] if args else kwargs.get("hidden_states"),
                                                    site.norm_recomputed, saved_as_is=True):
         return call_inner(self, *args, **kwargs)
 

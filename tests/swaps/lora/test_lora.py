@@ -234,7 +234,19 @@ FALLBACKS = {
     "fan_in_fan_out": ({}, "fan_in_fan_out", "PEFT's forward: fan_in_fan_out"),
     "mixed dtypes": ({}, "float64_adapter", "PEFT's forward: mixed dtypes (input torch.float32, adapter torch.float64/torch.float64)"),
     "other base layer": ({}, "int8_like_base", "PEFT's forward: base layer Int8Like is neither a plain nor a bitsandbytes 4-bit linear"),
+    "an adapter layer under the LoRA layer": ({}, "nested", "PEFT's forward: an adapter layer "
+                                              "(peft.tuners.lora.layer.Linear) under the LoRA layer"),
+    "a forward set on the instance": ({}, "instance_forward", "PEFT's forward: a forward set on a projection's instance"),
+    "a parametrized adapter weight": ({}, "parametrized", "PEFT's forward: an adapter weight that is not a "
+                                      "parameter (parametrized)"),
 }
+
+
+class Halved(torch.nn.Module):
+    """A parametrization: the adapter computes with half its stored weight."""
+
+    def forward(self, w):
+        return 0.5 * w
 
 
 class Int8Like(torch.nn.Linear):
@@ -263,6 +275,15 @@ def _change(model, what):
             new = Int8Like(old.in_features, old.out_features, bias=False)
             new.weight = old.weight
             m.up_proj.base_layer = new
+    elif what == "nested":  # a LoHa/LoKr layer of a mixed model, or a model wrapped twice: its term counts
+        for m in mlps:
+            m.up_proj.base_layer = copy.deepcopy(m.up_proj)
+    elif what == "instance_forward":  # X-LoRA's way of wrapping a projection, or a user's
+        for m in mlps:
+            m.up_proj.forward = lambda x, *a, _f=m.up_proj.forward, **k: 0.5 * _f(x, *a, **k)
+    elif what == "parametrized":
+        for m in mlps:
+            torch.nn.utils.parametrize.register_parametrization(m.up_proj.lora_A["default"], "weight", Halved())
 
 
 QUICK_FALLBACKS = {"lora_bias", "other base layer"}
@@ -578,3 +599,62 @@ def test_a_model_without_lora_layers_takes_the_sites_fast_path(monkeypatch):
     loss1, _, _ = training_step(twin, padded_batch())
     assert rel(loss1, loss0) <= 1e-5
     assert {op: c for op, c in calls(twin).items() if op in lora.OPS} == {}
+
+
+def _bart_pair(dropout):
+    """A tiny Bart with LoRA on every attention projection (its decoder's cross-attention reads
+    keys and values from the encoder's states): stock PEFT and swapped, the same adapters."""
+    import transformers
+
+    torch.manual_seed(0)
+    base = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2))
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "out_proj"])
+    pair = []
+    for swap in (False, True):
+        torch.manual_seed(3)
+        model = get_peft_model(copy.deepcopy(base), config)
+        if swap:
+            swap_kernels(model, "lora_qkv,lora_o")
+        pair.append(model.train())
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(3, 100, (2, 12), generator=g),
+             "labels": torch.randint(3, 100, (2, 10), generator=g)}
+    ran = []
+    for model in pair:
+        torch.manual_seed(5)
+        out = model(**batch)
+        out.loss.backward()
+        ran.append((out.logits.detach(), torch.get_rng_state(),
+                    {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    return ran, calls(pair[1])
+
+
+@pytest.mark.slow
+def test_a_cross_attention_runs_pefts_projections_with_pefts_dropout_masks():
+    """An attention called with a second input for keys and values (Bart's decoder's
+    cross-attention: `key_value_states`) runs its q/k/v as PEFT does, one dropout mask each in
+    PEFT's order: the same logits, gradients and RNG state after the step as stock, with the
+    self-attentions fused. Red when the group is fused from the queries' input (masks drawn for
+    keys and values on the wrong tensor, the group computed twice)."""
+    ((l0, rng0, g0), (l1, rng1, g1)), counted = _bart_pair(dropout=0.1)
+    assert torch.equal(rng1, rng0), "the step drew other random numbers than stock"
+    assert rel(l1, l0) <= 1e-6 and g1.keys() == g0.keys()
+    assert max(rel(g1[n], g) for n, g in g0.items()) <= 1e-5
+    assert counted["lora_qkv"] == {"fused": 2, "PEFT's forward: cross-attention (key_value_states)": 1}, counted
+
+
+@pytest.mark.slow
+def test_a_group_projection_called_on_another_input_is_pefts_and_counted(monkeypatch):
+    """An attention of a form the site does not know passing keys and values another tensor
+    (here Bart's cross-attention with its keyword unrecognised): the group fused from the queries'
+    input is not computed again; the other projections run PEFT's forward, counted, and the step
+    equals stock's. Red when the group is fused a second time from the second input."""
+    monkeypatch.setattr(lora.sites, "CROSS_INPUTS", ())
+    ran, counted = _bart_pair(dropout=0.0)
+    (l0, _, g0), (l1, _, g1) = ran
+    assert rel(l1, l0) <= 1e-6 and max(rel(g1[n], g) for n, g in g0.items()) <= 1e-5
+    assert counted["lora_qkv"] == {"fused": 3, lora.sites.ANOTHER_INPUT: 1}, counted
