@@ -34,6 +34,19 @@ import torch.nn.functional as F
 from ..layers import mlp
 from .plans import Dtypes, Proj, dtypes
 
+
+def _first_order() -> None:
+    """Call first thing in each fused LoRA backward: they are not themselves differentiable (they
+    use tensors the forward made with autograd off), so under backward(create_graph=True) autograd
+    would record their outputs as constants and a second derivative (a gradient penalty, a
+    Hessian-vector product) would silently lose its part through the projections. Raise instead."""
+    if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph
+        raise RuntimeError(
+            "accel-patch's fused LoRA gives first-order gradients only, but its backward ran under "
+            "create_graph=True; leave the LoRA ops out for this model (ACCEL_PATCH_KERNELS without "
+            "lora_mlp, lora_qkv and lora_o, or restore_kernels(model)) to take second derivatives")
+
+
 NAMESPACE = "accel_patch_lora"
 
 _DTYPE_CODES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
@@ -561,6 +574,7 @@ def _linears_setup(ctx, inputs, output):
 
 
 def _linears_backward(ctx, douts):
+    _first_order()
     x, *saved = ctx.saved_tensors
     tensors, products = saved[:ctx.n_tensors], saved[ctx.n_tensors:]
     metas, _ = parse(ctx.spec)
@@ -674,6 +688,7 @@ def _mlp_setup(ctx, inputs, output):
 
 
 def _mlp_backward(ctx, douts):
+    _first_order()
     dout = douts[0]  # (gate's, up's and the products' gradients are not used: outputs only for the saving)
     x, gate, up, *saved = ctx.saved_tensors
     tensors, products = saved[:ctx.n_tensors], saved[ctx.n_tensors:]
@@ -747,6 +762,7 @@ class _EagerLinears(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *douts):
+        _first_order()
         metas, _ = parse(ctx.spec)
         (x, *tensors), kepts = _restore(ctx, len(metas), 1 + sum(m.n_tensors for m in metas))
         douts = [d if d is not None else x.new_zeros((_n_rows(x), m.out_features), dtype=m.dt.out)
@@ -768,6 +784,7 @@ class _EagerMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        _first_order()
         metas, _ = parse(ctx.spec)
         (x, gate, up, *tensors), kepts = _restore(ctx, len(metas), 3 + sum(m.n_tensors for m in metas))
         with _NoAutocast(x.device.type):

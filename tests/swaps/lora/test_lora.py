@@ -658,3 +658,20 @@ def test_a_group_projection_called_on_another_input_is_pefts_and_counted(monkeyp
     (l0, _, g0), (l1, _, g1) = ran
     assert rel(l1, l0) <= 1e-6 and max(rel(g1[n], g) for n, g in g0.items()) <= 1e-5
     assert counted["lora_qkv"] == {"fused": 3, lora.sites.ANOTHER_INPUT: 1}, counted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["mlp", "attention"])
+def test_a_second_derivative_through_fused_lora_raises_instead_of_losing_its_part(where):
+    """Fused LoRA's backwards are first-order: under backward(create_graph=True) (a gradient
+    penalty, a Hessian-vector product) they raise, naming the way out, instead of handing autograd
+    constants that drop the projections' part of the second derivative. Red when the backward runs
+    through create_graph."""
+    base = build("llama")
+    twin = peft_model(base, "swap-then-peft", LORA_OPS, target_modules=["up_proj"] if where == "mlp" else ["q_proj"])
+    batch = padded_batch()
+    loss = twin(**batch).loss
+    params = [p for p in twin.parameters() if p.requires_grad]
+    with pytest.raises(RuntimeError, match="fused LoRA gives first-order gradients only.*ACCEL_PATCH_KERNELS"):
+        torch.autograd.grad(loss, params, create_graph=True)
+    assert calls(twin)["lora_mlp" if where == "mlp" else "lora_qkv"] == {"fused": 2}, calls(twin)
