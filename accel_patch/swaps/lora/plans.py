@@ -199,7 +199,10 @@ def projection(m, x: torch.Tensor):
             if m.merged:
                 return "adapters disabled while merged (PEFT unmerges in its forward)"
         elif not m.merged:
-            lora_A = children["lora_A"]._modules
+            held = children["lora_A"]
+            if not isinstance(held, torch.nn.ModuleDict):  # AdaLoRA's ParameterDict of factors
+                return f"adapters held as a {type(held).__name__} (AdaLoRA's SVD form)"
+            lora_A = held._modules
             active = [a for a in m.active_adapters if a in lora_A]
             if len(active) > 1:
                 return f"more than one active adapter ({', '.join(active)})"

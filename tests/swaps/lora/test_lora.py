@@ -675,3 +675,26 @@ def test_a_second_derivative_through_fused_lora_raises_instead_of_losing_its_par
     with pytest.raises(RuntimeError, match="fused LoRA gives first-order gradients only.*ACCEL_PATCH_KERNELS"):
         torch.autograd.grad(loss, params, create_graph=True)
     assert calls(twin)["lora_mlp" if where == "mlp" else "lora_qkv"] == {"fused": 2}, calls(twin)
+
+
+@pytest.mark.slow
+def test_adalora_runs_pefts_forward_counted_as_such_not_as_no_adapter():
+    """AdaLoRA keeps its adapters as a ParameterDict of SVD factors, which the fused functions do
+    not compute: PEFT's forward runs, counted with that reason (it read "no active LoRA adapter"
+    before, which was untrue), and the step equals stock's."""
+    from peft import AdaLoraConfig
+
+    base = build("llama")
+    config = AdaLoraConfig(init_r=6, target_r=4, total_step=10, lora_alpha=8, lora_dropout=0.0,
+                           target_modules=["q_proj", "v_proj", "up_proj"])
+    pair = []
+    for swap in (False, True):
+        torch.manual_seed(3)
+        model = copy.deepcopy(base)
+        if swap:
+            swap_kernels(model, LORA_OPS)
+        pair.append(get_peft_model(model, config))
+    assert_step_equals_stock(*pair)
+    reason = "PEFT's forward: adapters held as a ParameterDict (AdaLoRA's SVD form)"
+    assert calls(pair[1]) == {"lora_qkv": {reason: 2}, "lora_mlp": {reason: 2},
+                              "lora_o": {lora.sites.NO_ADAPTER: 2}}, calls(pair[1])  # o_proj: no adapter
