@@ -9,6 +9,7 @@ model itself. Everything refused is recorded with its reason; nothing is swapped
 from __future__ import annotations
 
 import logging
+import sys
 from typing import NamedTuple
 
 import torch
@@ -39,7 +40,16 @@ def unwrap(model) -> torch.nn.Module:
             model = model._orig_mod
         elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
             model = model.get_base_model()
+        elif _peft_mixed(model):  # get_peft_model(..., mixed=True): no get_base_model
+            model = model.base_model.model
     return model
+
+
+def _peft_mixed(model) -> bool:
+    """Whether `model` is PEFT's PeftMixedModel (asked only where peft is imported already)."""
+    peft = sys.modules.get("peft")
+    mixed = getattr(peft, "PeftMixedModel", None)
+    return isinstance(mixed, type) and isinstance(model, mixed)
 
 
 def activation_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -698,3 +698,25 @@ def test_adalora_runs_pefts_forward_counted_as_such_not_as_no_adapter():
     reason = "PEFT's forward: adapters held as a ParameterDict (AdaLoRA's SVD form)"
     assert calls(pair[1]) == {"lora_qkv": {reason: 2}, "lora_mlp": {reason: 2},
                               "lora_o": {lora.sites.NO_ADAPTER: 2}}, calls(pair[1])  # o_proj: no adapter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["swap-then-peft", "peft-then-swap"])
+def test_a_peft_mixed_model_is_seen_through_by_report_swap_and_restore(order):
+    """get_peft_model(..., mixed=True) returns a PeftMixedModel, which has no get_base_model: the
+    report, the swap and the restore reach the transformers model inside it, as through a
+    PeftModel. Red when the report of the wrapper is None (swapped before) or the swap's state
+    lands on the wrapper (swapped after)."""
+    model = copy.deepcopy(build("llama"))
+    if order == "swap-then-peft":
+        swap_kernels(model, LORA_OPS)
+    torch.manual_seed(3)
+    mixed = get_peft_model(model, LoraConfig(**{**ALL_LINEAR, "target_modules": ["q_proj", "v_proj"]}), mixed=True)
+    if order == "peft-then-swap":
+        swap_kernels(mixed, LORA_OPS)
+    assert accel_patch.swaps.apply.unwrap(mixed) is model
+    training_step(mixed, padded_batch())
+    assert accel_patch.report(mixed).calls["lora_qkv"] == {"fused": 2}
+    restore_kernels(mixed)
+    assert accel_patch.report(mixed) is None
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
