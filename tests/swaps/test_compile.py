@@ -229,3 +229,36 @@ def test_dynamic_shapes_and_bf16_autocast_keep_the_fused_loss_under_compile():
         loss0, _, _ = training_step(stock, batch)
         loss1, _, out = training_step(torch.compile(twin, fullgraph=True, backend="aot_eager"), batch)
     assert out.logits is None and rel(loss1, loss0) <= 1e-3  # bf16 head matmul, as stock's
+
+
+@pytest.mark.slow
+def test_a_swapped_model_under_gradient_checkpointing_compiles_fullgraph_with_the_rope_kernel():
+    """Under non-reentrant gradient checkpointing each decoder layer is traced inside a
+    higher-order op, where dynamo refuses any write to a Python object: the RoPE gate's depth is
+    kept at trace time (`rope._traced_step`), so the swapped model compiles fullgraph wherever
+    stock does, with the rope op in the graph, stock's loss and gradients, and RoPE's calls counted
+    as fused. Red when the swapped forward writes the gate's depth in the trace ("HOP: Unsafe side
+    effect")."""
+    stock, twin = pair("llama", vocab_size=VOCAB)
+    for m in (stock, twin):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.config.use_cache = False  # (else transformers logs that checkpointing turns it off: a graph break)
+        m.train()
+    swap_kernels(twin)
+    batch = padded_batch()
+    loss0, grads0, _ = training_step(stock, batch)
+    try:
+        torch.compile(stock, fullgraph=True, backend="aot_eager")(**batch)
+    except Exception as e:  # noqa: BLE001 - e.g. transformers' hub-kernel wrappers on newer releases
+        pytest.skip(f"stock does not compile under checkpointing here: {type(e).__name__}: {str(e).splitlines()[0]}")
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(twin, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    loss1, grads1, _ = training_step(compiled, batch)
+    grads1 = {n.replace("_orig_mod.", ""): g for n, g in grads1.items()}
+    names = {str(n.target) for g in graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)
+             for n in m.graph.nodes if n.op == "call_function"}
+    assert "accel_kernels.rope" in names, sorted(x for x in names if "accel" in x)
+    assert rel(loss1, loss0) <= 1e-5 and grads1.keys() == grads0.keys()
+    assert max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+    assert accel_patch.report(twin).calls["rope"] == {"compiled: fused": 2}

@@ -21,9 +21,12 @@ closure).
 How the dispatcher knows it is inside a swapped attention forward: a depth counter per global
 (`Gate`), raised by the swapped forward around the stock one. In eager mode the counter is
 thread-local (another thread running a bystander of the family at the same moment sees its own
-depth, 0); while dynamo traces, a plain object's attribute is used instead, which dynamo follows
-as a constant of the trace and guards on (it cannot trace a ContextVar or a `threading.local`):
-the counter is 0 at every entry, so it adds no recompile, and the graph holds the kernel's op.
+depth, 0); while dynamo traces, a count per trace is raised, lowered and read at trace time, by
+functions whose results are constants of the graph (`_traced_step`, `_traced_depth`): dynamo
+cannot trace a ContextVar or a `threading.local`, and refuses a write to a Python object inside a
+higher-order op's body (a swapped layer under non-reentrant gradient checkpointing). The graph
+holds the kernel's op and nothing of the count, and guards on nothing of it; a trace dynamo
+abandons (a graph break, a restart) leaves its count under its own trace id.
 
 The probe calls the original function and `accel_kernels.rope` on random q, k, cos, sin with the
 attention's head counts and head dim (full and partial rotary, where the function accepts them),
@@ -129,10 +132,12 @@ class RopePlan(namedtuple("RopePlan", "key cast_back half_tables form bshd q_alo
 
 
 class _Depth:
+    """A gate's depth while dynamo traces: read and written at trace time only (`_traced_step`),
+    per trace (`trace`: the id of the trace it counts)."""
+
     def __init__(self) -> None:
-        # an instance attribute from the start: dynamo guards on the instance __dict__, and a class
-        # default that the first compiled call's write-back shadows would fail that guard once
         self.depth = 0
+        self.trace = ""
 
 
 class _LocalDepth(threading.local):
@@ -144,9 +149,10 @@ class _LocalDepth(threading.local):
 
 class Gate:
     """How many swapped attention forwards of one RoPE global are running: a thread-local count in
-    eager mode, a plain attribute while dynamo traces (see the module docstring)."""
+    eager mode, a count per trace while dynamo traces (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: tuple[str, str]) -> None:
+        self.key = key
         self.local = _LocalDepth()
         self.traced = _Depth()
 
@@ -154,7 +160,39 @@ class Gate:
         return self.traced if sites.compiling() else self.local
 
     def is_open(self) -> bool:
-        return self.counter().depth > 0
+        if sites.compiling():
+            return _traced_depth(self.key) > 0
+        return self.local.depth > 0
+
+
+def _trace() -> str:
+    """The trace dynamo is making now (its compile id and attempt), "" outside one."""
+    from torch._guards import CompileContext
+
+    current = CompileContext.current_trace_id()
+    return "" if current is None else str(current)
+
+
+@torch.compiler.assume_constant_result
+def _traced_depth(key: tuple[str, str]) -> int:
+    """The depth of `key`'s gate in the trace under way, read at trace time (a constant of the graph)."""
+    depth = gate(key).traced
+    return depth.depth if depth.trace == _trace() else 0
+
+
+@torch.compiler.assume_constant_result
+def _traced_step(key: tuple[str, str], by: int) -> bool:
+    """Raise (1) or lower (-1) the depth of `key`'s gate in the trace under way, at trace time: the graph
+    carries nothing of it, and dynamo sees no write to a Python object, which it refuses inside a
+    higher-order op's body (a non-reentrant checkpoint's, a swapped layer under gradient
+    checkpointing). A trace that dynamo abandons (a graph break, a restart) leaves its count
+    behind under its own id: the next trace starts from 0."""
+    depth = gate(key).traced
+    now = _trace()
+    if depth.trace != now:
+        depth.trace, depth.depth = now, 0
+    depth.depth += by
+    return True
 
 
 _gates: dict[tuple[str, str], Gate] = {}
@@ -165,7 +203,7 @@ def gate(key: tuple[str, str]) -> Gate:
     """The one gate of a RoPE global (kept for the process, shared by every dispatcher of it)."""
     with _gates_lock:
         if key not in _gates:
-            _gates[key] = Gate()
+            _gates[key] = Gate(key)
         return _gates[key]
 
 
@@ -836,14 +874,20 @@ def forward_for(key: tuple[str, str]):
             # a trace of this forward starts with no outcome noted; an enclosing swapped forward's
             # note so far is kept (nested sites: DeepSeek V4's compressor and indexer in its attention)
             outer = "" if eager else _traced_take(key)
-            counter.depth += 1
+            if eager:
+                counter.depth += 1
+            else:
+                _traced_step(key, 1)
             try:
                 # the projections keep the input norm's call instead of its output (norms.recompute_scope)
                 with norms.recompute_scope(args[0] if args else kwargs.get("hidden_states"),
                                            None if site is None else site.norm_recomputed):
                     out = sites.call_inner(self, *args, **kwargs)
             finally:
-                counter.depth -= 1
+                if eager:
+                    counter.depth -= 1
+                else:
+                    _traced_step(key, -1)
             if site is None:
                 return out
             if eager:  # what this call's RoPE ran
@@ -856,7 +900,7 @@ def forward_for(key: tuple[str, str]):
             else:  # what the graph's RoPE runs, once per compiled graph ("compiled: fused", ...)
                 inner = _traced_take(key)
                 sites.count(site, inner or another)
-                if counter.depth > 0:  # the enclosing forward counts this one's calls too, as in eager
+                if _traced_depth(key) > 0:  # the enclosing forward counts this one's calls too, as in eager
                     merged = inner if inner and inner != FUSED else outer or inner
                     if merged:
                         _traced_note(key, merged)
