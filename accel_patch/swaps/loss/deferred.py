@@ -166,7 +166,9 @@ def _scalar(x) -> bool:
 
 
 def _record(func, args, kwargs, me):
-    return (func, tuple(_SELF if a is me else a for a in args), kwargs)
+    # the type first: under dynamic shapes a scale is a SymFloat, which dynamo cannot compare with
+    # a plain object by identity (it raises NotImplementedError from the trace)
+    return (func, tuple(_SELF if isinstance(a, type(me)) and a is me else a for a in args), kwargs)
 
 
 def _h_contiguous(func, args, kwargs):
