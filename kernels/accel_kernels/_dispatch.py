@@ -75,18 +75,21 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             )
 
 
-def check_first_order(op: str) -> None:
-    """Call first thing in a backward that is not itself differentiable (the kernels' backwards).
+_KERNELS_WAY_OUT = ("call backward without create_graph (rms_norm and rope on float64 inputs, which run "
+                    "their plain-torch twins, do support it)")
+
+
+def check_first_order(op: str, way_out: str = _KERNELS_WAY_OUT) -> None:
+    """Call first thing in a backward that is not itself differentiable (the kernels' backwards,
+    and any caller's whose backward uses tensors its forward made with autograd off).
 
     Under backward(create_graph=True) autograd would record such a backward's outputs as constants,
-    and a second derivative through the op would silently lose its part: raise instead.
+    and a second derivative through the op would silently lose its part: raise instead, naming
+    `way_out`.
     """
     if torch.is_grad_enabled():  # autograd runs backwards with grad mode on only for create_graph
-        raise RuntimeError(
-            f"{op} gives first-order gradients only, but its backward ran under create_graph=True; "
-            f"call backward without create_graph (rms_norm and rope on float64 inputs, which run "
-            f"their plain-torch twins, do support it)"
-        )
+        raise RuntimeError(f"{op} gives first-order gradients only, but its backward ran under "
+                           f"create_graph=True; {way_out}")
 
 
 @torch.compiler.assume_constant_result

@@ -36,15 +36,13 @@ from .plans import Dtypes, Proj, dtypes
 
 
 def _first_order() -> None:
-    """Call first thing in each fused LoRA backward: they are not themselves differentiable (they
-    use tensors the forward made with autograd off), so under backward(create_graph=True) autograd
-    would record their outputs as constants and a second derivative (a gradient penalty, a
-    Hessian-vector product) would silently lose its part through the projections. Raise instead."""
-    if torch.is_grad_enabled():  # autograd runs a backward with grad mode on only for create_graph
-        raise RuntimeError(
-            "accel-patch's fused LoRA gives first-order gradients only, but its backward ran under "
-            "create_graph=True; leave the LoRA ops out for this model (ACCEL_PATCH_KERNELS without "
-            "lora_mlp, lora_qkv and lora_o, or restore_kernels(model)) to take second derivatives")
+    """Call first thing in each fused LoRA backward: they use tensors the forward made with autograd
+    off, so a second derivative through them would silently lose the projections' part."""
+    from accel_kernels import _dispatch
+
+    _dispatch.check_first_order(
+        "accel-patch's fused LoRA", "leave the LoRA ops out for this model (ACCEL_PATCH_KERNELS without "
+        "lora_mlp, lora_qkv and lora_o, or restore_kernels(model)) to take second derivatives")
 
 
 NAMESPACE = "accel_patch_lora"
