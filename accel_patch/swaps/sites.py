@@ -296,6 +296,23 @@ def storage_freed(t: torch.Tensor) -> bool:
     return t.numel() == 0 or t.untyped_storage().nbytes() < needed
 
 
+def in_subgraph() -> bool:
+    """Whether dynamo is tracing this call inside a higher-order op's body (a non-reentrant
+    checkpoint's: a decoder layer under gradient checkpointing), where it refuses any write to an
+    object made outside the body. False outside a trace."""
+    return compiling() and _traced_in_subgraph()
+
+
+@torch.compiler.assume_constant_result
+def _traced_in_subgraph() -> bool:
+    """Asked at trace time and kept as a constant of the graph: whether the tracer under way is a
+    higher-order op's (it has a parent)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    return tx is not None and tx.output.current_tracer.parent is not None
+
+
 @torch.compiler.assume_constant_result
 def autocast_available(device_type: str) -> bool:
     """Whether autocast exists for `device_type`. Asked at trace time and kept as a constant of the

@@ -275,6 +275,11 @@ class _Bound:
 #: An attention forward's keyword arguments that carry a second input, for keys and values
 #: (encoder-decoder models' cross-attention, Mllama's cross-attention layers).
 CROSS_INPUTS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
+#: An attention traced inside a higher-order op's body (a decoder layer under non-reentrant
+#: gradient checkpointing, compiled): dynamo refuses there the call's stores into the attention's
+#: `_modules` that serve its projections (a write to an object made outside the body), so they run
+#: as PEFT's, in the graph. The MLP site stores nothing and stays fused there.
+IN_SUBGRAPH = "PEFT's forward: an attention traced inside a checkpointed layer's body (torch.compile)"
 #: A group's projection called on another tensor than the one the group was computed from.
 ANOTHER_INPUT = "PEFT's forward: a projection of the group called on another input"
 
@@ -290,6 +295,11 @@ def attention_forward(self, *args, **kwargs):
     # the fused groups save their input as it is, under autocast too: the input norm's call instead
     # (the swapped attention forward beneath, whose scope would stand aside under autocast, then
     # finds this one open and opens none)
+    if sites.in_subgraph():
+        for op, group in ((QKV_OP, inputs), (O_OP, (out,) if out is not None else ())):
+            if op in site.ops and _any_lora_layer(self, group):
+                _count(site, op, IN_SUBGRAPH)
+        return call_inner(self, *args, **kwargs)
     cross = next((name for name in CROSS_INPUTS if kwargs.get(name) is not None), None)
     with _Bound(site, self, cross), norms.recompute_scope(args[0] if args else kwargs.get("hidden_states"),
                                                    site.norm_recomputed, saved_as_is=True):
