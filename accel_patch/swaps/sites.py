@@ -358,23 +358,48 @@ def uncounted():
         _uncounted -= 1
 
 
+class CountingSite:
+    """Base of a site that counts its calls with `count` below: `calls` is the model's call table
+    (SwapState.calls; `SwapState.absorb` points it at another), and `calls_id` its id, kept with it
+    for the count while dynamo traces."""
+
+    @property
+    def calls(self) -> dict:
+        return self._calls
+
+    @calls.setter
+    def calls(self, table: dict) -> None:
+        self._calls, self.calls_id = table, id(table)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (`copy.deepcopy` of a swapped model, pickling) keeps the id of its own table, never
+        the original's, which may be gone by the time the copy is traced."""
+        self.__dict__.update(state)
+        self.calls = state["_calls"]
+
+
 def count(site, outcome: str, *before) -> None:
     """`site.count(*before, outcome)` for one call; while dynamo traces, once per compiled graph,
     as "compiled: <outcome>": what the graph computes at every call of it (a change that would
-    give another outcome fails a guard and is traced, and counted, anew)."""
+    give another outcome fails a guard and is traced, and counted, anew). `before` is the op where
+    the site counts several (a LoRA site), else the site's class names it (`site.OP`)."""
     if compiling():
-        _count_traced(id(site), before, outcome)
+        _count_traced(site.calls_id, before[0] if before else site.OP, outcome)
     else:
         site.count(*before, outcome)
 
 
 @torch.compiler.assume_constant_result
-def _count_traced(site_id: int, before: tuple, outcome: str) -> bool:
+def _count_traced(calls_id: int, op: str, outcome: str) -> bool:
     """Dynamo runs this at trace time and keeps only its result, so the count is one per compiled
-    graph, not per call. The site comes by id: dynamo in torch 2.11 hands such a function constants
-    only, and `id(site)` in the trace is one, guarded on the site's identity (as 2.13 guards a site
-    passed itself); the site lives as long as the swap."""
-    traced_object(site_id).count(*before, COMPILED + outcome)
+    graph, not per call. The count goes to the model's call table, by the id the site keeps
+    (`CountingSite.calls_id`, a plain int: dynamo in torch 2.11 hands such a function constants
+    only, and cannot take `id()` of a dict). The table, not the site: every site of a model counts
+    into the one table, so the graph guards on an int all of a model's sites share, and layers
+    compiled one by one (`layer.compile()`) share one graph as stock's do; a guard on each site's
+    identity would trace every layer anew and, past dynamo's recompile limit, run the rest eagerly.
+    Such layers count once per graph: the layers that reuse it are not traced, so not counted."""
+    count_into(traced_object(calls_id), op, COMPILED + outcome)
     return True
 
 

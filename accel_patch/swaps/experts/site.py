@@ -109,11 +109,13 @@ class Candidate(namedtuple("Candidate", "names biases style arg_names")):
     __slots__ = ()
 
 
-class Site:
+class Site(sites.CountingSite):
     """What the experts forward reads at call time: its plan, the forward's argument names, the
     model's call counts, what the tiled MLP's rule reads (`requested`: the caller named
     tiled_mlp; `holders`: the modules whose gradient_checkpointing flag covers this layer), and
     the switches read once at the swap (`gate_up`, `backward`, `tile_budget`: bytes or None)."""
+
+    OP = OP  # what it counts under (sites.count while dynamo traces)
 
     def __init__(self, plan: ExpertsPlan, arg_names: tuple[str, ...], calls, requested: bool = False,
                  holders=()) -> None:

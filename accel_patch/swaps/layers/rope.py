@@ -98,8 +98,10 @@ SHAPE = "a shape the kernel does not take: the function itself"
 SITE_ATTR = "_accel_patch_rope_site"
 
 
-class Site:
+class Site(sites.CountingSite):
     """What a swapped attention's forward counts into: the model's call table."""
+
+    OP = OP  # what it counts under (sites.count while dynamo traces)
 
     def __init__(self, calls, name: str) -> None:
         self.calls, self.name = calls, name

@@ -9,7 +9,7 @@ into a plain dict, put back before the call returns; dynamo replays the final st
 state before the call); the projections themselves are not touched: no instance attribute is set
 or removed in the trace, which torch 2.11's dynamo cannot replay. A compiled call is counted when dynamo traces it, not when the graph runs
 (per-call counting inside a graph is a guard that fails at every call): `calls` then holds
-"compiled: <outcome>" once per site per compiled graph, what the graph computes at every call
+"compiled: <outcome>" once per traced site (docs/compile.md), what the graph computes at every call
 of it (a change that would give another outcome fails a guard and is traced, and counted, anew)."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _decode_shape(x: torch.Tensor) -> bool:
 COMPILED = report.COMPILED
 
 
-class Site:
+class Site(sites.CountingSite):
     """What a LoRA site's forward reads at call time: its ops, projection names, the GLU plan of an
     MLP, and the call counts it adds to (the model's SwapState.calls). For an MLP, `torch_glu`
     says whether the module's own activation is `functions.TORCH_ACTS[act]` bit for bit (checked

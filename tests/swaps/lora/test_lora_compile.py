@@ -181,3 +181,47 @@ def test_lora_under_gradient_checkpointing_compiles_fullgraph_with_the_mlp_fused
     layers = base.config.num_hidden_layers
     peft = lora.COMPILED + lora.IN_SUBGRAPH
     assert calls(twin) == {"lora_qkv": {peft: layers}, "lora_o": {peft: layers}, "lora_mlp": {COMPILED_FUSED: layers}}
+
+
+def layerwise_step(model, layers):
+    """A training step with each decoder layer compiled on its own (`layer.compile()`, fullgraph),
+    dynamo's recompile limit at 2 (4 layers: past it, a hard failure): (loss, grads, graphs dynamo made)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for layer in layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        loss, grads, _ = training_step(model, padded_batch())
+    return loss, grads, counters["stats"]["unique_graphs"]
+
+
+def test_layers_compiled_one_by_one_share_one_graph_as_stock_layers_do():
+    """The sites count into the model's call table by an id all of its sites share: dynamo guards
+    on that, not on each site's identity, so the swapped layers compiled one by one share their
+    graph as stock's do (stock: two, the first layer's input needs no grad). Red when a count is
+    keyed on its site: a trace per layer, and past the recompile limit a hard failure."""
+    base = build("llama", num_hidden_layers=4)
+    base.config.use_cache = False  # (a cache's per-layer state is a guard: a graph per layer in stock too)
+    stock, twin = peft_model(base, "stock"), peft_model(base, "peft-then-swap")
+    loss0, grads0, graphs0 = layerwise_step(stock, stock.base_model.model.model.layers)
+    torch._dynamo.reset()
+    loss1, grads1, graphs1 = layerwise_step(twin, twin.base_model.model.model.layers)
+    assert graphs1 == graphs0 == 2
+    assert rel(loss1, loss0) <= 1e-5 and max(rel(grads1[n], g) for n, g in grads0.items()) <= 1e-4
+    # one count per graph: the layers that reuse a graph are not traced
+    assert calls(twin) == {op: {COMPILED_FUSED: 2} for op in lora.OPS}
+
+
+def test_a_copy_of_a_swapped_model_counts_its_compiled_calls_in_its_own_table():
+    """`copy.deepcopy` of a swapped model (a reference model for DPO) gives sites whose traced
+    counts go to the copy's call table, never the original's. Red when a copied site keeps the
+    original table's id."""
+    import copy
+
+    twin = peft_model(build("llama"), "peft-then-swap")
+    twin.train()
+    clone = copy.deepcopy(twin)
+    training_step(torch.compile(clone, fullgraph=True, backend="aot_eager"), padded_batch())
+    assert calls(clone) == {op: {COMPILED_FUSED: 2} for op in lora.OPS}
+    assert calls(twin) == {}
