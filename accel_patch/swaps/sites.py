@@ -399,8 +399,41 @@ def _count_traced(calls_id: int, op: str, outcome: str) -> bool:
     compiled one by one (`layer.compile()`) share one graph as stock's do; a guard on each site's
     identity would trace every layer anew and, past dynamo's recompile limit, run the rest eagerly.
     Such layers count once per graph: the layers that reuse it are not traced, so not counted."""
-    count_into(traced_object(calls_id), op, COMPILED + outcome)
+    traced_count_into(traced_object(calls_id), op, COMPILED + outcome)
     return True
+
+
+_attempts: dict[int, tuple] = {}  # id(table) -> (weakref to the CompileContext, attempt, [(op, outcome)])
+
+
+def traced_count_into(calls: dict, op: str, outcome: str) -> None:
+    """count_into at trace time, for the trace under way only: when dynamo restarts a trace (a new
+    attempt of the same compile: under dynamic shapes a Python float made a tensor restarts it),
+    the calls the abandoned attempt counted are taken back first, so a graph counts each of its
+    sites once. (An attempt is told by the CompileContext object, which lives for one compile of
+    a frame and all its attempts; compile ids start again after `torch._dynamo.reset()`.)"""
+    import weakref
+
+    from torch._guards import CompileContext
+
+    context = CompileContext.try_get()
+    if context is not None:
+        ref, attempt, counted = _attempts.get(id(calls), (None, 0, []))
+        if ref is None or ref() is not context:
+            counted = []
+        elif context.attempt > attempt:
+            for was in counted:
+                per_op = calls.get(was[0], {})
+                per_op[was[1]] = per_op.get(was[1], 0) - 1
+                if per_op.get(was[1]) == 0:
+                    del per_op[was[1]]
+                if not per_op:
+                    calls.pop(was[0], None)
+            counted = []
+        if not _uncounted:
+            counted.append((op, outcome))
+        _attempts[id(calls)] = (weakref.ref(context), context.attempt, counted)
+    count_into(calls, op, outcome)
 
 
 def traced_object(object_id: int):

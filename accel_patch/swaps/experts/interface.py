@@ -117,7 +117,7 @@ def _count_eager(module, outcome: str) -> None:
 def _count_traced(module_id: int, outcome: str) -> bool:
     """Once per compiled graph (dynamo keeps the result, not the call): sites.count's rule, the
     module by id as there."""
-    _count_eager(sites.traced_object(module_id), "compiled: " + outcome)
+    sites.traced_count_into(sites.traced_object(module_id).__dict__, CALLS_ATTR, "compiled: " + outcome)  # as _count_eager
     return True
 
 

@@ -53,5 +53,5 @@ layers/mlp.py (the GLU its MLP builds on), never the loss's room.
 from .functions import fused_linears, fused_mlp
 from .plans import MLP_OP, O_OP, OPS, QKV_OP, attention_candidate, mlp_candidate, structure
 from .probe import probe_linears, probe_mlp
-from .sites import (COMPILED, FUSED, IN_SUBGRAPH, INNER_ATTR, NO_ADAPTER, SITE_ATTR, Site, attention_forward, install,
-                    mlp_forward, op_of, waiting_ops)
+from .sites import (COMPILED, DECODE_ROWS, FUSED, IN_SUBGRAPH, INNER_ATTR, NO_ADAPTER, SITE_ATTR, Site, attention_forward,
+                    install, mlp_forward, op_of, waiting_ops)

@@ -33,12 +33,14 @@ NO_ADAPTER = "no active LoRA adapter: the module's forward"
 #: Decode steps (generation: a few tokens, no grad): the fused function saves nothing there (no
 #: activations are kept without grad) and its host-side work (the plan, the spec, one custom op)
 #: costs more than it saves at a few rows: PEFT's forward runs, counted (by design, not a fall-back).
+#: Not while dynamo traces: a compiled graph has no per-op host work to save, and the row count
+#: would be a guard on the tokens (a batch on the other side of it recompiles, which stock does not).
 DECODE_ROWS = 16
 DECODE = f"decode shape: PEFT's forward (at most {DECODE_ROWS} tokens, no grad)"
 
 
 def _decode_shape(x: torch.Tensor) -> bool:
-    return not torch.is_grad_enabled() and x.numel() <= DECODE_ROWS * x.shape[-1]
+    return not torch.is_grad_enabled() and not sites.compiling() and x.numel() <= DECODE_ROWS * x.shape[-1]
 
 #: Prefix of the outcomes counted while torch.compile traces a site (once per compiled graph).
 COMPILED = report.COMPILED

@@ -225,3 +225,24 @@ def test_a_copy_of_a_swapped_model_counts_its_compiled_calls_in_its_own_table():
     training_step(torch.compile(clone, fullgraph=True, backend="aot_eager"), padded_batch())
     assert calls(clone) == {op: {COMPILED_FUSED: 2} for op in lora.OPS}
     assert calls(twin) == {}
+
+
+def test_no_grad_calls_on_either_side_of_the_decode_rows_share_one_dynamic_graph():
+    """The decode-shape rule (PEFT's forward at a few rows without grad) saves host work a compiled
+    graph does not have, so it is not asked while dynamo traces: a row count would be a guard, and
+    a batch on the other side of it would recompile where stock does not. Red when the rule is
+    asked under compile. Dynamo restarts this trace once (dynamic shapes make a Python float a
+    tensor): each site is still counted once, red when the abandoned attempt's counts stay."""
+    base = build("llama")
+    stock, twin = peft_model(base, "stock").eval(), peft_model(base, "peft-then-swap").eval()
+    lengths = (8, 2 * lora.DECODE_ROWS)
+    compiled = torch.compile(twin, dynamic=True, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        ids = [torch.randint(3, base.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in lengths]
+        got = [compiled(input_ids=ids[0]).logits]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got.append(compiled(input_ids=ids[1]).logits)
+        for x, logits in zip(ids, got):
+            assert rel(logits, stock(input_ids=x).logits) <= 1e-5
+    assert calls(twin) == {op: {COMPILED_FUSED: base.config.num_hidden_layers} for op in lora.OPS}
