@@ -257,6 +257,8 @@ def test_the_backward_keeps_eager_s_precision_next_to_a_large_max(device, triton
         (dict(reduction="avg"), r"reduction must be one of"),
         (dict(softcap=0.0), r"softcap must be a finite number > 0"),
         (dict(softcap=-3.0), r"softcap must be a finite number > 0"),
+        (dict(softcap=float("nan")), r"softcap must be a finite number > 0"),
+        (dict(softcap=float("inf")), r"softcap must be a finite number > 0"),
         (dict(ignore_index=1.5), r"ignore_index must be an int"),
         (dict(labels=torch.zeros(4, dtype=torch.long, device="meta")), r"labels is on meta"),
     ],

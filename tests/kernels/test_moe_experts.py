@@ -547,6 +547,10 @@ def test_bad_inputs_name_the_argument(device):
         moe_experts(hidden, index, weights, gate_up, down, activation="relu")
     with pytest.raises(ValueError, match="down has dtype torch.float16"):
         moe_experts(hidden, index, weights, gate_up, down.half())
+    with pytest.raises(ValueError, match="alpha must be a float, got nan"):
+        moe_experts(hidden, index, weights, gate_up, down, alpha=float("nan"))
+    with pytest.raises(ValueError, match="limit must be finite for activation 'gpt_oss', got inf"):
+        moe_experts(hidden, index, weights, gate_up, down, activation="gpt_oss", limit=float("inf"))
     with pytest.raises(ValueError, match=r"lora\['down'\] B has shape"):
         a = torch.randn(4, 2, 16, device=device)
         moe_experts(hidden, index, weights, gate_up, down, lora={"gate_up": None, "down": (a, torch.randn(4, 2, 32, device=device)),

@@ -433,7 +433,9 @@ def _check_options(ignore_index, softcap, reduction) -> None:
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     if softcap is not None:
         is_number = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-        if not is_number or not math.isfinite(softcap) or softcap <= 0:
+        # a comparison, not math.isfinite: under torch.compile(dynamic=True) a config float is a
+        # SymFloat, which dynamo compares but cannot hand to `math`
+        if not is_number or not 0 < softcap < math.inf:
             raise ValueError(f"softcap must be a finite number > 0 or None, got {softcap!r}")
 
 

@@ -1376,10 +1376,12 @@ def _check_inputs(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bia
         raise ValueError(f"transposed and interleaved must be bool, got {transposed!r} and {interleaved!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    # comparisons, not math.isnan/isfinite: under torch.compile(dynamic=True) a config float is a
+    # SymFloat, which dynamo compares but cannot hand to `math`
     for name, value in (("alpha", alpha), ("limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ValueError(f"{name} must be a float, got {value!r}")
-    if activation == "gpt_oss" and not math.isfinite(limit):
+    if activation == "gpt_oss" and not -math.inf < limit < math.inf:
         raise ValueError(f"limit must be finite for activation 'gpt_oss', got {limit!r}")
     if limit <= 0:
         raise ValueError(f"limit must be positive (the clamp's bound), got {limit!r}")

@@ -459,14 +459,17 @@ def test_a_named_tiled_mlp_tiles_the_experts_without_checkpointing(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_fullgraph_compiled_step_has_no_graph_break_holds_the_op_and_equals_stock():
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_fullgraph_compiled_step_has_no_graph_break_holds_the_op_and_equals_stock(dynamic):
+    """With dynamic=True the activation's alpha and limit reach the op's checks as SymFloats:
+    red when a check hands them to `math` (dynamo cannot: a graph break)."""
     stock, twin = pair("qwen3_moe", output_router_logits=False)
     swap_kernels(twin)
     batch = padded_batch()
     torch._dynamo.reset()
     loss0, grads0, _ = training_step(stock, batch)
     graphs = []  # fullgraph: no graph break
-    compiled = torch.compile(twin, fullgraph=True, backend=keeping_graphs(graphs))
+    compiled = torch.compile(twin, fullgraph=True, dynamic=dynamic, backend=keeping_graphs(graphs))
     loss1, grads1, _ = training_step(compiled, batch)
     assert any("moe_experts" in str(n.target) for g in graphs for n in g.graph.nodes)
     grads1 = {n.replace("_orig_mod.", ""): g for n, g in grads1.items()}
