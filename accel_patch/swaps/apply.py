@@ -491,6 +491,7 @@ def report_of(model) -> SwapReport | None:
         if not through_interface:
             return None
         return SwapReport(type(target).__name__, {}, [], calls={experts.OP: through_interface})
+    state.adopt_copies(target.modules())
     calls = state.calls
     if through_interface:
         calls = {op: dict(outcomes) for op, outcomes in state.calls.items()}

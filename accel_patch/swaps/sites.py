@@ -44,6 +44,19 @@ SIGNED_ATTR = "__accel_patch_signed__"
 MADE_ATTR = "__accel_patch_made__"
 
 
+class CallTable(dict):
+    """A model's call table (op -> outcome -> calls; `SwapState.calls`). A deep copy starts empty:
+    the calls counted so far ran on the original, not on the copy (`copy.deepcopy` of a swapped
+    model: a reference model; of a swapped layer: PEFT's layer replication), and every site of one
+    copy shares the one new table, whichever holder deepcopy reaches first. Pickling keeps the
+    counts (a saved model is the same model)."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo) -> "CallTable":
+        return CallTable()
+
+
 class SwapState:
     """What was swapped into one model and how to undo it (lives on the model instance)."""
 
@@ -58,7 +71,7 @@ class SwapState:
         self.head: str | None = None  # whose LM head a trainer's own head calls run (TRL's), when it installed one
         # ops decided per call (the fused loss, the fused LoRA sites): op -> outcome -> calls;
         # the outcomes' meaning is report.outcome_kind's
-        self.calls: dict[str, dict[str, int]] = {}
+        self.calls: dict[str, dict[str, int]] = CallTable()
 
     def set(self, obj, attr: str, value) -> None:
         """obj.attr = value (in obj's own __dict__), remembering what was there."""
@@ -82,6 +95,23 @@ class SwapState:
         while self.releases:
             self.releases.pop()()
         return kept
+
+    def adopt_copies(self, modules) -> None:
+        """Count the calls of sites copied after the swap into this table: a swapped module
+        deep-copied on its own (PEFT's layer replication clones each decoder layer) holds sites
+        with a table of their own, which no report reads. Each such table's calls join these once
+        (it is emptied), and its sites count into these from now on."""
+        for module in modules:
+            for value in list(module.__dict__.values()):
+                table = getattr(value, "calls", None)
+                if not isinstance(table, CallTable) or table is self.calls:
+                    continue
+                for op, outcomes in table.items():
+                    mine = self.calls.setdefault(op, {})
+                    for outcome, n in outcomes.items():
+                        mine[outcome] = mine.get(outcome, 0) + n
+                table.clear()
+                value.calls = self.calls
 
     def absorb(self, part: "SwapState", where: str, modules) -> None:
         """Take over the state of a part swapped on its own before (`where`: its path in this

@@ -496,6 +496,42 @@ def test_a_deep_copy_of_a_swapped_model_is_restored_whole():
     assert not left, sorted(left)  # the LoRA site's data and the forward it sat on are gone too
 
 
+@pytest.mark.slow
+def test_layers_peft_replicates_after_the_swap_are_counted_in_the_report_and_restored():
+    """PEFT's `layer_replication` deep-copies each decoder layer (weights shared) after a swap made
+    before `get_peft_model`: the copies' sites first count into tables of their own, which the
+    report adopts, so every layer that ran is counted; restore puts the copies' forwards back."""
+    base = build("llama")
+    config = {**ALL_LINEAR, "layer_replication": [[0, 2], [0, 2]]}
+    torch.manual_seed(3)
+    stock = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
+    twin = copy.deepcopy(base)
+    swap_kernels(twin)
+    torch.manual_seed(3)  # the same adapters
+    twin = get_peft_model(twin, LoraConfig(**config))
+    assert len(twin.base_model.model.model.layers) == 4
+    assert_step_equals_stock(stock, twin)
+    for _ in range(2):  # a second report adopts nothing twice
+        counted = accel_patch.report(twin).calls
+        assert {op: counted[op] for op in (*lora.OPS, "rope")} == {op: {lora.FUSED: 4} for op in (*lora.OPS, "rope")}
+    restore_kernels(twin)
+    assert not any(sites.is_swapped(m) for m in twin.modules())
+
+
+@pytest.mark.slow
+def test_a_deep_copy_of_a_swapped_model_counts_its_own_calls_from_zero():
+    """The copy (a reference model, as TRL makes one) reports what ran on it, not the original's
+    calls; the original's counts are left as they were."""
+    twin = peft_model(build("llama"), "peft-then-swap")
+    training_step(twin, padded_batch())
+    copied = copy.deepcopy(twin)
+    assert calls(copied) == {}
+    training_step(copied, padded_batch())
+    training_step(copied, padded_batch())
+    assert calls(copied) == {op: {lora.FUSED: 4} for op in lora.OPS}
+    assert calls(twin) == {op: {lora.FUSED: 2} for op in lora.OPS}
+
+
 # --- names and the glu interplay --------------------------------------------------------------
 
 
