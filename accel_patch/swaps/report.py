@@ -174,6 +174,10 @@ class SwapReport:
             line += f"; mixer {cls} x{n} (no accel-patch op): {what}"
         return line
 
+    #: The head line while no call asked for TRL's head: a trainer that installs it (SFT's __init__)
+    #: whose own loss never calls it (trl.experimental's GKD).
+    HEAD_NOT_CALLED = "ours, never called"
+
     def head_ran(self) -> str | None:
         """Whose LM head ran the calls of a trainer's own head (TRL's), by the counted calls: ours in
         TRL's place, TRL's where ours stood aside (the fall-backs say why), or both, with how often."""
@@ -188,6 +192,8 @@ class SwapReport:
             return "TRL's (ours stood aside, see fall-backs)"
         if trls:
             return f"ours, TRL's in {trls} of {ours + trls} calls"
+        if not ours:  # installed, but no call asked for TRL's head (GKD's loss never does)
+            return self.HEAD_NOT_CALLED
         return "ours, in TRL's place"
 
     def short(self) -> str:

@@ -164,8 +164,14 @@ def test_report_reads_as_a_table_and_one_line():
     big = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1])
     assert len(big.short()) <= 100, big.short()  # a logged value (AccelPatchCallback)
     # TRL's head and 64 more refusals: a 108-character line once overflowed; it now fits, still naming every op
-    trl = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1] * 65, head="ours")
+    ran = {"fused_linear_cross_entropy": {"fused (in TRL's head)": 2}}
+    trl = SwapReport("LlamaForCausalLM", ops, refused=report.refused[:1] * 65, head="ours", calls=ran)
     assert len(trl.short()) <= 100 and trl.short().endswith("; 65 refused; LM head: ours, in TRL's place"), trl.short()
+    # installed, and no call asked for it (GKD's loss never does): never "ours" then
+    idle = SwapReport("LlamaForCausalLM", {"rms_norm": 5, "fused_linear_cross_entropy": 1}, head="ours",
+                      calls={"fused_linear_cross_entropy": {"stock head: a training call without labels": 2}})
+    assert idle.head_ran() == "ours, never called"
+    assert idle.short() == "rms_norm 5; LM head: ours, never called; loss: not run (see fall-backs)", idle.short()
     assert trl.short().startswith("norm 65, rope 32, glu+tiled 32, loss 1, lora mlp/qkv/o 32;")
     # the head line says whose head ran the counted calls, never ours where TRL's ran
     fell = {"fused_linear_cross_entropy": {"TRL's head: MoE router logits": 3}}
