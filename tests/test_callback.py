@@ -152,6 +152,23 @@ def test_an_explicit_callback_is_never_registered_twice(tmp_path):
     assert not any("tokens_per_second" in h for h in training_logs(trainer))
 
 
+def test_callback_ops_on_a_model_swapped_before_the_trainer_say_what_it_keeps(tmp_path, caplog):
+    """A swap adds ops and never removes one: a model swapped before the Trainer (at load) keeps
+    its ops whatever the callback's `ops=` asks, and the callback says which, and how to narrow it.
+    Nothing is said when the model runs only what was asked."""
+    model = tiny_llama()
+    accel_patch.swap_kernels(model, "rms_norm,rope")
+    with caplog.at_level("WARNING", logger="accel_patch"):
+        Trainer(model=model, args=args(tmp_path), train_dataset=Rows(), callbacks=[AccelPatchCallback(ops="rms_norm")])
+    said = [r.getMessage() for r in caplog.records if "keeps" in r.getMessage()]
+    assert len(said) == 1 and "keeps rope" in said[0] and "restore_kernels" in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="accel_patch"):
+        Trainer(model=model, args=args(tmp_path), train_dataset=Rows(),
+                callbacks=[AccelPatchCallback(ops="rms_norm,rope")])
+    assert not [r for r in caplog.records if "keeps" in r.getMessage()]
+
+
 def test_add_callback_replaces_the_automatic_one(tmp_path):
     trainer = Trainer(model=tiny_llama(), args=args(tmp_path), train_dataset=Rows())
     assert ours(trainer)[0].automatic

@@ -74,7 +74,9 @@ class RunStopped(RuntimeError):
 class AccelPatchCallback(TrainerCallback):
     """Swap kernels at the right moment and log throughput and memory with every training log.
 
-    `ops`: the kernels to swap (as `swap_kernels`); None reads ACCEL_PATCH_KERNELS (unset: all).
+    `ops`: the kernels to swap (as `swap_kernels`); None reads ACCEL_PATCH_KERNELS (unset: all). A
+    swap adds ops and never removes one: a model swapped before the Trainer (at load) keeps what it
+    runs, and the callback warns which ops it keeps beyond `ops`.
     `metrics`: add tokens/s, step time and peak memory to the logs.
     """
 
@@ -147,6 +149,8 @@ class AccelPatchCallback(TrainerCallback):
                 return
             already = STATE_ATTR in unwrap(model).__dict__
             self.report = swap_kernels(model, ops) if not prepared else _swap_prepared(model, ops)
+            if already and self.ops is not None:
+                _warn_ops_kept(unwrap(model).__dict__[STATE_ATTR].ops, self.ops)
             if prepared and not already and self.report.new:
                 log.warning("accel_patch: kernels swapped at on_train_begin, after the model was prepared: the "
                             "modules' kernels only; the fused loss needs the swap before preparation (build the "
@@ -490,6 +494,20 @@ def _distributed() -> bool:
 def _compiled(args, model) -> bool:
     return bool(getattr(args, "torch_compile", False)) or "_compiled_call_impl" in getattr(model, "__dict__", {}) \
         or hasattr(model, "_orig_mod")
+
+
+def _warn_ops_kept(running, asked) -> None:
+    """A model swapped before the Trainer (at load: `import accel_patch` swaps every model
+    `from_pretrained` returns) keeps what it runs: a swap adds ops, never removes one, so the
+    callback's `ops=` cannot narrow it. Said, with the ways to narrow it."""
+    from ..swaps.ops import resolve_ops
+
+    extra = sorted(set(running) - set(resolve_ops(asked)))
+    if extra:
+        log.warning("accel_patch: AccelPatchCallback(ops=%r): the model was swapped before the Trainer and "
+                    "keeps %s (a swap adds ops, never removes one); to run only the ops asked for, set "
+                    "ACCEL_PATCH_KERNELS before loading, or call accel_patch.restore_kernels(model) first",
+                    asked, ", ".join(extra))
 
 
 def _swap_prepared(model, ops):
