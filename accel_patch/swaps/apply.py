@@ -78,7 +78,8 @@ def _verdict(key, run):
     """The cached probe verdict, a failing probe turned into a refusal reason."""
     def guarded():
         try:
-            return run()
+            with sites.uncounted():  # a probe's calls are not calls of the model (the sites beneath count)
+                return run()
         except Exception as exc:
             return f"probe failed: {type(exc).__name__}: {exc}"
     return probe.cache.get_or_probe(key, guarded)
@@ -104,8 +105,8 @@ class SiteKind(NamedTuple):
 #: (`_Walk.loss`), swapped after the walk.
 KINDS = (
     SiteKind((experts.OP,), "experts", False, experts.SITE_ATTR, sites.INNER_ATTR),
-    SiteKind((norms.OP,), "norm", False, None, sites.INNER_ATTR),
-    SiteKind((norms.LAYER_NORM_OP,), "layer_norm", False, None, sites.INNER_ATTR),
+    SiteKind((norms.OP,), "norm", False, norms.CALLS_ATTR, sites.INNER_ATTR),
+    SiteKind((norms.LAYER_NORM_OP,), "layer_norm", False, norms.CALLS_ATTR, sites.INNER_ATTR),
     SiteKind((mlp.OP,), "glu", False, mlp.COUNTER_ATTR, sites.INNER_ATTR),
     SiteKind((rope.OP,), "rope", False, rope.SITE_ATTR, sites.INNER_ATTR),
     SiteKind(lora.OPS, "lora", True, lora.SITE_ATTR, lora.INNER_ATTR),
@@ -321,9 +322,12 @@ class _Walk:
                 self.refuse(where, norms.OP, reason)
             return
         device = norms.device(module, self.model)  # a weightless norm probes on the model's device
+        swaps = self.new
         self.probe_and_swap(where, norms.OP, module, norms.structure(module, form),
                             lambda: norms.probe_verdict(module, self.dtype, form, device), norms.forward_for,
                             device=device)
+        if self.new > swaps:  # where its calls without Triton are counted (restore deletes it)
+            self.state.set(module, norms.CALLS_ATTR, norms.NormCalls(self.state.calls))
 
     def layer_norm(self, where, module, ops=(norms.LAYER_NORM_OP,)) -> None:
         if sites.is_swapped(module):  # an RMSNorm named LayerNorm (T5's), swapped by the step before
@@ -332,9 +336,12 @@ class _Walk:
         if form is None:
             return
         device = norms.device(module, self.model)  # torch.nn.LayerNorm(elementwise_affine=False): no parameter
+        swaps = self.new
         self.probe_and_swap(where, norms.LAYER_NORM_OP, module, (form,),
                             lambda: norms.layer_norm_verdict(module, self.dtype, form, device),
                             norms.layer_norm_forward_for, device=device)
+        if self.new > swaps:  # where its calls without Triton are counted (restore deletes it)
+            self.state.set(module, norms.CALLS_ATTR, norms.NormCalls(self.state.calls))
 
     def glu(self, where, module, ops=(mlp.OP,)) -> None:
         found = self.candidate(where, mlp.OP, mlp.site_candidate(module))

@@ -12,6 +12,7 @@ from accel_kernels import _dispatch, _triton
 
 from accel_patch import swap_kernels
 from accel_patch.swaps import sites
+from accel_patch.swaps.layers import norms
 from accel_patch.swaps.loss import site as loss
 from accel_patch.swaps.report import outcome_kind
 
@@ -56,6 +57,12 @@ def test_without_triton_the_swapped_modules_compute_exactly_as_stock(no_triton):
         "stood aside: small logits on CPU without Triton (stock is faster there)": 1}
     # stock by choice, not a fall-back: the Trainer's logs do not warn about it (swaps/report.py)
     assert [outcome_kind(o) for o in twin.__dict__[sites.STATE_ATTR].loss_calls] == ["by design"]
+    # and the report says what ran, call by call: every norm and MLP call stood aside, by design
+    # (none counted while the swap probed them); red when those calls go uncounted
+    calls = twin.__dict__[sites.STATE_ATTR].calls
+    layers = twin.config.num_hidden_layers
+    assert calls["rms_norm"] == {norms.NO_TRITON: 2 * layers + 1} and calls["glu"] == {norms.NO_TRITON: layers}
+    assert outcome_kind(norms.NO_TRITON) == "by design"
 
 
 def test_without_triton_large_logits_still_take_the_fused_loss(no_triton):

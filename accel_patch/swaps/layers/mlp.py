@@ -259,6 +259,7 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
             def forward(self, *args, **kwargs):
                 x = sites.the_input(args, kwargs)
                 if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
+                    norms.stood_aside(self, OP, COUNTER_ATTR)
                     return sites.call_inner(self, *args, **kwargs)
                 with norms.recompute_scope(x, self.__dict__.get(COUNTER_ATTR)):  # up keeps the norm's call
                     up = getattr(self, up_name)(x)
@@ -269,6 +270,7 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
             def forward(self, *args, **kwargs):
                 x = sites.the_input(args, kwargs)
                 if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
+                    norms.stood_aside(self, OP, COUNTER_ATTR)
                     return sites.call_inner(self, *args, **kwargs)
                 # both keep the norm's call instead of x (norms.recompute_scope)
                 with norms.recompute_scope(x, self.__dict__.get(COUNTER_ATTR)):
@@ -282,6 +284,7 @@ def forward_for(plan: GluPlan, stock_without_triton: bool = True):
             def forward(self, *args, **kwargs):
                 x = sites.the_input(args, kwargs)
                 if stock_without_triton and not _dispatch.use_triton(x):  # CPU without Triton: stock is faster than the twin
+                    norms.stood_aside(self, OP, COUNTER_ATTR)
                     return sites.call_inner(self, *args, **kwargs)
                 with norms.recompute_scope(x, self.__dict__.get(COUNTER_ATTR)):  # keeps the norm's call
                     projected = getattr(self, fused_name)(x)

@@ -254,9 +254,11 @@ def forward_for(variant: NormVariant):
             else:
                 x = args[0] if args else kwargs.get(inputs[0])
                 gate = args[1] if len(args) > 1 else kwargs.get(inputs[1])
-            # CPU without Triton: the stock module is faster than the twin; a gated norm called
-            # without its gate computes another function, not probed
-            if not isinstance(x, torch.Tensor) or not _dispatch.use_triton(x) or (inputs and gate is None):
+            # a gated norm called without its gate computes another function, not probed
+            if not isinstance(x, torch.Tensor) or (inputs and gate is None):
+                return sites.call_inner(self, *args, **kwargs)
+            if not _dispatch.use_triton(x):  # CPU without Triton: the stock module is faster than the twin
+                stood_aside(self, OP)
                 return sites.call_inner(self, *args, **kwargs)
             eps = getattr(self, eps_attr)
             eps = torch.finfo(x.dtype).eps if eps is None else float(eps)  # torch.nn.RMSNorm(eps=None)
@@ -370,11 +372,14 @@ def layer_norm_forward_for(form: LayerNormForm):
 
         def forward(self, *args, **kwargs):
             x = sites.the_input(args, kwargs)
-            # CPU without Triton: the stock module is faster than the twin. A class of its own under
-            # autocast where torch's layer_norm would run in float32: its own casts decide, unprobed
-            if not isinstance(x, torch.Tensor) or not _dispatch.use_triton(x) or (
-                    not torch_forward and x.device.type in AUTOCAST_TO_FLOAT32
-                    and torch.is_autocast_enabled(x.device.type)):
+            if not isinstance(x, torch.Tensor):
+                return sites.call_inner(self, *args, **kwargs)
+            if not _dispatch.use_triton(x):  # CPU without Triton: the stock module is faster than the twin
+                stood_aside(self, LAYER_NORM_OP)
+                return sites.call_inner(self, *args, **kwargs)
+            # a class of its own under autocast where torch's layer_norm would run in float32: its
+            # own casts decide, unprobed
+            if not torch_forward and x.device.type in AUTOCAST_TO_FLOAT32 and torch.is_autocast_enabled(x.device.type):
                 return sites.call_inner(self, *args, **kwargs)
             return layer_norm(x, self.weight if weighted else None, self.bias if biased else None,
                               eps=float(getattr(self, eps_attr)))
@@ -398,6 +403,33 @@ def recompute_scope(x, counter, saved_as_is: bool = False):
 
 
 _NO_SCOPE = contextlib.nullcontext()
+
+
+#: Instance attribute of a swapped norm (and of a swapped gated MLP: mlp.COUNTER_ATTR) holding the
+#: model's call table, where a call on tensors Triton cannot run is counted (`stood_aside`).
+CALLS_ATTR = "_accel_patch_norm_calls"
+#: A call on tensors Triton cannot run (CPU without Triton's interpreter): the module's own forward,
+#: the faster one there, counted (by design, not a fall-back), so that the report says what ran.
+NO_TRITON = "stood aside: no Triton for these tensors (the module's forward)"
+
+
+class NormCalls:
+    """Where a swapped norm counts a call it hands to the module's own forward: the model's call
+    table (`calls`, which SwapState.absorb and adopt_copies point elsewhere)."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: dict) -> None:
+        self.calls = calls
+
+
+def stood_aside(module, op: str, attr: str = CALLS_ATTR) -> None:
+    """Count one call of `op` on `module` that ran the module's own forward because Triton cannot run
+    these tensors. Not while dynamo traces (a count written per call is a guard that fails at every
+    call)."""
+    holder = module.__dict__.get(attr)
+    if holder is not None and not sites.compiling():
+        sites.count_into(holder.calls, op, NO_TRITON)
 
 
 class RecomputeCounter:
