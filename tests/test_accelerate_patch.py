@@ -412,6 +412,68 @@ def test_two_ranks_without_accelerator_ask_accelerate_for_a_gloo_group(monkeypat
     assert "cpu-distributed" in record().reason
 
 
+SLURM_STEP_2_ONE_NODE = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+                         "SLURM_LOCALID": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2"}
+
+
+@pytest.mark.parametrize("launch", ["slurm", "openmpi"])
+def test_srun_or_mpirun_on_one_cpu_node_forms_one_gloo_group(monkeypatch, fake_accelerators, group_requests, launch):
+    """accelerate's CPU path reads neither SLURM's variables nor a default MASTER_ADDR: the ranks
+    are exported, and the address is this node's when every process is on it. Red when nothing is
+    exported (every SLURM rank trained alone, under a status saying cpu-distributed) or when the
+    group's rendezvous finds no address."""
+    env = SLURM_STEP_2_ONE_NODE if launch == "slurm" else {
+        "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    for name, value in {**env, "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    fake_accelerators(0)
+
+    with pytest.raises(GroupRequested) as info:
+        PartialState()
+
+    assert info.value.args[0] == {"backend": "gloo", "rank": 1, "world_size": 2}
+    assert group_requests[0]["MASTER_ADDR"] == "127.0.0.1" and group_requests[0]["LOCAL_RANK"] == "1"
+    assert PartialState._shared_state["distributed_type"] == DistributedType.MULTI_CPU
+
+
+def test_a_cpu_run_across_nodes_without_master_address_stops_naming_it(monkeypatch, fake_accelerators, group_requests):
+    for name, value in SLURM_STEP_4.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    fake_accelerators(0)
+
+    with pytest.raises(TopologyError, match="MASTER_ADDR is not set: export the address of rank 0's node"):
+        PartialState()
+    assert group_requests == [] and PartialState._shared_state == {}  # no half-built state
+
+
+def test_a_group_made_without_naming_a_backend_is_read_by_its_backend_config(monkeypatch, fake_accelerators):
+    """`init_process_group()` with no backend: get_backend() says "undefined", the config says
+    "cpu:gloo". Red when the group is left untouched (state NO beside it: every rank alone)."""
+    from accel_patch.core import accelerate_decision
+
+    fake_accelerators(0)
+    topo = topology(torchrun_vars(2, 1, 1, 2))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo")
+    group = accelerate_decision.existing_group()
+    assert group == (2, "cpu:gloo")
+    assert accelerate_decision._over_existing_group(topo, group, cpu=False).action == CPU_DISTRIBUTED
+
+
+def test_local_rank_minus_one_is_unset_as_accelerate_reads_it(monkeypatch, fake_accelerators):
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    fake_accelerators(0)
+    assert topology().local_rank == 0 and topology().defaulted("local_rank")
+    assert decide(topology()).action == SINGLE_DEVICE
+
+
 # --- the real PartialState ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("cpu", [False, True])

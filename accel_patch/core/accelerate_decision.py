@@ -76,7 +76,12 @@ def existing_group():
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return None
-    return torch.distributed.get_world_size(), str(torch.distributed.get_backend()).lower()
+    backend = str(torch.distributed.get_backend()).lower()
+    if backend == "undefined" and hasattr(torch.distributed, "get_backend_config"):
+        # a group made without naming a backend (torch picks one per device type): "cpu:gloo", or
+        # "cpu:gloo,cuda:nccl"
+        backend = str(torch.distributed.get_backend_config()).lower()
+    return torch.distributed.get_world_size(), backend
 
 
 def _xla_available() -> bool:

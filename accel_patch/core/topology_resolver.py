@@ -142,14 +142,23 @@ def _blank(value: str | None) -> bool:
     return value is None or value.strip() == ""
 
 
+#: Variables whose value -1 means unset: accelerate's own reading of LOCAL_RANK
+#: (`int(os.environ.get("LOCAL_RANK", -1)) != -1`) and transformers' `local_rank` default, which
+#: scripts export as they are.
+UNSET_AS_MINUS_ONE = ("LOCAL_RANK",)
+
+
 def _read_int(env: dict, name: str | None) -> int | None:
-    """The variable as a whole number >= 0; None when absent or blank."""
+    """The variable as a whole number >= 0; None when absent or blank (or -1, for the variables of
+    UNSET_AS_MINUS_ONE)."""
     if name is None:
         return None
     raw = env.get(name)
     if _blank(raw):
         return None
     text = raw.strip()
+    if text == "-1" and name in UNSET_AS_MINUS_ONE:
+        return None
     if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True, but int() rejects it
         raise TopologyError(
             f"{name}={raw!r} is not a valid process count or index: it must be a whole number >= 0 "

@@ -70,6 +70,31 @@ def _export_launcher_env(topo: Topology) -> None:
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
 
 
+def _export_cpu_env(topo: Topology) -> None:
+    """Before accelerate's CPU distributed path creates the group: it reads the torch variables and
+    MPI's, never SLURM's, and defaults MASTER_PORT only, so the topology's ranks are exported where
+    unset (without them a SLURM step's ranks would each train alone), and MASTER_ADDR is 127.0.0.1
+    where every process is known to be on this node. A run across nodes without MASTER_ADDR, or a
+    rank no variable gives, stops here with the fix, before any state is built."""
+    if topo.defaulted("rank"):
+        raise TopologyError(
+            f"{topo.launcher} gives world size {topo.world_size} but no variable gives this process's rank: "
+            f"set RANK in each process, or start them with a launcher that does (torchrun, accelerate "
+            f"launch, srun, mpirun)")
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        if topo.local_world_size == topo.world_size and not topo.defaulted("local_world_size"):
+            os.environ["MASTER_ADDR"] = "127.0.0.1"  # every process on this node
+        else:
+            raise TopologyError(
+                f"{topo.launcher} started {topo.world_size} processes, not all on this node as far as its "
+                f"variables say, but MASTER_ADDR is not set: export the address of rank 0's node (e.g. "
+                f"MASTER_ADDR=node0 MASTER_PORT=29500) so the processes can form one group")
+    os.environ.setdefault("RANK", str(topo.rank))
+    os.environ.setdefault("WORLD_SIZE", str(topo.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
+
+
 def _export_group_env(topo: Topology) -> str | None:
     """Beside an existing process group: its backend, with RANK and WORLD_SIZE (and the local ones)
     exported from the topology where the launcher left them unset (a group made by hand), since
@@ -148,6 +173,8 @@ class AccelerateStatePatch(registry.Patch):
                 _export_launcher_env(topo)
             if decision.action == CPU_DISTRIBUTED:
                 _current.group_backend = _export_group_env(topo)
+                if _current.group_backend is None:
+                    _export_cpu_env(topo)
             if decision.action == FSDP1_WITHOUT_ACCELERATOR:
                 raise ValueError(decision.reason)
             hide = ("LOCAL_RANK",) if decision.action == SINGLE_DEVICE else ()
