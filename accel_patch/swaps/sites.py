@@ -403,9 +403,14 @@ class CountingSite:
 
     def __setstate__(self, state: dict) -> None:
         """A copy (`copy.deepcopy` of a swapped model, pickling) keeps the id of its own table, never
-        the original's, which may be gone by the time the copy is traced."""
+        the original's, which may be gone by the time the copy is traced. A site pickled before the
+        id was kept holds its table as `calls`."""
+        state = dict(state)
+        table = state.pop("_calls", None)
+        if table is None:
+            table = state.pop("calls", None)
         self.__dict__.update(state)
-        self.calls = state["_calls"]
+        self.calls = table if table is not None else CallTable()
 
 
 def count(site, outcome: str, *before) -> None:

@@ -114,3 +114,19 @@ def test_a_model_collected_while_another_compiles_leaves_that_compile_alone(rele
     swap_kernels(build("llama"), ops="rms_norm")  # the next swap puts back what nobody holds
     assert modeling_llama.apply_rotary_pos_emb is STOCK_ROPE
     torch._dynamo.reset()
+
+
+def test_a_site_keeps_its_own_tables_id_through_pickling_and_one_pickled_before_loads():
+    """A site keeps the id of its call table beside it (the count while dynamo traces reads it): a
+    pickled site gets its new table's id, never the old one's; a site pickled before the id was
+    kept (its table in `calls`) loads with that table. Red when `__setstate__` keeps the old id
+    or expects the new form only."""
+    import pickle
+
+    site = rope.Site(sites.CallTable({"rope": {"fused": 1}}), "apply_rotary_pos_emb")
+    back = pickle.loads(pickle.dumps(site))
+    assert back.calls == {"rope": {"fused": 1}} and back.calls is not site.calls
+    assert back.calls_id == id(back.calls) != site.calls_id
+    older = object.__new__(rope.Site)
+    older.__setstate__({"calls": {"rope": {"fused": 3}}, "name": "apply_rotary_pos_emb"})
+    assert older.calls == {"rope": {"fused": 3}} and older.calls_id == id(older.calls) and older.name
