@@ -13,12 +13,14 @@ had. A module the swap already swapped never reaches the interface (its instance
 
 Counted in the module's own call table, which `accel_patch.report(model)` reads with the swap's
 (`calls()`): "fused", "fused (LoRA)", or what ran and why. In eager mode only: while torch.compile
-traces, a module the swap did not swap runs the stock forward, counted once per graph as such
-(the swap's sites are the way to the op under compile).
+traces, a module the swap did not swap runs the stock forward, counted once per traced module
+as such, into a table all of the model's experts share (their config's: `_count_traced`), so that
+layers compiled one by one share one graph (the swap's sites are the way to the op under compile).
 """
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -113,17 +115,28 @@ def _count_eager(module, outcome: str) -> None:
     sites.count_into(module.__dict__, CALLS_ATTR, outcome)  # the module's own table, CALLS_ATTR
 
 
+#: The calls counted while dynamo traces, per model config (by id; dropped with the config): one
+#: table every experts module of a model shares, as transformers gives each the model's config.
+_traced_tables: dict[int, dict] = {}
+
+
 @torch.compiler.assume_constant_result
-def _count_traced(module_id: int, outcome: str) -> bool:
-    """Once per compiled graph (dynamo keeps the result, not the call): sites.count's rule, the
-    module by id as there."""
-    sites.traced_count_into(sites.traced_object(module_id).__dict__, CALLS_ATTR, "compiled: " + outcome)  # as _count_eager
+def _count_traced(config_id: int, outcome: str) -> bool:
+    """Once per compiled graph (dynamo keeps the result, not the call): sites.count's rule. The
+    table is the modules' config's, by id, not each module's: a guard on each module's identity
+    would trace every layer compiled on its own (`layer.compile()`) anew, and past dynamo's
+    recompile limit fail them (fullgraph) or run them eagerly, where stock's layers share one graph."""
+    table = _traced_tables.get(config_id)
+    if table is None:
+        table = _traced_tables[config_id] = {}
+        weakref.finalize(sites.traced_object(config_id), _traced_tables.pop, config_id, None)
+    sites.traced_count_into(table, CALLS_ATTR, "compiled: " + outcome)
     return True
 
 
 def _count_own(module, outcome: str) -> None:
     if sites.compiling():
-        _count_traced(id(module), outcome)
+        _count_traced(id(module.config), outcome)  # use_experts_implementation sets `config` on each
     else:
         _count_eager(module, outcome)
 
@@ -132,8 +145,13 @@ def calls(model) -> dict[str, int]:
     """The interface's calls in `model`'s experts modules, outcome -> calls (the swap's own sites,
     whose tables are the model's, are not counted twice)."""
     total: dict[str, int] = {}
+    configs = set()
     for module in model.modules():
         tables = [module.__dict__.get(CALLS_ATTR)]
+        config = module.__dict__.get("config")
+        if config is not None and id(config) not in configs and id(config) in _traced_tables:
+            configs.add(id(config))
+            tables.append(_traced_tables[id(config)].get(CALLS_ATTR))
         site = module.__dict__.get(experts_site.SITE_ATTR)
         if site is not None and module.__dict__.get(REFUSED_ATTR) is None and getattr(site, "interface", False):
             tables.append(site.calls.get(experts_site.OP))

@@ -40,3 +40,25 @@ def test_a_compiled_forward_runs_the_stock_experts_counted_once_per_module_per_g
         torch._dynamo.reset()
     assert rel(logits1, logits0) <= 1e-5
     assert interface.calls(ours) == {"compiled: " + interface.COMPILING: len(experts_modules(ours))}
+
+
+def test_layers_compiled_one_by_one_share_one_graph_as_with_grouped_mm():
+    """The traced count goes to a table the model's experts share (their config's), so no guard on
+    each module's identity: layers compiled on their own share their graph. Red when the count is
+    keyed on the module (a trace per layer, then a hard failure past the recompile limit)."""
+    from torch._dynamo.utils import counters
+
+    model = build("qwen3_moe", output_router_logits=False, num_hidden_layers=4)
+    restore_kernels(model)
+    model.set_experts_implementation("accel_patch")
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2):
+            model(**padded_batch(), use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert interface.calls(model) == {"compiled: " + interface.COMPILING: 1}  # one graph, traced once
