@@ -48,6 +48,15 @@ class _Hidden:
         os.environ.update(self.saved)
 
 
+def _export_ranks(topo: Topology) -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from the topology, where unset (a value the
+    launcher set is never overwritten)."""
+    os.environ.setdefault("RANK", str(topo.rank))
+    os.environ.setdefault("WORLD_SIZE", str(topo.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
+
+
 def _export_launcher_env(topo: Topology) -> None:
     missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n, "").strip()]
     if missing:
@@ -64,10 +73,7 @@ def _export_launcher_env(topo: Topology) -> None:
             f"{' or '.join(field.replace('_', ' ') for field, _ in unknown)}: set "
             f"{' and '.join(name for _, name in unknown)} in each process, or start them with a launcher "
             f"that does (torchrun, accelerate launch, srun, mpirun)")
-    os.environ.setdefault("RANK", str(topo.rank))
-    os.environ.setdefault("WORLD_SIZE", str(topo.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
+    _export_ranks(topo)
 
 
 def _export_cpu_env(topo: Topology) -> None:
@@ -89,10 +95,7 @@ def _export_cpu_env(topo: Topology) -> None:
                 f"{topo.launcher} started {topo.world_size} processes, not all on this node as far as its "
                 f"variables say, but MASTER_ADDR is not set: export the address of rank 0's node (e.g. "
                 f"MASTER_ADDR=node0 MASTER_PORT=29500) so the processes can form one group")
-    os.environ.setdefault("RANK", str(topo.rank))
-    os.environ.setdefault("WORLD_SIZE", str(topo.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
+    _export_ranks(topo)
 
 
 def _export_group_env(topo: Topology) -> str | None:
@@ -102,10 +105,7 @@ def _export_group_env(topo: Topology) -> str | None:
     group = existing_group()
     if group is None:
         return None
-    os.environ.setdefault("RANK", str(topo.rank))
-    os.environ.setdefault("WORLD_SIZE", str(topo.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(topo.local_world_size))
+    _export_ranks(topo)
     return next(b for b in CPU_BACKENDS if b in group[1])
 
 
