@@ -65,15 +65,21 @@ def _export_launcher_env(topo: Topology) -> None:
             f"{'is' if len(missing) == 1 else 'are'} not set: export the address and a free port of "
             f"rank 0 (e.g. MASTER_ADDR=node0 MASTER_PORT=29500) so the processes can form one group"
         )
+    _require_ranks(topo)
+    _export_ranks(topo)
+
+
+def _require_ranks(topo: Topology) -> None:
+    """Stop where no variable gives this process's rank (or its local rank, with several local
+    accelerators): a guess exported would be every process's (rank 0 everywhere: no group forms)."""
     unknown = [(field, name) for field, name in (("rank", "RANK"), ("local_rank", "LOCAL_RANK"))
                if topo.defaulted(field) and (field == "rank" or topo.device_count > 1)]
-    if unknown:  # a guess exported here would be every process's (rank 0 everywhere: no group forms)
+    if unknown:
         raise TopologyError(
             f"{topo.launcher} gives world size {topo.world_size} but no variable gives this process's "
             f"{' or '.join(field.replace('_', ' ') for field, _ in unknown)}: set "
             f"{' and '.join(name for _, name in unknown)} in each process, or start them with a launcher "
             f"that does (torchrun, accelerate launch, srun, mpirun)")
-    _export_ranks(topo)
 
 
 def _export_cpu_env(topo: Topology) -> None:
@@ -82,11 +88,7 @@ def _export_cpu_env(topo: Topology) -> None:
     unset (without them a SLURM step's ranks would each train alone), and MASTER_ADDR is 127.0.0.1
     where every process is known to be on this node. A run across nodes without MASTER_ADDR, or a
     rank no variable gives, stops here with the fix, before any state is built."""
-    if topo.defaulted("rank"):
-        raise TopologyError(
-            f"{topo.launcher} gives world size {topo.world_size} but no variable gives this process's rank: "
-            f"set RANK in each process, or start them with a launcher that does (torchrun, accelerate "
-            f"launch, srun, mpirun)")
+    _require_ranks(topo)
     if not os.environ.get("MASTER_ADDR", "").strip():
         if topo.local_world_size == topo.world_size and not topo.defaulted("local_world_size"):
             os.environ["MASTER_ADDR"] = "127.0.0.1"  # every process on this node

@@ -432,14 +432,11 @@ def stood_aside(module, op: str, attr: str = CALLS_ATTR) -> None:
         sites.count_into(holder.calls, op, NO_TRITON)
 
 
-class RecomputeCounter:
+class RecomputeCounter(NormCalls):
     """Counts one recompute as RECOMPUTED under OP in a model's call table (`calls`, which a state
     that absorbs this one's points elsewhere: `SwapState.absorb`)."""
 
-    __slots__ = ("calls",)
-
-    def __init__(self, calls: dict) -> None:
-        self.calls = calls
+    __slots__ = ()
 
     def __call__(self) -> None:
         sites.count_into(self.calls, OP, RECOMPUTED)
